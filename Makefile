@@ -1,0 +1,45 @@
+# The README's two commands are `make demo` and `make test`; each sets up .venv when needed.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.setup-done
+ARCHS   ?= sm_90a,sm_100a
+MODEL   ?= llama-3.2-1b
+OUT     ?= out
+
+.PHONY: setup test demo lint bench build gpu-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA GPU found: keeping the torch that pip picks"; \
+	else \
+		echo "no CUDA GPU: installing the CPU build torch==2.13.0"; \
+		$(VPY) -m pip install -q torch==2.13.0; \
+	fi
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -ra
+
+demo: $(STAMP)
+	$(VPY) -m megakernel demo
+
+lint: $(STAMP)
+	$(VPY) -m ruff check megakernel reference tests bench
+
+bench: $(STAMP)
+	$(VPY) bench/plan.py
+
+build: $(STAMP)
+	$(VPY) -m megakernel build --model $(MODEL) --arch $(ARCHS) --out $(OUT)/build
+
+gpu-check:
+	$(PY) -m megakernel gpu-check --out $(OUT)/gpu-check
+
+clean:
+	rm -rf $(VENV) $(OUT) build *.egg-info

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny Hugging Face oracle models saved and reloaded through our loader.
+
+Also collects numerics measurements (`record_numerics`) and prints them at the end of the run, so
+the measured errors appear in every test log without `-s`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from megakernel.config import ModelConfig
+
+_NUMERICS: list[tuple[str, str]] = []
+
+
+@dataclass
+class HFCheckpoint:
+    """A tiny random Hugging Face model, its saved directory, and the weights our loader read."""
+
+    hf_model: torch.nn.Module  # fp32, eager attention, eval mode
+    path: Path
+    cfg: ModelConfig  # as read back from config.json by load_checkpoint
+    weights: dict[str, torch.Tensor]  # as read back by load_checkpoint
+
+
+def build_hf_model(cfg: ModelConfig, seed: int, init_std: float) -> torch.nn.Module:
+    """HF LlamaForCausalLM / Qwen3ForCausalLM for `cfg` with HF's random init at `init_std`.
+
+    HF initialises norm weights to ones; they are perturbed to 1 + N(0, 0.1^2) so that a
+    model which ignored a norm weight would not match.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cls_cfg, cls_model = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[cfg.family]
+    hf_cfg = cls_cfg(**cfg.to_hf_dict(), initializer_range=init_std)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls_model(hf_cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a checkpoint back through the project's loader (fp32)."""
+    from megakernel.weights import load_checkpoint
+
+    return load_checkpoint(path, dtype=torch.float32)
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path: Path) -> Callable[..., HFCheckpoint]:
+    """Factory: (cfg, seed, init_std) -> HFCheckpoint, saved with save_pretrained (safetensors)."""
+
+    def make(cfg: ModelConfig, seed: int = 0, init_std: float = 0.1) -> HFCheckpoint:
+        model = build_hf_model(cfg, seed, init_std)
+        path = tmp_path / f"{cfg.family}-seed{seed}"
+        model.save_pretrained(path)
+        assert (path / "model.safetensors").is_file(), sorted(p.name for p in path.iterdir())
+        loaded_cfg, weights = _load(path)
+        return HFCheckpoint(model, path, loaded_cfg, weights)
+
+    return make
+
+
+@pytest.fixture
+def record_numerics() -> Callable[[str, str], None]:
+    """record_numerics(label, text): print now and repeat in the end-of-run summary."""
+
+    def record(label: str, text: str) -> None:
+        print(f"{label}: {text}")
+        _NUMERICS.append((label, text))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 (pytest hook)
+    if _NUMERICS:
+        terminalreporter.section("reference numerics (measured)")
+        for label, text in _NUMERICS:
+            terminalreporter.write_line(f"{label}: {text}")

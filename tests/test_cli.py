@@ -1,0 +1,248 @@
+"""The command line, run in-process (plus one subprocess smoke test of `python -m megakernel`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megakernel import cli
+from megakernel.config import PRESETS, ModelConfig, RopeConfig
+from megakernel.weights import random_weights
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def reference_tokens(cfg: ModelConfig, weights: dict, prompts: list[list[int]], steps: int,
+                     mode: str = "bf16") -> list[list[int]]:
+    from reference.model import ReferenceModel, generate
+
+    return generate(ReferenceModel(cfg, weights, mode=mode), prompts, steps)
+
+
+# ---- generate ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_generate_ragged_batch_json_matches_reference(capsys, dtype: str) -> None:
+    rc, out, err = run_cli(capsys, "generate", "--model", "qwen3-tiny", "--prompt-ids",
+                           "5,17,3;7,1,30,2,9;400", "--steps", "5", "--seed", "3",
+                           "--dtype", dtype, "--json")
+    assert rc == 0, err
+    r = last_json(out)
+    prompts = [[5, 17, 3], [7, 1, 30, 2, 9], [400]]
+    assert r["prompts"] == prompts and r["steps"] == 5 and r["batch"] == 3
+    assert r["backend"] == "reference" and r["model"] == "qwen3-tiny" and r["dtype"] == dtype
+    assert r["tokens_per_s"] > 0
+    cfg = PRESETS["qwen3-tiny"]
+    assert r["tokens"] == reference_tokens(cfg, random_weights(cfg, 3), prompts, 5, dtype)
+    assert "new tokens in" in out and "tokens/s" in out  # the human-readable part
+
+
+def test_generate_default_prompts_and_seed_changes_tokens(capsys) -> None:
+    rc, out, _ = run_cli(capsys, "generate", "--steps", "4", "--json")
+    assert rc == 0
+    r = last_json(out)
+    assert r["model"] == "llama-tiny" and r["prompts"] == cli.DEFAULT_PROMPTS
+    assert len({len(p) for p in r["prompts"]}) > 1  # ragged
+    assert [len(t) for t in r["tokens"]] == [4, 4]
+    _, out2, _ = run_cli(capsys, "generate", "--steps", "4", "--seed", "1", "--json")
+    assert last_json(out2)["tokens"] != r["tokens"]
+
+
+def test_generate_from_checkpoint_directory(capsys, tmp_path: Path) -> None:
+    cfg = ModelConfig("llama", 200, 64, 2, 4, 2, 16, 96, 1e-5, RopeConfig(5e5), False, 128)
+    weights = random_weights(cfg, 9)
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    rc, out, err = run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt-ids",
+                           "1,2,3;4", "--steps", "3", "--json")
+    assert rc == 0, err
+    r = last_json(out)
+    assert r["random_weights"] is False
+    assert r["tokens"] == reference_tokens(cfg, weights, [[1, 2, 3], [4]], 3)
+
+
+def test_generate_text_prompt_with_tokenizer(capsys, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = PRESETS["llama-tiny"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    from safetensors.torch import save_file
+
+    save_file(random_weights(cfg, 0), str(tmp_path / "model.safetensors"))
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tmp_path)
+
+    rc, out, err = run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt", "w5 w17 w3",
+                           "--prompt", "w7", "--steps", "3", "--json")
+    assert rc == 0, err
+    r = last_json(out)
+    assert r["prompts"] == [[5, 17, 3], [7]]
+    assert r["texts"] == [" ".join(f"w{t}" for t in row) for row in r["tokens"]]
+
+
+# ---- errors: "error: ..." on stderr, exit 2, no traceback ----------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--prompt-ids", "5,x;3"], "'x' in prompt 0 is not an integer"),
+        (["--prompt-ids", "5,,3"], "prompt 0 has an empty token id"),
+        (["--prompt-ids", "1;"], "prompt 1 has an empty token id"),
+        (["--prompt-ids", "4,-2"], "token id -2 is negative"),
+        (["--prompt-ids", "1,2;3,512"], "token id 512 in prompt 1 is out of range for vocab "
+                                        "size 512"),
+        (["--model", "llama-99b"], "'llama-99b' is neither a preset"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--max-seq-len", "3", "--prompt-ids", "1,2,3"], "--max-seq-len 3 is too small"),
+        (["--max-seq-len", "5000"], "exceeds the model's max_position_embeddings (1024)"),
+        (["--prompt", "hello"], "preset with random weights (use --prompt-ids)"),
+        (["--backend", "kernel", "--dtype", "fp32"], "computes in bf16"),
+    ],
+)
+def test_generate_errors(capsys, argv: list[str], needle: str) -> None:
+    rc, out, err = run_cli(capsys, "generate", "--steps", "2", *argv)
+    assert rc == 2
+    assert err.startswith("error: ") and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_checkpoint_errors_exit_2(capsys, tmp_path: Path) -> None:
+    rc, _, err = run_cli(capsys, "generate", "--model", str(tmp_path))
+    assert rc == 2 and err.startswith("error: no config.json")
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-tiny"].to_hf_dict()))
+    rc, _, err = run_cli(capsys, "generate", "--model", str(tmp_path))
+    assert rc == 2 and "error: no model.safetensors" in err
+    rc, _, err = run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert rc == 2 and f"error: no tokenizer in {tmp_path}" in err
+
+
+def test_missing_backend_is_one_line(capsys, monkeypatch) -> None:
+    monkeypatch.setitem(cli.BACKENDS, "kernel", ("megakernel.no_such_module", "generate"))
+    rc, _, err = run_cli(capsys, "generate", "--backend", "kernel")
+    assert rc == 2
+    assert err.startswith("error: backend 'kernel' is not available: cannot import "
+                          "megakernel.no_such_module")
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setitem(cli.BACKENDS, "cpu-executor", ("megakernel.config", "generate"))
+    rc, _, err = run_cli(capsys, "generate", "--backend", "cpu-executor")
+    assert rc == 2 and "megakernel.config has no function generate()" in err
+
+
+def test_backend_dispatch_passes_the_contract_arguments(capsys, monkeypatch) -> None:
+    seen = {}
+
+    def fake(cfg, weights, prompts, steps, max_seq_len, seed):  # noqa: ANN001, ANN202
+        seen.update(cfg=cfg, weights=weights, prompts=prompts, steps=steps, msl=max_seq_len,
+                    seed=seed)
+        return [[1] * steps for _ in prompts]
+
+    monkeypatch.setattr(sys.modules[__name__], "fake_generate", fake, raising=False)
+    monkeypatch.setitem(cli.BACKENDS, "cpu-executor", (__name__, "fake_generate"))
+    rc, out, _ = run_cli(capsys, "generate", "--backend", "cpu-executor", "--prompt-ids",
+                         "3,4;5", "--steps", "6", "--seed", "2", "--json")
+    assert rc == 0 and last_json(out)["tokens"] == [[1] * 6, [1] * 6]
+    assert seen["cfg"] is PRESETS["llama-tiny"] and seen["prompts"] == [[3, 4], [5]]
+    assert (seen["steps"], seen["msl"], seen["seed"]) == (6, 8, 2)
+    assert seen["weights"]["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_argparse_errors_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--backend", "gpu-magic"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["no-such-command"])
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+# ---- registry ------------------------------------------------------------------------------------
+def add_hello_arguments(p) -> None:  # noqa: ANN001
+    p.add_argument("--who", default="world")
+
+
+def run_hello(args) -> int:  # noqa: ANN001
+    print(f"hello {args.who}")
+    return 0
+
+
+def run_broken(args) -> int:  # noqa: ANN001
+    raise RuntimeError("a bug, not bad input")
+
+
+def test_registering_a_command(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+    cli.register("hello", "say hello", __name__, "add_hello_arguments", "run_hello")
+    rc, out, _ = run_cli(capsys, "hello", "--who", "sm_90a")
+    assert rc == 0 and out == "hello sm_90a\n"
+    cli.register("later", "not written yet", "megakernel.not_written_yet")
+    rc, _, err = run_cli(capsys, "later")
+    assert rc == 2 and err.startswith("error: command 'later' is not available")
+    rc, _, _ = run_cli(capsys, "info")  # other commands are unaffected
+    assert rc == 0
+    cli.register("broken", "raises", __name__, "add_hello_arguments", "run_broken")
+    with pytest.raises(RuntimeError, match="a bug"):  # bugs keep their traceback
+        cli.main(["broken"])
+
+
+# ---- info and demo -------------------------------------------------------------------------------
+def test_info_json(capsys) -> None:
+    import importlib.metadata
+
+    rc, out, _ = run_cli(capsys, "info", "--json")
+    assert rc == 0
+    info = last_json(out)
+    assert info["versions"]["torch"] == importlib.metadata.version("torch")
+    assert info["gpu"]["available"] == torch.cuda.is_available()
+    b = info["backends"]
+    assert set(b) == {"reference", "cpu-executor", "kernel-compile", "kernel-run"}
+    assert b["reference"]["ok"] and "cpu" in b["reference"]["devices"]
+    assert b["kernel-compile"]["ok"] == (info["versions"]["nvidia-cutlass-dsl"] is not None)
+    if not torch.cuda.is_available():
+        assert (b["kernel-run"]["ok"], b["kernel-run"]["why"]) == (False, "no CUDA GPU")
+    assert "GPU:" in out
+
+
+def test_demo_runs_both_models(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(cli, "DEMO_MODELS", ("llama-tiny", "qwen3-tiny"))  # fast stand-ins
+    rc, out, _ = run_cli(capsys, "demo", "--steps", "3", "--json")
+    assert rc == 0
+    runs = last_json(out)["demo"]
+    assert [r["model"] for r in runs] == ["llama-tiny", "qwen3-tiny"]
+    assert all(r["backend"] == "reference" and r["dtype"] == "bf16" and r["batch"] == 2
+               for r in runs)
+    assert all([len(t) for t in r["tokens"]] == [3, 3] for r in runs)
+    assert "random weights" in out
+    monkeypatch.undo()
+    assert cli.DEMO_MODELS == ("llama-tiny", "qwen3-0.6b")
+
+
+def test_python_dash_m_smoke() -> None:
+    """`python -m megakernel info --json` in a fresh interpreter, without importing the DSL."""
+    code = (
+        "import sys, runpy; sys.argv = ['megakernel', 'info', '--json']\n"
+        "try:\n    runpy.run_module('megakernel', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'cutlass'], 'DSL imported'\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "torch" in last_json(p.stdout)["versions"]
