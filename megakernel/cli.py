@@ -56,8 +56,13 @@ USER_ERRORS: list[tuple[str, str]] = [
     ("megakernel.config", "ConfigError"),
     ("megakernel.weights", "WeightError"),
     ("reference.model", "ReferenceError"),
+    ("reference.hybrid.common", "HybridError"),
     ("megakernel.program.compiler", "PlanError"),
     ("megakernel.program.gpus", "GPUError"),
+    ("megakernel.runtime", "KernelUnavailable"),
+    ("megakernel.runtime", "ManifestError"),
+    ("megakernel.runtime", "ArgumentError"),
+    ("megakernel.kernel.spec", "SpecError"),
 ]
 
 
@@ -158,10 +163,13 @@ def run_generation(
     seed: int = 0,
     max_seq_len: int | None = None,
     device: str = "cpu",
+    replay_window: int | None = None,
 ) -> dict[str, Any]:
     """Load `model` (preset: random weights from `seed`; directory: checkpoint), generate greedily.
 
-    Returns the JSON-ready result: tokens (new ids per prompt), timings and settings.
+    Hybrid models (Qwen3.5, Kimi Linear, Nemotron-H) run recurrently, or with ReplaySSM when
+    `replay_window` (L >= 1) is given. Returns the JSON-ready result: tokens (new ids per
+    prompt), timings and settings.
     """
     if backend not in BACKENDS:
         raise CliError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -175,6 +183,13 @@ def run_generation(
         raise CliError(f"--steps must be at least 1, got {steps}")
     if not prompts or any(not p for p in prompts):
         raise CliError("every prompt needs at least one token")
+    from megakernel.hybrid.config import is_hybrid
+
+    if is_hybrid(model):
+        return _run_hybrid_generation(model, prompts, steps, backend, dtype, seed, replay_window,
+                                      device)
+    if replay_window is not None:
+        raise CliError(f"--replay-window applies to hybrid models only; {model!r} is dense")
     fn = backend_function(backend)  # fail early, before loading weights
     if backend == "reference":
         import reference.model  # noqa: F401 (import time is not generation time)
@@ -234,6 +249,34 @@ def run_generation(
     }
 
 
+def _run_hybrid_generation(model: str, prompts: list[list[int]], steps: int, backend: str,
+                           dtype: str, seed: int, replay_window: int | None,
+                           device: str) -> dict[str, Any]:
+    """`run_generation` for a hybrid model: the reference, recurrent or ReplaySSM."""
+    if backend != "reference":
+        raise CliError(f"backend {backend!r} does not serve hybrid models yet; "
+                       "use --backend reference")
+    if replay_window is not None and replay_window < 1:
+        raise CliError(f"--replay-window must be >= 1 (or 0 for the recurrent update), "
+                       f"got {replay_window}")
+    from megakernel.hybrid import generate as hybrid_generate
+
+    t0 = time.perf_counter()
+    tokens = hybrid_generate(model, prompts, steps, replay_window=replay_window, dtype=dtype,
+                             seed=seed, device=device)
+    gen_s = time.perf_counter() - t0  # includes loading the weights
+    from megakernel.hybrid.config import PRESETS as HYBRID_PRESETS
+
+    tokens = [[int(t) for t in row] for row in tokens]
+    return {
+        "model": model, "random_weights": model in HYBRID_PRESETS, "backend": backend,
+        "dtype": dtype, "seed": seed, "steps": steps, "batch": len(prompts),
+        "replay_window": replay_window or 0, "prompts": prompts, "tokens": tokens,
+        "load_s": 0.0, "generate_s": round(gen_s, 4),
+        "tokens_per_s": round(len(prompts) * steps / gen_s, 2) if gen_s > 0 else None,
+    }
+
+
 def describe_generation(r: dict[str, Any]) -> list[str]:
     """Plain-words lines for a `run_generation` result."""
     source = f"random weights, seed {r['seed']}" if r["random_weights"] else "checkpoint"
@@ -264,6 +307,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache length (default: longest prompt + steps)")
     p.add_argument("--device", default="cpu", help="torch device of the reference (default cpu)")
+    p.add_argument("--replay-window", type=int, default=None, metavar="L",
+                   help="hybrid models: ReplaySSM, folding the state every L tokens "
+                        "(0 = plain recurrent update, the default)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -276,8 +322,11 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = parse_prompt_ids(args.prompt_ids)
     else:
         prompts = [list(p) for p in DEFAULT_PROMPTS]
+    replay = args.replay_window or None  # 0 = recurrent
+    if args.replay_window is not None and args.replay_window < 0:
+        raise CliError(f"--replay-window must be >= 0, got {args.replay_window}")
     r = run_generation(args.model, prompts, args.steps, args.backend, args.dtype, args.seed,
-                       args.max_seq_len, args.device)
+                       args.max_seq_len, args.device, replay)
     if tok is not None:
         r["texts"] = [tok.decode(t) for t in r["tokens"]]
     print("\n".join(describe_generation(r)))
@@ -420,6 +469,10 @@ register("demo", "a short generation run on two models, described in plain words
          "add_demo_arguments", "run_demo")
 register("plan", "compile a decode-step program and print its predicted cost",
          "megakernel.plan_cli")
+register("build", "AOT-compile the kernel for sm_90a/sm_100a (needs the DSL, not a GPU)",
+         "megakernel.kernel.build")
+register("gpu-check", "check prebuilt cubins on this GPU against the reference and executor",
+         "megakernel.gpu_check")
 
 
 # ---- entry point ---------------------------------------------------------------------------------

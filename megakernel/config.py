@@ -301,4 +301,9 @@ def resolve_model(spec: str) -> ModelConfig:
         return PRESETS[spec]
     if Path(spec).is_dir():
         return ModelConfig.from_hf_dir(spec)
-    raise ConfigError(f"{spec!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    from megakernel.hybrid.config import PRESETS as HYBRID_PRESETS
+
+    raise ConfigError(
+        f"{spec!r} is neither a preset (dense: {', '.join(PRESETS)}; hybrid: "
+        f"{', '.join(HYBRID_PRESETS)}) nor a checkpoint directory"
+    )

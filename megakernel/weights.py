@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megakernel.config import PRESETS, ConfigError, ModelConfig
+from megakernel.config import PRESETS, ModelConfig, resolve_model
 
 __all__ = [
     "WeightError",
@@ -297,4 +297,5 @@ def load_model(
         return cfg, random_weights(cfg, seed, dtype)
     if Path(spec).is_dir():
         return load_checkpoint(spec, dtype=dtype)
-    raise ConfigError(f"{spec!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    resolve_model(spec)  # raises the error naming every preset
+    raise AssertionError("unreachable")

@@ -831,6 +831,21 @@ def preset(name: str) -> HybridConfig:
         raise ConfigError(f"unknown hybrid preset {name!r}; known: {', '.join(PRESETS)}") from None
 
 
+def is_hybrid(spec: str) -> bool:
+    """Whether `spec` (a preset name or checkpoint directory) names a hybrid model."""
+    if spec in PRESETS:
+        return True
+    p = Path(spec) / "config.json"
+    if not p.is_file():
+        return False
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return False
+    archs = d.get("architectures") or []
+    return any(a in _ARCH for a in archs) or (not archs and d.get("model_type") in _MODEL_TYPE)
+
+
 def resolve_hybrid(spec: str) -> HybridConfig:
     """A hybrid preset name or a Hugging Face checkpoint directory."""
     if spec in PRESETS:
