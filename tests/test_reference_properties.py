@@ -3,8 +3,9 @@
 - batching: a ragged batch equals each sequence run alone; T new tokens at once equal T single
   steps; a prefill split into prefill + multi-token decode equals one prefill;
 - the cache: unwritten slots are never read; bad calls leave it untouched;
-- the bf16 mirror against fp32 truth: an error band derived from bf16's unit roundoff, and greedy
-  tokens that agree wherever fp32 is not near a tie;
+- the bf16 mirror against fp32 truth: it rounds exactly at the stores; its error is within 2x that
+  of independent bf16 rounding at the same points; greedy tokens agree wherever fp32 is not near a
+  tie, teacher-forced and free-running;
 - bad input: each error names the problem.
 
 Weights come from `megakernel.weights.random_weights` in fp32; their values are bf16-representable,
@@ -13,9 +14,14 @@ so "fp32" and "bf16" modes run the same model and differ only by activation roun
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import pytest
 import torch
 
+import reference.model as ref_model
 from megakernel.config import preset
 from megakernel.weights import random_weights
 from reference import KVCache, ReferenceError, ReferenceModel, generate, greedy
@@ -174,68 +180,210 @@ def test_generate_is_the_greedy_loop():
 
 
 # ---- bf16 mirror vs fp32 truth ------------------------------------------------------------------
-# Band. bf16 keeps 8 significant bits: rounding to nearest changes a value by a relative error of
-# at most u = 2^-9. The bf16 mode rounds at 7 points per layer (attention-norm output, q, k, v,
-# attention output, MLP-norm output, silu(gate)*up) plus once at the final norm: N = 7 L + 1
-# stores. To first order each store perturbs the logits by at most u times the logit scale (the
-# RMSNorms renormalise, so each stage's gain is about 1), and the perturbations add at worst
-# linearly, so
-#     max |logits_bf16 - logits_fp32| <= N * u * max |logits_fp32|    (15 u = 0.029 for L = 2).
-# The measured error is about a third of that. A floor of u / 4 checks that rounding happens.
+# bf16 keeps 8 significant bits: rounding to nearest changes a value by a relative error of at most
+# u = 2^-9. The mirror rounds at 7 L + 1 stores (per layer: attention-norm output, q, k, v,
+# attention output, MLP-norm output, silu(gate)*up; then the final-norm output). How much those
+# roundings move the logits depends on the model: an a-priori band such as (7 L + 1) u max|logits|
+# assumes each stage has gain ~1, which sharp attention breaks (softmax amplifies score errors).
+#
+# So the band is measured (DESIGN.md section 4): the error of the mirror against fp32 truth must be
+# at most about twice the error of an independent bf16 computation of the same thing. The
+# independent computations are the fp32 model rounded at the same 7 L + 1 points, but onto a
+# scaled bf16 grid: x -> bf16(x * s) / s, i.e. storing x * s in bf16 and folding 1 / s into the
+# consumer. For s = 1 this is the mirror itself (checked bit for bit below); for s = 2^(1/3) and
+# 2^(2/3) the grid points interleave with bf16's, so the rounding errors are independent of the
+# mirror's and, for values spread over many binades (mantissas roughly log-uniform), distributed
+# like them, with the same relative bound u.
+#
+# Magnitude: the band is 2x the largest error of the independent roundings over the whole run,
+# constant over its steps like the a-priori band it replaces. Per step the comparison is too noisy
+# for a bound: one step's error is heavy-tailed (sharp softmax amplifies the odd rounding), and
+# over seeds 0-7 of both presets one rounding exceeded 2x the larger of two others at the same step
+# by up to 7 u, while the run-level ratio max|err| / max|independent err| stayed within 0.6-1.5.
+# The DESIGN rule's rounding-noise term is for a reference error near zero; the run's largest
+# independent error is >= 10 u (measured 14-26 u), so none is added.
+#
+# Near-ties: a greedy token can flip only where the truth's top-2 margin is <= 2 max|error|. Step
+# i is a near-tie when its margin is <= 2 x (2x the larger independent error at step i). Over seeds
+# 0-7 of both presets, every token flip (mirror's and independent roundings') had a margin <= 1.7x
+# that independent error, mostly < 0.7x; outside near-ties the tokens must agree.
 U_BF16 = 2.0**-9
+GRID_SCALES = (2.0 ** (1 / 3), 2.0 ** (2 / 3))  # two independent reference roundings
+# Seed of the weights and prompts: chosen so that free-running generation keeps >= 16 common
+# tokens per prompt on both presets (seeds 0-7: only 0 and 2 do so on both; 2 with the larger
+# margin, common prefixes 24/27/32 and 32/32/32). Near-ties are frequent in tiny random models.
+BF16_SEED, BF16_STEPS = 2, 32
 
 
-def _bf16_band(num_layers: int) -> float:
-    return (7 * num_layers + 1) * U_BF16
+def _grid_round(x: torch.Tensor, s: float) -> torch.Tensor:
+    """Round x (fp32) to nearest on the bf16 grid scaled by 1/s: bf16(x * s) / s."""
+    return (x * s).to(torch.bfloat16).to(torch.float32) / s
 
 
-@pytest.mark.parametrize("name", TINY)
-def test_bf16_mirror_error_band_and_greedy_tokens(name, record_numerics):
-    """Teacher-forced on the fp32 greedy stream: error band at every step; token agreement."""
-    seed, steps = 3, 32  # a seed whose fp32 stream is clear of near-ties at most steps
+@contextmanager
+def _scaled_grid_rounding(s: float) -> Iterator[None]:
+    """While active, an fp32-mode `ReferenceModel` rounds at the mirror's 7 L + 1 points, with
+    `_grid_round(., s)`: every `store` call, and k / v where attention reads them from the cache.
+    Patches `reference.model`'s names; if they are renamed, setattr fails loudly."""
+    attention = ref_model.causal_attention
+
+    def rounded_attention(q, k, v, start):  # k, v: [Hkv, S, D] fp32 cache prefix
+        return attention(q, _grid_round(k, s), _grid_round(v, s), start)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ref_model, "store", lambda x, mode: _grid_round(x, s))
+        mp.setattr(ref_model, "causal_attention", rounded_attention)
+        yield
+
+
+def _teacher_forced(
+    model: ReferenceModel, prompts: list[list[int]], stream: torch.Tensor
+) -> torch.Tensor:
+    """Logits [B, S, V] of prefill then decode of stream[:, :-1] (stream [B, S]): step i's
+    logits predict stream[:, i]."""
+    cache = model.new_cache(len(prompts), max(map(len, prompts)) + stream.shape[1])
+    logits = [model.prefill(cache, prompts)]
+    logits += [model.decode(cache, stream[:, i : i + 1])[:, 0] for i in range(stream.shape[1] - 1)]
+    return torch.stack(logits, dim=1)
+
+
+@dataclass
+class Bf16Run:
+    """One tiny model, 3 prompts, BF16_STEPS greedy steps; per-step quantities are [B, S] and
+    relative to max |logits| of fp32 truth at that step."""
+
+    name: str
+    stream32: torch.Tensor  # [B, S] fp32 free-running greedy tokens
+    out16: torch.Tensor  # [B, S] bf16 free-running greedy tokens
+    tokens16: torch.Tensor  # [B, S] bf16 greedy tokens, teacher-forced on stream32
+    err: torch.Tensor  # [B, S] max |logits_bf16 - logits_fp32|, teacher-forced
+    ref_err: torch.Tensor  # [G, B, S] the same for each scaled-grid rounding
+    margin: torch.Tensor  # [B, S] top-1 minus top-2 logit of fp32 truth
+
+    @property
+    def band(self) -> float:
+        """Measured band: 2x the largest error of the independent bf16 roundings in the run."""
+        return 2 * self.ref_err.max().item()
+
+    @property
+    def near_tie(self) -> torch.Tensor:
+        """[B, S] bool: the truth's top-2 margin is within 2x the per-step band (2x the larger
+        independent error at that step), where bf16 rounding may legitimately flip the token."""
+        return self.margin <= 2 * (2 * self.ref_err.amax(dim=0))
+
+
+@pytest.fixture(scope="module", params=TINY)
+def bf16_run(request) -> Bf16Run:
+    name, seed, steps = request.param, BF16_SEED, BF16_STEPS
     cfg = preset(name)
-    fp32, bf16 = _model(name, "fp32", seed), _model(name, "bf16", seed)
+    w = random_weights(cfg, seed, dtype=torch.float32)
+    fp32, bf16 = ReferenceModel(cfg, w, "fp32"), ReferenceModel(cfg, w, "bf16")
     prompts = _prompts(cfg.vocab_size, (4, 9, 13), seed=seed)
-    stream = torch.tensor(generate(fp32, prompts, steps))  # [B, steps], fp32 greedy tokens
-    band = _bf16_band(cfg.num_layers)
+    stream32 = torch.tensor(generate(fp32, prompts, steps))  # [B, S]
+    out16 = torch.tensor(generate(bf16, prompts, steps))  # [B, S]
 
-    c32, c16 = fp32.new_cache(3, 48), bf16.new_cache(3, 48)
-    l32, l16 = fp32.prefill(c32, prompts), bf16.prefill(c16, prompts)  # [B, V]
-    worst, clear, agree = 0.0, 0, 0
-    for i in range(steps):
-        scale = l32.abs().amax(dim=-1)  # [B]
-        err = (l16 - l32).abs().amax(dim=-1) / scale  # [B]
-        assert (err <= band).all(), f"step {i}: bf16 error {err.max():.4f} > band {band:.4f}"
-        assert (err >= U_BF16 / 4).all(), f"step {i}: bf16 error {err.min():.2e}: no rounding?"
-        worst = max(worst, err.max().item())
-        top2 = l32.topk(2, dim=-1).values
-        margin = (top2[:, 0] - top2[:, 1]) / scale  # [B], relative top-2 gap of the truth
-        same = greedy(l16) == greedy(l32)
-        assert same[margin > 2 * band].all(), f"step {i}: token differs despite a clear margin"
-        clear += int((margin > 2 * band).sum())
-        agree += int(same.sum())
-        assert torch.equal(greedy(l32), stream[:, i]), "teacher stream is not fp32 greedy"
-        if i + 1 < steps:
-            l32 = fp32.decode(c32, stream[:, i : i + 1])[:, 0]
-            l16 = bf16.decode(c16, stream[:, i : i + 1])[:, 0]
-    total = steps * len(prompts)
-    assert clear >= total // 2, f"only {clear}/{total} steps clear of a near-tie"
-    assert agree >= 0.9 * total, f"tokens agree at only {agree}/{total} steps"
-    record_numerics(
-        f"bf16 mirror {name}",
-        f"max|err|/max|logits| = {worst:.4f} (band {band:.4f}); tokens agree {agree}/{total}, "
-        f"{clear}/{total} steps clear of near-ties",
+    l32 = _teacher_forced(fp32, prompts, stream32)  # [B, S, V]
+    assert torch.equal(greedy(l32), stream32), "fp32 logits do not reproduce fp32 greedy tokens"
+    l16 = _teacher_forced(bf16, prompts, stream32)
+    l_ref = []
+    for s in GRID_SCALES:
+        with _scaled_grid_rounding(s):
+            l_ref.append(_teacher_forced(fp32, prompts, stream32))
+    scale = l32.abs().amax(dim=-1)  # [B, S]
+    top2 = l32.topk(2, dim=-1).values  # [B, S, 2]
+    return Bf16Run(
+        name=name,
+        stream32=stream32,
+        out16=out16,
+        tokens16=greedy(l16),
+        err=(l16 - l32).abs().amax(dim=-1) / scale,
+        ref_err=torch.stack([(r - l32).abs().amax(dim=-1) / scale for r in l_ref]),
+        margin=(top2[..., 0] - top2[..., 1]) / scale,
     )
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_bf16_free_running_generation_agrees(name):
-    """Free-running greedy generation: same 32 tokens in both modes (seed chosen with margin)."""
-    seed = 1
-    prompts = _prompts(preset(name).vocab_size, (4, 9, 13), seed=seed)
-    out32 = generate(_model(name, "fp32", seed), prompts, 32)
-    out16 = generate(_model(name, "bf16", seed), prompts, 32)
-    assert out16 == out32
+def test_bf16_mirror_rounds_only_at_the_stores(name):
+    """The scaled-grid hooks at s = 1 reproduce the bf16 mode bit for bit: the mirror rounds at
+    exactly the store points and the k / v cache, nowhere else, and the reference roundings of
+    the band test cover all of them."""
+    cfg = preset(name)
+    w = random_weights(cfg, 4, dtype=torch.float32)
+    prompts = _prompts(cfg.vocab_size, (3, 6), seed=4)
+    stream = torch.randint(cfg.vocab_size, (2, 4), generator=torch.Generator().manual_seed(5))
+    l16 = _teacher_forced(ReferenceModel(cfg, w, "bf16"), prompts, stream)
+    fp32 = ReferenceModel(cfg, w, "fp32")
+    with _scaled_grid_rounding(1.0):
+        hooked = _teacher_forced(fp32, prompts, stream)
+    l32 = _teacher_forced(fp32, prompts, stream)  # the hooks are gone again
+    assert torch.equal(hooked, l16), "fp32 + rounding at the stores differs from the bf16 mode"
+    assert not torch.equal(l32, l16), "bf16 mode equals fp32: no rounding happened"
+
+
+def test_bf16_mirror_error_band_and_greedy_tokens(bf16_run, record_numerics):
+    """Teacher-forced on the fp32 greedy stream: the mirror's error is within the measured band at
+    every step and, over the run, of the size of independent bf16 rounding at the same points;
+    greedy tokens agree wherever fp32 is clear of a near-tie."""
+    r = bf16_run
+    err, ref, band = r.err, r.ref_err, r.band  # [B, S], [G, B, S], scalar
+    assert (ref >= U_BF16 / 4).all(), "a scaled-grid run shows no rounding: hooks not applied"
+    assert (err >= U_BF16 / 4).all(), f"bf16 error {err.min():.2e} at some step: no rounding?"
+    worst = int(err.argmax())
+    assert err.max() <= band, (
+        f"step {worst % BF16_STEPS} of prompt {worst // BF16_STEPS}: bf16 error "
+        f"{err.max():.4f} > band {band:.4f} (2x the independent roundings' largest)"
+    )
+    # Both ways within 2x on average: an error far smaller than independent rounding's means the
+    # mirror skips stores or rounds finer (fp16 at all 7 L + 1 points: 0.12); far larger, it
+    # rounds coarser or wrongly. Measured 0.89-1.12 over seeds 0-7.
+    ratio = (err.mean() / ref.mean()).item()
+    assert 0.5 <= ratio <= 2.0, f"mean bf16 error is {ratio:.2f}x that of independent roundings"
+
+    same = r.tokens16 == r.stream32  # [B, S]
+    clear = ~r.near_tie
+    flips = (~same & clear).nonzero().tolist()  # [[prompt, step], ...]
+    assert not flips, f"bf16 greedy token differs from fp32 at clear margins at {flips}"
+    total, n_clear, n_same = same.numel(), int(clear.sum()), int(same.sum())
+    assert n_clear >= total // 3, f"only {n_clear}/{total} steps clear of near-ties"
+    assert n_same >= 0.9 * total, f"tokens agree at only {n_same}/{total} steps"
+    record_numerics(
+        f"bf16 mirror {r.name}",
+        f"max|err|/max|logits| = {err.max():.4f} = {err.max() / U_BF16:.1f} u (band {band:.4f}, "
+        f"independent roundings up to {ref.max() / U_BF16:.1f} u); mean err / independent "
+        f"{ratio:.2f}; tokens agree {n_same}/{total}, {n_clear}/{total} steps clear of near-ties",
+    )
+
+
+def test_bf16_free_running_generation_agrees(bf16_run, record_numerics):
+    """Free-running greedy generation in both modes: each prompt's tokens agree until a near-tie of
+    fp32 (where a flip is legitimate; it diverges only there), and for at least half the steps."""
+    r = bf16_run
+    prefix = []
+    for b in range(r.stream32.shape[0]):
+        diff = (r.out16[b] != r.stream32[b]).nonzero()
+        d = int(diff[0]) if len(diff) else BF16_STEPS  # first divergent step
+        prefix.append(d)
+        if d == BF16_STEPS:
+            continue
+        # Histories agree up to step d, so teacher-forced step d is the free-running one.
+        assert r.tokens16[b, d] == r.out16[b, d], (
+            f"prompt {b}: step {d} free-running and teacher-forced give different tokens"
+        )
+        assert r.near_tie[b, d], (
+            f"prompt {b}: bf16 generation diverges at step {d} at a clear fp32 top-2 margin "
+            f"{r.margin[b, d]:.4f} (independent bf16 errors {r.ref_err[:, b, d].tolist()})"
+        )
+    assert min(prefix) >= BF16_STEPS // 2, f"common prefixes {prefix} of {BF16_STEPS} tokens"
+    ties = [
+        f"{r.margin[b, d] / U_BF16:.1f} u <= {4 * r.ref_err[:, b, d].max() / U_BF16:.1f} u"
+        for b, d in enumerate(prefix)
+        if d < BF16_STEPS
+    ]
+    record_numerics(
+        f"bf16 free-running {r.name}",
+        f"common prefix per prompt {prefix} of {BF16_STEPS} tokens; fp32 top-2 margin at the "
+        f"divergences vs near-tie threshold: {ties or 'none'}",
+    )
 
 
 # ---- devices ------------------------------------------------------------------------------------
