@@ -426,47 +426,12 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- demo ----------------------------------------------------------------------------------------
-DEMO_MODELS = ("llama-tiny", "qwen3-0.6b")
-
-
-def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=8, help="new tokens per prompt (default 8)")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    from megakernel.config import PRESETS
-
-    print("megakernel demo: greedy generation with the torch reference model in its bf16 mode "
-          "(the kernel's numerics), on random weights, for a ragged batch of 2 prompts.")
-    results = []
-    for model in DEMO_MODELS:
-        cfg = PRESETS[model]
-        prompts = [list(p) for p in DEFAULT_PROMPTS]
-        print()
-        print(f"{model}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-              f"{cfg.num_parameters() / 1e6:.1f}M parameters. Drawing random bf16 weights "
-              f"(seed 0), reading prompts of {' and '.join(str(len(p)) for p in prompts)} tokens, "
-              f"then decoding {args.steps} tokens per prompt greedily.")
-        r = run_generation(model, prompts, args.steps)
-        results.append(r)
-        print("\n".join(describe_generation(r)))
-    print()
-    print("Random weights give meaningless (often repeating) tokens; what matters is that every "
-          "backend produces the same ones. Other backends: python -m megakernel generate "
-          "--backend cpu-executor|kernel --model <preset or checkpoint dir>.")
-    if args.json:
-        print(json.dumps({"demo": results}))
-    return 0
-
-
 register("info", "versions, GPU, and what each backend can do here", __name__,
          "add_info_arguments", "run_info")
 register("generate", "greedy generation with a chosen backend", __name__,
          "add_generate_arguments", "run_generate")
-register("demo", "a short generation run on two models, described in plain words", __name__,
-         "add_demo_arguments", "run_demo")
+register("demo", "the main job: plan, CPU executor vs reference, AOT build (GPU run if any)",
+         "megakernel.demo")
 register("plan", "compile a decode-step program and print its predicted cost",
          "megakernel.plan_cli")
 register("build", "AOT-compile the kernel for sm_90a/sm_100a (needs the DSL, not a GPU)",

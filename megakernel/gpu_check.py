@@ -1,0 +1,410 @@
+"""`python -m megakernel gpu-check`: the one script to run on a lent GPU machine (rung 4).
+
+The GPU machine has torch + cuda-python but not the DSL, so the cubins are built beforehand on any
+machine and carried over:
+
+    python -m megakernel gpu-check --prepare --build-dir out/gpu-builds --arch sm_90a   # CPU, DSL
+    python -m megakernel gpu-check --build-dir out/gpu-builds --out out/gpu-check       # GPU
+
+For each case (model, B, T) whose build is present it runs the kernel against the torch reference
+(bf16 mirror and fp32 truth, on the GPU) with random weights and ragged prompt lengths, every step
+teacher-forced with the kernel's own tokens so that all three see the same inputs:
+- scratch poisoned (NaN, tokens_out -1) before the first step and the outputs before every step;
+  every logit must be finite and every token in range afterwards (nothing left unwritten);
+- DESIGN.md section 4: max |kernel - fp32| <= 2 max |ref_bf16 - fp32| + noise, per step;
+- greedy tokens of kernel and bf16 reference agree at every step;
+- repeated runs from the same state are bit-identical;
+- tiny models: the first steps against the CPU executor of the same program (logits close, bf16
+  KV-cache entries equal up to a few one-ulp flips at shared rounding points).
+Then a short benchmark (CUDA graph of decode steps, CUDA events) next to the cost model's
+prediction and a measured device-to-device copy. Results: DIR/gpu_check.json, DIR/gpu_check.md,
+and a table printed last. The whole run is kept under 8 minutes (cases are skipped, and reported,
+when the time budget runs out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TIME_BUDGET_S = 7 * 60 + 30
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch: int
+    tokens: int
+    steps: int
+    executor_steps: int = 0  # steps also checked against the CPU executor (tiny models)
+    bench: bool = False
+
+
+CASES = (
+    Case("llama-tiny", 1, 1, 128, 4),
+    Case("llama-tiny", 4, 1, 64, 2),
+    Case("llama-tiny", 16, 1, 64, 1),
+    Case("llama-tiny", 1, 4, 64, 1),
+    Case("llama-tiny", 4, 4, 64, 1),
+    Case("qwen3-tiny", 1, 1, 128, 4),
+    Case("qwen3-tiny", 4, 1, 64, 2),
+    Case("qwen3-tiny", 16, 1, 64, 1),
+    Case("qwen3-tiny", 4, 4, 64, 1),
+    Case("llama-3.2-1b", 1, 1, 64, 0, bench=True),
+    Case("llama-3.2-1b", 4, 1, 64),
+    Case("llama-3.2-1b", 16, 1, 64),
+    Case("llama-3.2-1b", 1, 4, 64),
+    Case("qwen3-0.6b", 1, 1, 64, 0, bench=True),
+    Case("qwen3-0.6b", 4, 4, 64),
+)
+
+
+# ---- prepare (CPU, needs the DSL) ---------------------------------------------------------------
+def prepare(build_dir: str | Path, archs: list[str], cases=CASES) -> list[dict]:
+    from megakernel.config import preset
+    from megakernel.kernel.build import build_arch
+    from megakernel.kernel.spec import make_spec
+
+    out = []
+    done = set()
+    for c in cases:
+        cfg = preset(c.model)
+        for arch in archs:
+            tag = make_spec(cfg, c.batch, c.tokens, arch).tag
+            if (tag, arch) in done:
+                continue
+            done.add((tag, arch))
+            m = build_arch(cfg, arch, Path(build_dir) / tag, c.batch, c.tokens)
+            r = m["resources"]
+            print(f"built {c.model} B={c.batch} T={c.tokens} {arch}: {r['registers']} regs, "
+                  f"spills {r['spill_stores']}/{r['spill_loads']}, {m['compile_seconds']} s")
+            out.append(m)
+    return out
+
+
+# ---- checks (GPU) -------------------------------------------------------------------------------
+def _err(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _noise(x) -> float:
+    """Rounding-noise term of DESIGN.md section 4: 2 max |(x + 0.3 - 0.3) - x| (fp32)."""
+    return 2.0 * float(((x + 0.3) - 0.3 - x).abs().max())
+
+
+def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    from megakernel.config import preset
+    from megakernel.torch_op import Megakernel
+    from megakernel.weights import random_weights
+    from reference.model import ReferenceModel
+
+    t0 = time.perf_counter()
+    cfg = preset(c.model)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    weights = random_weights(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    lens = [int(x) for x in torch.randint(2, 24, (c.batch,), generator=g)]
+    prompts = [[int(t) for t in torch.randint(0, cfg.vocab_size, (n,), generator=g)]
+               for n in lens]
+    s_max = max(lens) + c.steps * c.tokens + 8
+    mk = Megakernel(cfg, weights, batch=c.batch, tokens=c.tokens, max_seq_len=s_max,
+                    build_dir=build_dir, device=dev)
+    ref16 = ReferenceModel(cfg, weights, mode="bf16", device=dev)
+    ref32 = ReferenceModel(cfg, weights, mode="fp32", device=dev)
+    cache16, cache32 = ref16.new_cache(c.batch, s_max), ref32.new_cache(c.batch, s_max)
+    first = mk.prefill(prompts)
+    ref16.prefill(cache16, prompts)
+    ref32.prefill(cache32, prompts)
+    # poison every scratch value (rope tables are constants) before the first kernel step
+    keep = [mk._region("f32", n).clone() for n in ("rope_cos", "rope_sin")]
+    mk.f32.fill_(float("nan"))
+    mk.bf16.fill_(float("nan"))
+    for n, k in zip(("rope_cos", "rope_sin"), keep, strict=True):
+        mk._region("f32", n).copy_(k)
+    snap = None
+    res: dict[str, Any] = dict(model=c.model, batch=c.batch, tokens=c.tokens, prompt_lengths=lens,
+                               steps=0, token_mismatches=0, max_err_kernel=0.0,
+                               max_err_bf16ref=0.0, tolerance_failures=0, unwritten=0)
+    tok = first[:, None].repeat(1, c.tokens) if c.tokens > 1 else first[:, None]
+    last = first
+    for step in range(c.steps):
+        if c.tokens > 1 and step > 0:  # a verify-style step: last token + random drafts
+            draft = torch.randint(0, cfg.vocab_size, (c.batch, c.tokens - 1), generator=g)
+            tok = torch.cat((last[:, None].cpu(), draft), dim=1)
+        tok = tok.to(dev)
+        if step == 8:
+            snap = _snapshot(mk)
+        mk.logits.fill_(float("nan"))
+        mk._region("i32", "tokens_out").fill_(-1)
+        out_tok, logits = mk.step(tok, return_logits=True)
+        logits = logits.view(c.batch, c.tokens, -1)
+        l16 = ref16.decode(cache16, tok)
+        l32 = ref32.decode(cache32, tok)
+        if not bool(torch.isfinite(logits).all()) or bool((out_tok < 0).any()):
+            res["unwritten"] += 1
+        ek, e16 = _err(logits, l32), _err(l16, l32)
+        res["max_err_kernel"] = max(res["max_err_kernel"], ek)
+        res["max_err_bf16ref"] = max(res["max_err_bf16ref"], e16)
+        if not ek <= 2 * e16 + _noise(l32):
+            res["tolerance_failures"] += 1
+        kt = out_tok.view(c.batch, c.tokens).long()
+        rt = torch.argmax(l16, dim=-1)
+        res["token_mismatches"] += int((kt != rt).sum())
+        last = kt[:, -1]
+        tok = last[:, None] if c.tokens == 1 else tok
+        res["steps"] += 1
+    torch.cuda.synchronize()
+    if snap is not None:
+        res["deterministic"] = _replay_is_identical(mk, snap, cfg, c)
+    if c.executor_steps:
+        res.update(_against_executor(cfg, weights, prompts, c, dev, build_dir))
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    res["ok"] = (res["unwritten"] == 0 and res["tolerance_failures"] == 0
+                 and res["token_mismatches"] == 0 and res.get("deterministic", True)
+                 and res.get("executor_ok", True))
+    return res
+
+
+def _snapshot(mk) -> dict:
+    return {n: getattr(mk, n).clone() for n in ("counters", "f32", "bf16", "i32", "k_cache",
+                                                "v_cache")} | {"lengths": list(mk.lengths)}
+
+
+def _replay_is_identical(mk, snap: dict, cfg, c: Case) -> bool:
+    """Run 4 steps from the snapshot twice (same tokens): logits must be bit-identical."""
+    import torch
+
+    outs = []
+    counters_now = mk.counters.clone()
+    for _ in range(2):
+        for n in ("f32", "bf16", "i32", "k_cache", "v_cache"):
+            getattr(mk, n).copy_(snap[n])
+        mk.lengths = list(snap["lengths"])
+        g = torch.Generator().manual_seed(123)
+        seq = []
+        for _ in range(4):
+            tok = torch.randint(0, cfg.vocab_size, (c.batch, c.tokens), generator=g)
+            _, lg = mk.step(tok.to(mk.device), return_logits=True)
+            seq.append(lg)
+        outs.append(torch.stack(seq))
+    del counters_now  # counters keep counting epochs: no reset needed between replays
+    return bool(torch.equal(outs[0], outs[1]))
+
+
+def _against_executor(cfg, weights, prompts, c: Case, dev, build_dir) -> dict:
+    """First steps of the same program on the CPU executor vs the kernel (same cache/tokens)."""
+    import torch
+
+    from megakernel.executor import Executor
+    from megakernel.program.pack import pack_weights
+    from megakernel.torch_op import Megakernel
+
+    s_max = max(len(p) for p in prompts) + c.executor_steps * c.tokens + 8
+    mk = Megakernel(cfg, weights, batch=c.batch, tokens=c.tokens, max_seq_len=s_max,
+                    build_dir=build_dir, device=dev)
+    mk.prefill(prompts)
+    ex = Executor(mk.prog, pack_weights(cfg, weights), check=True)
+    ex.load_cache(mk.k_cache.cpu(), mk.v_cache.cpu(), torch.tensor(mk.lengths))
+    g = torch.Generator().manual_seed(99)
+    worst, kv_diff, tok_diff = 0.0, 0, 0
+    for _ in range(c.executor_steps):
+        tok = torch.randint(0, cfg.vocab_size, (c.batch, c.tokens), generator=g)
+        kt, lg = mk.step(tok.to(dev), return_logits=True)
+        et = ex.step(tok)
+        worst = max(worst, _err(lg.cpu(), ex.logits))
+        tok_diff += int((kt.cpu().view(c.batch, c.tokens).long() != et).sum())
+        for mine, theirs in ((mk.k_cache, ex.k), (mk.v_cache, ex.v)):
+            a, b = mine.cpu().float(), theirs.float()
+            kv_diff += int(((a != b) & torch.isfinite(a) & torch.isfinite(b)).sum())
+    scale = float(ex.logits.abs().max())
+    return {"executor_max_logit_diff": worst, "executor_logit_scale": scale,
+            "executor_token_mismatches": tok_diff, "executor_kv_bf16_flips": kv_diff,
+            "executor_ok": worst <= 1e-3 * max(scale, 1.0) and tok_diff == 0}
+
+
+# ---- benchmark ----------------------------------------------------------------------------------
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second)."""
+    import torch
+
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        b.copy_(a)
+    e1.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 2 * iters / (e0.elapsed_time(e1) / 1e3)
+
+
+def bench_case(c: Case, build_dir: Path, copy_bw: float, replays: int = 50) -> dict[str, Any]:
+    """Decode steps captured in a CUDA graph; time per step next to the cost model."""
+    import torch
+
+    from megakernel.config import preset
+    from megakernel.torch_op import Megakernel
+    from megakernel.weights import random_weights
+
+    cfg = preset(c.model)
+    mk = Megakernel(cfg, random_weights(cfg, seed=1), batch=c.batch, tokens=1,
+                    max_seq_len=1024 + 2 * replays + 64, build_dir=build_dir)
+    mk.prefill([[1] * 1024 for _ in range(c.batch)])
+    mk.step(torch.ones(c.batch, 1, dtype=torch.int64, device=mk.device))
+    torch.cuda.synchronize()
+    args = (mk.program, mk.counters, mk.weights, mk.f32, mk.bf16, mk.i32, mk.k_cache,
+            mk.v_cache, mk.kernel_id, mk.offsets, False)
+    graph, how = torch.cuda.CUDAGraph(), "cuda graph"
+    try:
+        with torch.cuda.graph(graph):
+            torch.ops.megakernel.decode_step(*args)
+        run_once = graph.replay
+    except Exception as e:  # capture refused (e.g. a cooperative launch): time plain launches
+        how = f"stream launches (graph capture failed: {type(e).__name__}: {e})"
+        torch.cuda.synchronize()
+
+        def run_once() -> None:
+            torch.ops.megakernel.decode_step(*args)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(replays):
+        run_once()
+    e1.record()
+    torch.cuda.synchronize()
+    step_s = e0.elapsed_time(e1) / 1e3 / replays
+    cost = mk.prog.cost
+    nbytes = cost.bytes_per_step if cost is not None else 0
+    return {"model": c.model, "batch": c.batch, "context": 1024, "timed": how,
+            "step_ms": step_s * 1e3,
+            "tokens_per_s": c.batch / step_s, "bytes_per_step": nbytes,
+            "bandwidth_fraction_of_copy": nbytes / step_s / copy_bw if nbytes else None,
+            "predicted_ms": cost.predicted_s * 1e3 if cost is not None else None}
+
+
+# ---- driver -------------------------------------------------------------------------------------
+def _have_build(build_dir: Path, c: Case, arch: str) -> bool:
+    from megakernel.config import preset
+    from megakernel.kernel.spec import make_spec
+
+    tag = make_spec(preset(c.model), c.batch, c.tokens, arch).tag
+    return (build_dir / tag / arch / "manifest.json").is_file()
+
+
+def gpu_check(out: Path, build_dir: Path, quick: bool = False) -> dict[str, Any]:
+    import torch
+
+    from megakernel.runtime import KernelUnavailable, device_info
+
+    t_start = time.perf_counter()
+    if not torch.cuda.is_available():
+        raise KernelUnavailable("gpu-check needs a CUDA GPU; none is available here")
+    dev = device_info()
+    report: dict[str, Any] = {"device": dev.name, "capability": list(dev.capability),
+                              "arch": dev.arch, "sms": dev.sm_count, "torch": torch.__version__,
+                              "build_dir": str(build_dir), "cases": [], "bench": [],
+                              "skipped": []}
+    cases = [c for c in CASES if not quick or c.model.endswith("tiny")]
+    for c in cases:
+        name = f"{c.model} B={c.batch} T={c.tokens}"
+        if not _have_build(build_dir, c, dev.arch):
+            report["skipped"].append(f"{name}: no {dev.arch} build in {build_dir}")
+            continue
+        if time.perf_counter() - t_start > TIME_BUDGET_S * 0.8:
+            report["skipped"].append(f"{name}: time budget spent")
+            continue
+        try:
+            report["cases"].append(run_case(c, build_dir))
+        except Exception as e:  # record and go on: one failure must not hide the others
+            report["cases"].append({"model": c.model, "batch": c.batch, "tokens": c.tokens,
+                                    "ok": False, "error": f"{type(e).__name__}: {e}",
+                                    "traceback": traceback.format_exc()[-3000:]})
+    bw = copy_bandwidth()
+    report["copy_bandwidth_GBps"] = bw / 1e9
+    for c in cases:
+        if c.bench and _have_build(build_dir, c, dev.arch):
+            if time.perf_counter() - t_start > TIME_BUDGET_S:
+                report["skipped"].append(f"bench {c.model}: time budget spent")
+                continue
+            try:
+                report["bench"].append(bench_case(c, build_dir, bw))
+            except Exception as e:
+                report["bench"].append({"model": c.model, "error": f"{type(e).__name__}: {e}"})
+    report["seconds"] = round(time.perf_counter() - t_start, 1)
+    report["ok"] = bool(report["cases"]) and all(c.get("ok") for c in report["cases"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu_check.md").write_text(markdown(report))
+    return report
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [f"# gpu-check on {r['device']} ({r['arch']}, {r['sms']} SMs)", "",
+             "| case | steps | ok | max err kernel | max err bf16 ref | tok mismatch "
+             "| executor | s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in r["cases"]:
+        if "error" in c:
+            lines.append(f"| {c['model']} B={c['batch']} T={c['tokens']} | - | FAIL | "
+                         f"{c['error'][:80]} | | | | |")
+            continue
+        ex = (f"{c['executor_max_logit_diff']:.2e}" if "executor_max_logit_diff" in c else "-")
+        lines.append(f"| {c['model']} B={c['batch']} T={c['tokens']} | {c['steps']} | "
+                     f"{'yes' if c['ok'] else 'NO'} | {c['max_err_kernel']:.3e} | "
+                     f"{c['max_err_bf16ref']:.3e} | {c['token_mismatches']} | {ex} | "
+                     f"{c['seconds']} |")
+    lines += ["", f"copy bandwidth: {r.get('copy_bandwidth_GBps', float('nan')):.0f} GB/s", ""]
+    for b in r["bench"]:
+        if "error" in b:
+            lines.append(f"- bench {b['model']}: {b['error']}")
+        else:
+            frac = b["bandwidth_fraction_of_copy"]
+            lines.append(f"- bench {b['model']} B={b['batch']}: {b['step_ms']:.3f} ms/step "
+                         f"({b['tokens_per_s']:.0f} tok/s), "
+                         f"{'-' if frac is None else f'{100 * frac:.0f}%'} of copy bandwidth, "
+                         f"cost model {b['predicted_ms']:.3f} ms")
+    for s in r["skipped"]:
+        lines.append(f"- skipped: {s}")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="out/gpu-check", help="directory for JSON + markdown")
+    p.add_argument("--build-dir", default="out/gpu-builds",
+                   help="prebuilt cubins (made by --prepare on a machine with the DSL)")
+    p.add_argument("--prepare", action="store_true",
+                   help="build the cubins every case needs into --build-dir (needs the DSL)")
+    p.add_argument("--arch", default="sm_90a", help="archs for --prepare (comma list)")
+    p.add_argument("--quick", action="store_true", help="tiny models only")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prepare:
+        archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+        t0 = time.perf_counter()
+        ms = prepare(args.build_dir, archs)
+        print(f"prepared {len(ms)} builds in {args.build_dir} in {time.perf_counter() - t0:.0f} s")
+        return 0
+    r = gpu_check(Path(args.out), Path(args.build_dir), args.quick)
+    print(markdown(r))
+    status = "PASS" if r["ok"] else "FAIL"
+    print(f"gpu-check {status}: {sum(bool(c.get('ok')) for c in r['cases'])}/{len(r['cases'])} "
+          f"cases ok in {r['seconds']} s; details in {args.out}/gpu_check.md")
+    return 0 if r["ok"] else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m megakernel.gpu_check")
+    add_arguments(ap)
+    sys.exit(run(ap.parse_args()))
+

@@ -1,0 +1,222 @@
+"""Split-KV decode attention: partials of one (sequence, kv head, split) and their merge.
+
+ATTN_PARTIAL serves the T * G queries that read kv head g of sequence b. Query qi = t * G + j
+(token t, q head g * G + j) sees keys [lo, min(hi, lengths[b] + t + 1)) of the split's range
+[s * ctx / S, (s + 1) * ctx / S), ctx = lengths[b] + T. With fewer queries than warps, WQ warps
+share a query's keys and their (m, l, o) are merged in shared memory in a fixed order.
+
+Inside a warp, keys go 32 at a time: lane = key for the scores (q from shared memory, 16-byte
+loads of the key row), a warp max/sum for the online softmax, then lane = E head dims for the
+weighted sum of the value rows (the probability of key j broadcast with a shuffle).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
+from megakernel.kernel.spec import LANES, VEC, KernelSpec
+from megakernel.program import isa
+
+NEG_INF = -math.inf
+KV_PREFETCH_CHUNK = 32 * 1024
+
+
+class Attention:
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.D, self.G, self.T, self.B = spec.head_dim, spec.group, spec.tokens, spec.batch
+        self.N, self.Hq, self.Hkv = spec.rows, spec.heads, spec.kv_heads
+        self.NT, self.NW = spec.num_threads, spec.num_warps
+        self.QG = spec.attn_queries
+        self.WQ = max(1, self.NW // self.QG)  # warps per query
+        self.E = self.D // LANES  # head dims per lane (contiguous)
+        self.scale = self.D ** -0.5
+
+    # ---- ATTN_PARTIAL -------------------------------------------------------------------------
+    @cute.jit
+    def partial(self, rec: cute.Tensor, layer: Int32, pF: cute.Pointer, pB: cute.Pointer,
+                pI: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, s_max: Int32,
+                sQ: cute.Tensor, sO: cute.Tensor, sML: cute.Tensor, warp: Int32, lane: Int32):
+        f = isa.COMMON_WORDS
+        b, g, s, n_splits = rec[f + 0], rec[f + 1], rec[f + 2], rec[f + 3]
+        q_off, po_off, pml_off, len_off = rec[f + 4], rec[f + 5], rec[f + 6], rec[f + 7]
+        length = ld(pI, len_off + b)
+        ctx = length + self.T
+        lo = s * ctx // n_splits
+        hi = (s + 1) * ctx // n_splits
+        kv_row0 = ((Int64(layer) * self.B + b) * self.Hkv + g) * Int64(s_max)
+        WQ = self.WQ
+        for qi in cutlass.range(warp // WQ, self.QG, self.NW // WQ):
+            part = warp - (warp // WQ) * WQ
+            t = qi // self.G
+            head = g * self.G + qi - t * self.G
+            n = b * self.T + t
+            # this query's keys, then this warp's share of them
+            nk = cutlass.max(cutlass.min(hi, length + t + 1) - lo, Int32(0))
+            kb = lo + part * nk // WQ
+            ke = lo + (part + 1) * nk // WQ
+            # q -> shared (fp32), one warp-private row
+            for d in cutlass.range(lane, self.D, LANES):
+                sQ[warp * self.D + d] = ld(pB, q_off + (n * self.Hq + head) * self.D + d).to(
+                    Float32)
+            cute.arch.sync_warp()
+            m, lsum, o = self.attend(kv_row0, kb, ke, pK, pV, sQ, warp, lane)
+            if cutlass.const_expr(WQ == 1):
+                self.store_partial(m, lsum, o, s, n, head, po_off, pml_off, pF, lane)
+            else:
+                for e in cutlass.range_constexpr(self.E):
+                    sO[warp * self.D + lane * self.E + e] = o[e]
+                if lane == 0:
+                    sML[2 * warp] = m
+                    sML[2 * warp + 1] = lsum
+            cute.arch.sync_warp()
+        if cutlass.const_expr(WQ > 1):
+            cute.arch.sync_threads()
+            for qi in cutlass.range(warp, self.QG, self.NW):
+                t = qi // self.G
+                head = g * self.G + qi - t * self.G
+                n = b * self.T + t
+                mm = Float32(NEG_INF)
+                for p in cutlass.range_constexpr(WQ):
+                    mm = cute.arch.fmax(mm, sML[2 * (qi * WQ + p)])
+                lsum = Float32(0.0)
+                o = cute.make_rmem_tensor((self.E,), Float32)
+                o.fill(0.0)
+                if mm > Float32(NEG_INF):
+                    for p in cutlass.range_constexpr(WQ):
+                        w = cute.math.exp(sML[2 * (qi * WQ + p)] - mm)
+                        lsum = lsum + sML[2 * (qi * WQ + p) + 1] * w
+                        for e in cutlass.range_constexpr(self.E):
+                            o[e] = o[e] + sO[(qi * WQ + p) * self.D + lane * self.E + e] * w
+                self.store_partial(mm, lsum, o, s, n, head, po_off, pml_off, pF, lane)
+
+    @cute.jit
+    def attend(self, kv_row0: Int64, kb: Int32, ke: Int32, pK: cute.Pointer, pV: cute.Pointer,
+               sQ: cute.Tensor, warp: Int32, lane: Int32):
+        """Online softmax over keys [kb, ke) of one query: (m, l, o[E] of this lane)."""
+        D, E = self.D, self.E
+        m = Float32(NEG_INF)
+        lsum = Float32(0.0)
+        o = cute.make_rmem_tensor((E,), Float32)
+        o.fill(0.0)
+        for k0 in cutlass.range(kb, ke, LANES):
+            key = k0 + lane
+            score = Float32(NEG_INF)
+            if key < ke:
+                dot = Float32(0.0)
+                krow = (kv_row0 + key) * D
+                for c in cutlass.range_constexpr(D // VEC):
+                    kv8 = load_bf16x8(pK, krow + c * VEC)
+                    q8 = load_smem_bf16x8_f32(sQ, warp * D + c * VEC)
+                    dot = (kv8 * q8).reduce(cute.ReductionOp.ADD, dot, 0)
+                score = dot * Float32(self.scale)
+            m_blk = cute.arch.warp_reduction_max(score)
+            m_new = cute.arch.fmax(m, m_blk)
+            alpha = cute.math.exp(m - m_new)
+            p = cute.math.exp(score - m_new)
+            lsum = lsum * alpha + cute.arch.warp_reduction_sum(p)
+            for e in cutlass.range_constexpr(E):
+                o[e] = o[e] * alpha
+            nvalid = cutlass.min(ke - k0, Int32(LANES))
+            for jj in cutlass.range(nvalid):
+                pj = cute.arch.shuffle_sync(p, jj)
+                vv = load_bf16_vec(pV, (kv_row0 + k0 + jj) * D + lane * E, E)
+                for e in cutlass.range_constexpr(E):
+                    o[e] = o[e] + pj * vv[e]
+            m = m_new
+        return m, lsum, o
+
+    @cute.jit
+    def store_partial(self, m: Float32, lsum: Float32, o: cute.Tensor, s: Int32, n: Int32,
+                      head: Int32, po_off: Int32, pml_off: Int32, pF: cute.Pointer, lane: Int32):
+        slot = (s * self.N + n) * self.Hq + head
+        store_f32_vec(pF, po_off + slot * self.D + lane * self.E, o.load(), self.E)
+        if lane == 0:
+            st(pF, pml_off + slot * 2, m)
+            st(pF, pml_off + slot * 2 + 1, lsum)
+
+    # ---- split-KV merge (the last ATTN_PARTIAL of a (sequence, kv head)) ---------------------
+    @cute.jit
+    def ticket(self, rec: cute.Tensor, epoch: Int32, counters: cute.Pointer, sFlag: cute.Tensor,
+               pF: cute.Pointer, pB: cute.Pointer, tidx: Int32, warp: Int32, lane: Int32):
+        """Count this split in; the CTA that completes the S splits merges them and signals."""
+        f = isa.COMMON_WORDS
+        b, g, n_splits = rec[f + 0], rec[f + 1], rec[f + 3]
+        po_off, pml_off, out_off, done_cid = rec[f + 5], rec[f + 6], rec[f + 8], rec[f + 9]
+        cute.arch.sync_threads()  # every thread's partial stores happen-before the ticket
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            old = cute.arch.atomic_add(counters + (rec[4] + isa.COUNTER_BASE), Int32(1),
+                                       sem="acq_rel", scope="gpu")
+            sFlag[0] = Int32(0)
+            if old - (epoch * n_splits + n_splits - 1) == 0:
+                sFlag[0] = Int32(1)
+        cute.arch.sync_threads()  # publishes the acquire (and the flag) to the CTA
+        if sFlag[0] != 0:
+            self.merge(b, g, n_splits, po_off, pml_off, out_off, pF, pB, warp, lane)
+            cute.arch.sync_threads()
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.red(counters + (done_cid + isa.COUNTER_BASE), Int32(1), op="add",
+                              dtype="s32", sem="release", scope="gpu")
+
+    @cute.jit
+    def merge(self, b: Int32, g: Int32, n_splits: Int32, po_off: Int32, pml_off: Int32,
+              out_off: Int32, pF: cute.Pointer, pB: cute.Pointer, warp: Int32, lane: Int32):
+        """out[n, head] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)), splits in order."""
+        for qi in cutlass.range(warp, self.QG, self.NW):
+            t = qi // self.G
+            head = g * self.G + qi - t * self.G
+            n = b * self.T + t
+            mm = Float32(NEG_INF)
+            for s in cutlass.range(n_splits):
+                mm = cute.arch.fmax(mm, ld(pF, pml_off + ((s * self.N + n) * self.Hq + head) * 2))
+            den = Float32(0.0)
+            o = cute.make_rmem_tensor((self.E,), Float32)
+            o.fill(0.0)
+            for s in cutlass.range(n_splits):
+                slot = (s * self.N + n) * self.Hq + head
+                w = cute.math.exp(ld(pF, pml_off + slot * 2) - mm)
+                den = den + ld(pF, pml_off + slot * 2 + 1) * w
+                for e in cutlass.range_constexpr(self.E):
+                    o[e] = o[e] + ld(pF, po_off + slot * self.D + lane * self.E + e) * w
+            base = out_off + n * (self.Hq * self.D) + head * self.D + lane * self.E
+            for e in cutlass.range_constexpr(self.E):
+                st(pB, base + e, (o[e] / den).to(BFloat16))
+
+    # ---- prefetch of the cached keys/values (before the wait) --------------------------------
+    @cute.jit
+    def prefetch_kv(self, rec: cute.Tensor, layer: Int32, pI: cute.Pointer, pK: cute.Pointer,
+                    pV: cute.Pointer, s_max: Int32, tidx: Int32):
+        """L2 prefetch of this split's keys/values below lengths[b] (they predate this step)."""
+        f = isa.COMMON_WORDS
+        b, g, s, n_splits, len_off = rec[f + 0], rec[f + 1], rec[f + 2], rec[f + 3], rec[f + 7]
+        length = ld(pI, len_off + b)
+        ctx = length + self.T
+        lo = s * ctx // n_splits
+        hi = cutlass.min((s + 1) * ctx // n_splits, length)
+        if tidx < 2:
+            if hi > lo:
+                row0 = ((Int64(layer) * self.B + b) * self.Hkv + g) * Int64(s_max) + lo
+                nbytes = (hi - lo) * self.D * 2
+                base = pK.toint()
+                if tidx == 1:
+                    base = pV.toint()
+                addr = base + row0 * Int64(self.D * 2)
+                for off in cutlass.range(0, nbytes, KV_PREFETCH_CHUNK):
+                    size = cutlass.min(Int32(KV_PREFETCH_CHUNK), nbytes - off)
+                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                         read_only_args=[addr + Int64(off), size])
+
+
+def load_smem_bf16x8_f32(s: cute.Tensor, offset):
+    """8 fp32 from a shared fp32 tensor (offset a multiple of 8)."""
+    r = cute.make_rmem_tensor((VEC,), Float32)
+    cute.autovec_copy(cute.flat_divide(s, (VEC,))[None, offset // VEC], r)
+    return r.load()
+

@@ -1,0 +1,209 @@
+"""AOT build: compile the megakernel for sm_90a / sm_100a on any machine and write what the runtime
+needs to launch it without the DSL.
+
+    python -m megakernel build --model llama-3.2-1b --arch sm_90a,sm_100a --out DIR [--batch B]
+
+writes, per arch, DIR/<arch>/{megakernel.cubin, megakernel.ptx, manifest.json}. The manifest holds
+the entry symbol, the parameter layout (checked against the PTX `.entry`), block size, dynamic
+shared memory, the program FORMAT_VERSION, a fingerprint of sources + DSL version + arch + static
+config, and the resource report read from the cubin (registers, spills, local memory, shared
+memory). A build that spills, uses local memory or exceeds the register or shared-memory budget
+fails here rather than on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from megakernel.config import ModelConfig, resolve_model
+from megakernel.kernel import spec as spec_mod
+from megakernel.kernel.spec import ARCHS, PARAMS, KernelSpec, make_spec
+from megakernel.kernel.tools import PtxEntry, parse_ptx_entry, resource_report
+from megakernel.program import isa
+
+MANIFEST_VERSION = 1
+CUBIN_NAME = "megakernel.cubin"
+PTX_NAME = "megakernel.ptx"
+MANIFEST_NAME = "manifest.json"
+
+
+class BuildError(RuntimeError):
+    """The kernel did not compile, or its compiled form breaks a build rule (named)."""
+
+
+def dsl_version() -> str:
+    import cutlass
+
+    return str(getattr(cutlass, "__version__", "unknown"))
+
+
+# ---- ABI check ----------------------------------------------------------------------------------
+def check_entry_matches(entry: PtxEntry, params=PARAMS) -> None:
+    """The PTX entry takes exactly the manifest's parameters, in order, with the same kinds."""
+    if len(entry.params) != len(params):
+        raise BuildError(f"PTX entry {entry.name} has {len(entry.params)} parameters, the ABI "
+                         f"lists {len(params)} ({', '.join(p.name for p in params)})")
+    for i, (pp, want) in enumerate(zip(entry.params, params, strict=True)):
+        if want.kind == "ptr":
+            ok = pp.is_pointer and pp.ptx_type in ("u64", "b64", "s64") and pp.array is None
+        else:
+            ok = (not pp.is_pointer) and pp.ptx_type in ("u32", "s32", "b32") and pp.array is None
+        if not ok:
+            raise BuildError(f"parameter {i} ({want.name}) is {want.kind} in the ABI but "
+                             f".param .{pp.ptx_type}{' .ptr' if pp.is_pointer else ''}"
+                             f"{f'[{pp.array}]' if pp.array else ''} in the PTX")
+        if pp.size != want.size:
+            raise BuildError(f"parameter {i} ({want.name}) is {pp.size} bytes in the PTX, "
+                             f"{want.size} in the ABI")
+
+
+def check_resources(res: dict, spec: KernelSpec) -> None:
+    """Build rules: no spills, no local memory, registers and shared memory within budget."""
+    problems = []
+    if res["spill_stores"] or res["spill_loads"]:
+        problems.append(f"register spills ({res['spill_stores']} B stores, "
+                        f"{res['spill_loads']} B loads)")
+    if res["local_bytes"] or res["local_stores"] or res["local_loads"]:
+        problems.append(f"local memory ({res['local_bytes']} B, {res['local_stores']} STL, "
+                        f"{res['local_loads']} LDL)")
+    if res["registers"] > spec_mod.REGISTER_BUDGET:
+        problems.append(f"{res['registers']} registers > budget {spec_mod.REGISTER_BUDGET}")
+    if res["registers"] * spec.num_threads > 65536:
+        problems.append(f"{res['registers']} registers x {spec.num_threads} threads do not fit "
+                        f"one SM's register file")
+    if spec.smem_bytes + res["shared_bytes"] > spec_mod.SMEM_BUDGET + 1024:
+        problems.append(f"shared memory {spec.smem_bytes} + {res['shared_bytes']} B > budget")
+    if problems:
+        raise BuildError(f"{spec.arch} build breaks the kernel rules: " + "; ".join(problems))
+
+
+# ---- compile ------------------------------------------------------------------------------------
+def compile_to(spec: KernelSpec, dump_dir: str) -> tuple[str, str, float]:
+    """cute.compile for `spec.arch` with PTX + cubin kept in `dump_dir`; (ptx, cubin, seconds)."""
+    import cutlass.cute as cute
+    import torch  # noqa: F401  (the DSL imports it lazily on first compile; pay it up front)
+    from cutlass import BFloat16, Float32, Int32
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    from megakernel.kernel.megakernel import DecodeMegakernel
+
+    os.makedirs(dump_dir, exist_ok=True)  # the DSL writes nothing into a missing dump dir
+    dtypes = {"int32": Int32, "bfloat16": BFloat16, "float32": Float32}
+    args = []
+    for p in PARAMS:
+        if p.kind == "ptr":
+            args.append(make_ptr(dtypes[p.dtype], 256, cute.AddressSpace.gmem, assumed_align=16))
+        else:
+            args.append(Int32(1))
+    args += [Int32(1), make_fake_stream()]  # num_ctas (host-side grid), stream
+    t0 = time.perf_counter()
+    try:
+        cute.compile(DecodeMegakernel(spec), *args,
+                     options=f"--gpu-arch {spec.arch} --keep-ptx --keep-cubin "
+                             f"--dump-dir {dump_dir}")
+    except Exception as e:  # the DSL's own errors are long; keep the head
+        raise BuildError(f"cute.compile failed for {spec.arch}: {str(e)[:2000]}") from e
+    dt = time.perf_counter() - t0
+    ptx = _newest(dump_dir, f"*.{spec.arch}.ptx")
+    cubin = _newest(dump_dir, f"*.{spec.arch}.cubin")
+    return ptx, cubin, dt
+
+
+def _newest(d: str, pattern: str) -> str:
+    found = glob.glob(os.path.join(d, pattern))
+    if not found:
+        raise BuildError(f"the compiler wrote no {pattern} into {d}")
+    return max(found, key=os.path.getmtime)
+
+
+def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
+               tokens: int = 1, num_threads: int = spec_mod.NUM_THREADS) -> dict:
+    """Compile one arch into out_dir/<arch>/ and return its manifest."""
+    spec = make_spec(cfg, batch, tokens, arch, num_threads)
+    dest = Path(out_dir) / arch
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mk-dump-") as dump:
+        ptx_src, cubin_src, seconds = compile_to(spec, dump)
+        shutil.copyfile(ptx_src, dest / PTX_NAME)
+        shutil.copyfile(cubin_src, dest / CUBIN_NAME)
+    ptx = (dest / PTX_NAME).read_text()
+    entry = parse_ptx_entry(ptx)
+    check_entry_matches(entry)
+    res = resource_report(str(dest / CUBIN_NAME), str(dest / PTX_NAME), arch, entry.name)
+    check_resources(res, spec)
+    if entry.reqntid is not None and entry.reqntid[0] != spec.num_threads:
+        raise BuildError(f"PTX requires {entry.reqntid} threads, spec says {spec.num_threads}")
+    dsl = dsl_version()
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "arch": arch,
+        "symbol": entry.name,
+        "cubin": CUBIN_NAME,
+        "ptx": PTX_NAME,
+        "cubin_sha256": hashlib.sha256((dest / CUBIN_NAME).read_bytes()).hexdigest(),
+        "block": [spec.num_threads, 1, 1],
+        "dynamic_smem_bytes": spec.smem_bytes,
+        "cooperative": True,
+        "params": [{"name": p.name, "kind": p.kind, "dtype": p.dtype, "size": p.size,
+                    "doc": p.doc} for p in PARAMS],
+        "program_format_version": isa.FORMAT_VERSION,
+        "fingerprint": spec_mod.fingerprint(spec, dsl),
+        "dsl_version": dsl,
+        "spec": spec.to_dict(),
+        "model": cfg.name,
+        "model_config": cfg.to_hf_dict(),
+        "batch": batch,
+        "tokens": tokens,
+        "resources": res,
+        "budgets": {"registers": spec_mod.REGISTER_BUDGET, "smem_bytes": spec_mod.SMEM_BUDGET},
+        "compile_seconds": round(seconds, 3),
+    }
+    (dest / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def build(cfg: ModelConfig, archs: list[str], out_dir: str | Path, batch: int = 1,
+          tokens: int = 1) -> list[dict]:
+    for a in archs:
+        if a not in ARCHS:
+            raise BuildError(f"unsupported arch {a!r}; supported: {', '.join(ARCHS)}")
+    return [build_arch(cfg, a, out_dir, batch, tokens) for a in archs]
+
+
+def report_line(m: dict) -> str:
+    r = m["resources"]
+    return (f"{m['arch']:8s} {m['model'] or '?':14s} B={m['batch']} T={m['tokens']}  "
+            f"regs {r['registers']:3d}  spills {r['spill_stores']}/{r['spill_loads']} B  "
+            f"local {r['local_bytes']} B  smem {m['dynamic_smem_bytes']} B  "
+            f"compile {m['compile_seconds']:.1f} s")
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint dir")
+    p.add_argument("--arch", default=",".join(ARCHS), help="comma list (default sm_90a,sm_100a)")
+    p.add_argument("--out", required=True, help="output directory (DIR/<arch>/...)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step B (default 1)")
+    p.add_argument("--tokens", type=int, default=1, help="tokens per sequence per step T")
+    p.add_argument("--json", action="store_true", help="print the manifests as JSON last")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = resolve_model(args.model)
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    t0 = time.perf_counter()
+    manifests = build(cfg, archs, args.out, args.batch, args.tokens)
+    for m in manifests:
+        print(report_line(m))
+    print(f"built {len(manifests)} arch(es) into {args.out} in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        print(json.dumps(manifests))
+    return 0

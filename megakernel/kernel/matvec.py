@@ -1,0 +1,326 @@
+"""The matvec handler: one parametrised FMA GEMV with fused prologues and epilogues (device code).
+
+One instruction = a slab of NROWS weight rows [K] streamed once per pass over the activation rows.
+Loop nest (per CTA):
+
+    for n0 in 0..N step NO                      activation rows staged at a time
+        prologue: RMSNorm statistics of h[n0:n0+NO] (norm opcodes)
+        for rc0 in 0..NROWS step RC               row chunk: results of RC rows in smem
+            for kc0 in 0..K step KC               input chunk: x[NO, KC] bf16 in smem
+                stage x (RMSNorm(h) * w -> bf16, or a copy of a bf16 input)
+                GEMV: warp = R rows (x K-slice), lane = 8 consecutive inputs (16-byte loads),
+                      fp32 FMA, warp-shuffle sum, += into sAcc[ks][n][row]
+            epilogue (by opcode): residual add | silu(gate) * up | qk-norm + RoPE + q / KV cache
+                                  | logits + running argmax
+
+When a chunk has fewer row groups than warps, warps also split K (ks) and the epilogue sums the
+K-slices in a fixed order, so results do not depend on timing. Rows of activations beyond N are
+staged as zeros and skipped by the epilogues.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from megakernel.kernel.memory import (
+    join64,
+    ld,
+    load_bf16x8,
+    load_f32x8,
+    load_smem_bf16x8,
+    load_weights8,
+    st,
+    store_smem_bf16x8,
+    weight_atom,
+)
+from megakernel.kernel.spec import LANES, VEC, KernelSpec
+from megakernel.program import isa
+from megakernel.program.isa import Op
+
+F32_NEG_INF = -math.inf
+
+
+class Matvec:
+    """QKV, OPROJ, GATEUP, DOWN and LMHEAD: one GEMV, epilogue chosen by the runtime opcode."""
+
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.N, self.T, self.B = spec.rows, spec.tokens, spec.batch
+        self.NO, self.NB, self.R = spec.no, spec.nb, spec.rows_per_group
+        self.KC, self.RC = spec.k_chunk, spec.row_chunk
+        self.NT, self.NW = spec.num_threads, spec.num_warps
+        self.H, self.I, self.V, self.D = spec.hidden, spec.inter, spec.vocab, spec.head_dim
+        self.Hq, self.Hkv, self.G = spec.heads, spec.kv_heads, spec.group
+        self.E = spec.head_dim // LANES  # head elements per lane in the QKV epilogue
+        self.eps = spec.eps
+
+    # ---- entry --------------------------------------------------------------------------------
+    @cute.jit
+    def run(self, op: Int32, rec: cute.Tensor, layer: Int32, pW: cute.Pointer, pF: cute.Pointer,
+            pB: cute.Pointer, pI: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, s_max: Int32,
+            len_off: Int32, sX: cute.Tensor, sAcc: cute.Tensor, sRstd: cute.Tensor,
+            sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+        f = isa.COMMON_WORDS
+        w_base = join64(rec[f + 0], rec[f + 1])  # slab's first element in the arena
+        row0, nrows, k = rec[f + 2], rec[f + 3], rec[f + 4]
+        norm_off, in_off, out_off = rec[f + 5], rec[f + 6], rec[f + 7]
+        extra0, extra1 = rec[f + 8], rec[f + 9]  # QKV: QK_NORM_OFF, ROPE_OFF; LMHEAD: TILE, PARG
+        for n0 in cutlass.range(0, self.N, self.NO):
+            if norm_off >= 0:
+                self.row_rstd(pF, in_off, k, n0, sRstd, warp, lane)
+            if op == Op.LMHEAD:
+                for nn in cutlass.range(tidx, self.NO, self.NT):
+                    sBest[2 * nn] = Float32(F32_NEG_INF)
+                    sBest[2 * nn + 1] = row0.to(Float32)
+            for rc0 in cutlass.range(0, nrows, self.RC):
+                nr = cutlass.min(Int32(self.RC), nrows - rc0)
+                ng = nr // self.R
+                ksplit = Int32(1)
+                if ng < self.NW:
+                    ksplit = self.NW // ng
+                nrp = ng * self.R
+                cute.arch.sync_threads()  # previous epilogue done with sAcc
+                for i in cutlass.range(tidx, ksplit * self.NO * nrp, self.NT):
+                    sAcc[i] = Float32(0.0)
+                for kc0 in cutlass.range(0, k, self.KC):
+                    kc = cutlass.min(Int32(self.KC), k - kc0)
+                    cute.arch.sync_threads()  # sX free, sAcc zeroed
+                    self.stage_x(pW, pF, pB, norm_off, in_off, k, n0, kc0, kc, sX, sRstd, tidx)
+                    cute.arch.sync_threads()
+                    self.gemv(pW, w_base, k, rc0, kc0, kc, ng, ksplit, nrp, sX, sAcc, warp, lane)
+                cute.arch.sync_threads()
+                if op == Op.QKV:
+                    self.epi_qkv(layer, row0, rc0, nr, n0, ksplit, nrp, out_off, extra0, extra1,
+                                 pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, warp, lane)
+                elif op == Op.GATEUP:
+                    self.epi_gateup(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
+                elif op == Op.LMHEAD:
+                    self.epi_lmhead(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, sBest,
+                                    tidx, warp, lane)
+                else:  # OPROJ, DOWN: residual add into h
+                    self.epi_residual(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
+            if op == Op.LMHEAD:
+                cute.arch.sync_threads()
+                for nn in cutlass.range(tidx, self.NO, self.NT):
+                    if n0 + nn < self.N:
+                        slot = (extra0 * self.N + n0 + nn) * 2
+                        st(pF, extra1 + slot, sBest[2 * nn])
+                        st(pF, extra1 + slot + 1, sBest[2 * nn + 1])
+            cute.arch.sync_threads()
+
+    # ---- prologue -----------------------------------------------------------------------------
+    @cute.jit
+    def row_rstd(self, pF: cute.Pointer, in_off: Int32, k: Int32, n0: Int32, sRstd: cute.Tensor,
+                 warp: Int32, lane: Int32):
+        """sRstd[nn] = 1 / sqrt(mean(h[n0 + nn]^2) + eps), fp32 (one warp per row)."""
+        for nn in cutlass.range(warp, self.NO, self.NW):
+            n = n0 + nn
+            if n < self.N:
+                ss = Float32(0.0)
+                for v in cutlass.range(lane, k // VEC, LANES):
+                    x = load_f32x8(pF, in_off + n * k + v * VEC)
+                    ss = (x * x).reduce(cute.ReductionOp.ADD, ss, 0)
+                ss = cute.arch.warp_reduction_sum(ss)
+                if lane == 0:
+                    sRstd[nn] = Float32(1.0) / cute.math.sqrt(ss / Float32(k) + Float32(self.eps))
+
+    @cute.jit
+    def stage_x(self, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, norm_off: Int32,
+                in_off: Int32, k: Int32, n0: Int32, kc0: Int32, kc: Int32, sX: cute.Tensor,
+                sRstd: cute.Tensor, tidx: Int32):
+        """sX[nn, 0:kc] = bf16(h * rstd * w) (norm opcodes) or the bf16 input, zeros past N."""
+        nv = kc // VEC
+        for idx in cutlass.range(tidx, self.NO * nv, self.NT):
+            nn = idx // nv
+            v = idx - nn * nv
+            n = n0 + nn
+            y = cute.make_rmem_tensor((VEC,), Float32)
+            y.fill(0.0)
+            if n < self.N:
+                col = kc0 + v * VEC
+                if norm_off >= 0:
+                    h = load_f32x8(pF, in_off + n * k + col)
+                    w = load_bf16x8(pW, norm_off + col)
+                    y.store((h * sRstd[nn]) * w)
+                else:
+                    y.store(load_bf16x8(pB, in_off + n * k + col))
+            store_smem_bf16x8(sX, nn * self.KC + v * VEC, y.load())
+
+    # ---- the GEMV -----------------------------------------------------------------------------
+    @cute.jit
+    def gemv(self, pW: cute.Pointer, w_base: Int64, k: Int32, rc0: Int32, kc0: Int32, kc: Int32,
+             ng: Int32, ksplit: Int32, nrp: Int32, sX: cute.Tensor, sAcc: cute.Tensor,
+             warp: Int32, lane: Int32):
+        """sAcc[ks, n, row] += W[rc0 + row, kc0 + slice(ks)] . x[n, slice(ks)] for this chunk."""
+        R, NB = self.R, self.NB
+        atom = weight_atom()
+        nv = kc // VEC
+        vper = (nv + ksplit - 1) // ksplit
+        ks = warp // ng
+        if ks < ksplit:
+            vb = ks * vper
+            ve = cutlass.min(nv, vb + vper)
+            for gi in cutlass.range(warp - ks * ng, ng, self.NW):
+                rowl = gi * R
+                row_off = w_base + Int64(rc0 + rowl) * Int64(k) + Int64(kc0)
+                for nbk in cutlass.range(self.NO // NB):
+                    acc = cute.make_rmem_tensor((R * NB,), Float32)
+                    acc.fill(0.0)
+                    for v in cutlass.range(vb + lane, ve, LANES, unroll=self.spec.gemv_unroll):
+                        wv = [load_weights8(atom, pW, row_off + Int64(r * k + v * VEC))
+                              for r in range(R)]
+                        for j in cutlass.range_constexpr(NB):
+                            xv = load_smem_bf16x8(sX, (nbk * NB + j) * self.KC + v * VEC)
+                            for r in cutlass.range_constexpr(R):
+                                acc[r * NB + j] = (wv[r] * xv).reduce(
+                                    cute.ReductionOp.ADD, acc[r * NB + j], 0)
+                    for i in cutlass.range_constexpr(R * NB):
+                        acc[i] = cute.arch.warp_reduction_sum(acc[i])
+                    if lane == 0:
+                        for r in cutlass.range_constexpr(R):
+                            for j in cutlass.range_constexpr(NB):
+                                a = (ks * self.NO + nbk * NB + j) * nrp + rowl + r
+                                sAcc[a] = sAcc[a] + acc[r * NB + j]
+
+    @cute.jit
+    def acc_value(self, sAcc: cute.Tensor, nn: Int32, row: Int32, ksplit: Int32,
+                  nrp: Int32) -> Float32:
+        """Result of (activation row nn, chunk row): the K-slices summed in order."""
+        v = sAcc[nn * nrp + row]
+        for ks in cutlass.range(1, ksplit):
+            v = v + sAcc[(ks * self.NO + nn) * nrp + row]
+        return v
+
+    # ---- epilogues ----------------------------------------------------------------------------
+    @cute.jit
+    def epi_residual(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
+                     nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
+                     tidx: Int32):
+        """h[n, row0 + rc0 + r] += acc (fp32)."""
+        for idx in cutlass.range(tidx, self.NO * nr, self.NT):
+            nn = idx // nr
+            r = idx - nn * nr
+            if n0 + nn < self.N:
+                a = out_off + (n0 + nn) * self.H + row0 + rc0 + r
+                st(pF, a, ld(pF, a) + self.acc_value(sAcc, nn, r, ksplit, nrp))
+
+    @cute.jit
+    def epi_gateup(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
+                   nrp: Int32, out_off: Int32, pB: cute.Pointer, sAcc: cute.Tensor, tidx: Int32):
+        """act[n, (row0 + rc0) / 2 + c] = bf16(silu(gate) * up); rows alternate 16 gate, 16 up."""
+        blk = isa.GATEUP_BLOCK
+        cols = nr // 2
+        for idx in cutlass.range(tidx, self.NO * cols, self.NT):
+            nn = idx // cols
+            c = idx - nn * cols
+            if n0 + nn < self.N:
+                gr = (c // blk) * (2 * blk) + c % blk
+                g = self.acc_value(sAcc, nn, gr, ksplit, nrp)
+                u = self.acc_value(sAcc, nn, gr + blk, ksplit, nrp)
+                silu = g / (Float32(1.0) + cute.math.exp(-g))
+                a = out_off + (n0 + nn) * self.I + (row0 + rc0) // 2 + c
+                st(pB, a, (silu * u).to(BFloat16))
+
+    @cute.jit
+    def epi_lmhead(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
+                   nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
+                   sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+        """logits[n, row0 + rc0 + r] = acc; running (max, lowest index) per activation row."""
+        for idx in cutlass.range(tidx, self.NO * nr, self.NT):
+            nn = idx // nr
+            r = idx - nn * nr
+            if n0 + nn < self.N:
+                st(pF, out_off + (n0 + nn) * self.V + row0 + rc0 + r,
+                   self.acc_value(sAcc, nn, r, ksplit, nrp))
+        for nn in cutlass.range(warp, self.NO, self.NW):
+            if n0 + nn < self.N:
+                best = Float32(F32_NEG_INF)
+                bidx = Int32(row0 + rc0)
+                for r in cutlass.range(lane, nr, LANES):
+                    v = self.acc_value(sAcc, nn, r, ksplit, nrp)
+                    if v > best:  # rows ascend per lane: strict > keeps the lowest index
+                        best = v
+                        bidx = row0 + rc0 + r
+                best, bidx = warp_argmax(best, bidx)
+                if lane == 0:
+                    prev = sBest[2 * nn]
+                    if best > prev:  # earlier chunks hold lower indices: ties keep them
+                        sBest[2 * nn] = best
+                        sBest[2 * nn + 1] = bidx.to(Float32)
+
+    @cute.jit
+    def epi_qkv(self, layer: Int32, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,
+                ksplit: Int32, nrp: Int32, q_off: Int32, qkn_off: Int32, rope_off: Int32,
+                pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer,
+                pK: cute.Pointer, pV: cute.Pointer, s_max: Int32, len_off: Int32,
+                sAcc: cute.Tensor, warp: Int32, lane: Int32):
+        """Per (head, row): (qwen3) per-head RMSNorm, RoPE, bf16 -> q buffer or the KV cache."""
+        D, E, G = self.D, self.E, self.G
+        half = E // 2
+        hd = D // 2
+        sin_off = rope_off + s_max * hd  # sin [S_max, D/2] follows cos directly (isa.py)
+        nh = nr // D
+        slot0 = (row0 + rc0) // D
+        for item in cutlass.range(warp, nh * self.NO, self.NW):
+            hh = item // self.NO
+            nn = item - hh * self.NO
+            n = n0 + nn
+            if n < self.N:
+                slot = slot0 + hh
+                grp = slot // (G + 2)
+                j = slot - grp * (G + 2)  # < G: q head grp*G + j; G: k; G + 1: v
+                b = n // self.T
+                t = n - b * self.T
+                pos = ld(pI, len_off + b) + t
+                x = cute.make_rmem_tensor((E,), Float32)
+                for e in cutlass.range_constexpr(E):
+                    x[e] = self.acc_value(sAcc, nn, hh * D + lane + LANES * e, ksplit, nrp)
+                if j <= G:
+                    if cutlass.const_expr(self.spec.qk_norm):
+                        ss = Float32(0.0)
+                        for e in cutlass.range_constexpr(E):
+                            ss = ss + x[e] * x[e]
+                        ss = cute.arch.warp_reduction_sum(ss)
+                        rstd = Float32(1.0) / cute.math.sqrt(ss / Float32(D) + Float32(self.eps))
+                        woff = qkn_off
+                        if j == G:
+                            woff = qkn_off + D
+                        for e in cutlass.range_constexpr(E):
+                            w = ld(pW, woff + lane + LANES * e).to(Float32)
+                            x[e] = (x[e] * rstd) * w
+                    for e in cutlass.range_constexpr(half):
+                        i = lane + LANES * e
+                        c = ld(pF, rope_off + pos * hd + i)
+                        s = ld(pF, sin_off + pos * hd + i)
+                        x1 = x[e]
+                        x2 = x[e + half]
+                        x[e] = x1 * c + (-x2) * s
+                        x[e + half] = x2 * c + x1 * s
+                if j < G:
+                    base = q_off + (n * self.Hq + grp * G + j) * D
+                    for e in cutlass.range_constexpr(E):
+                        st(pB, base + lane + LANES * e, x[e].to(BFloat16))
+                else:
+                    row = ((Int64(layer) * self.B + b) * self.Hkv + grp) * Int64(s_max) + pos
+                    for e in cutlass.range_constexpr(E):
+                        if j == G:
+                            st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))
+                        else:
+                            st(pV, row * D + lane + LANES * e, x[e].to(BFloat16))
+
+
+@cute.jit
+def warp_argmax(v: Float32, i: Int32):
+    """(max value, lowest index holding it) across the warp; every lane gets the result."""
+    for m in cutlass.range_constexpr(5):
+        ov = cute.arch.shuffle_sync_bfly(v, offset=1 << m)
+        oi = cute.arch.shuffle_sync_bfly(i, offset=1 << m)
+        take = (ov > v) | ((ov == v) & (oi < i))
+        if take:
+            v = ov
+            i = oi
+    return v, i

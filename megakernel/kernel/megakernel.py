@@ -1,0 +1,177 @@
+"""The persistent decode megakernel: one CTA per SM interprets its queue of the program.
+
+Per record: read the 16 words, prefetch the weight slab into L2 (before the dependency wait, so the
+wait overlaps the stream), wait on the producer counter, run the handler for the opcode, signal.
+At the end of the queue the CTA counts itself out and the last one advances the epoch (sync.py).
+
+Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
+merge (by the last split's CTA) in attention.py. The
+host side `__call__` exists only to give `cute.compile` something to trace: launches go through
+the driver API (runtime.py), so the entry takes plain pointers and int32s (spec.PARAMS).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+
+from megakernel.kernel import sync
+from megakernel.kernel.attention import Attention
+from megakernel.kernel.matvec import Matvec, warp_argmax
+from megakernel.kernel.memory import elem_ptr, join64, ld, load_bf16x8, st, store_f32x8
+from megakernel.kernel.spec import LANES, VEC, KernelSpec
+from megakernel.program import isa
+from megakernel.program.isa import Op
+
+PREFETCH_CHUNK = 16 * 1024  # bytes per cp.async.bulk.prefetch.L2 request
+PREFETCH_MAX = 256 * 1024  # at most this much of a slab is prefetched ahead of its wait
+
+
+class DecodeMegakernel:
+    """Static config in `__init__`, host trace in `__call__`, device code in `kernel`."""
+
+    def __init__(self, spec: KernelSpec):
+        spec.validate()
+        self.spec = spec
+        self.NT, self.NW = spec.num_threads, spec.num_warps
+        self.N, self.T, self.B, self.H = spec.rows, spec.tokens, spec.batch, spec.hidden
+        self.matvec = Matvec(spec)
+        self.attention = Attention(spec)
+        self.regions = spec.smem_regions()
+        self.smem_bytes = spec.smem_bytes
+
+    @cute.jit
+    def __call__(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
+                 f32: cute.Pointer, bf16: cute.Pointer, i32: cute.Pointer, k_cache: cute.Pointer,
+                 v_cache: cute.Pointer, queue_len: Int32, s_max: Int32, len_off: Int32,
+                 num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(program, counters, weights, f32, bf16, i32, k_cache, v_cache, queue_len,
+                    s_max, len_off).launch(
+            grid=[num_ctas, 1, 1], block=[self.NT, 1, 1], smem=self.smem_bytes,
+            cooperative=True, min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
+               f32: cute.Pointer, bf16: cute.Pointer, i32: cute.Pointer, k_cache: cute.Pointer,
+               v_cache: cute.Pointer, queue_len: Int32, s_max: Int32, len_off: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+
+        # ---- shared memory (spec.smem_regions) ----
+        smem = cutlass.memory.SmemAllocator()
+        raw = smem.allocate_tensor(Uint8, cute.make_layout(self.smem_bytes), byte_alignment=128)
+        sX = self.region(raw, "x", BFloat16)  # [NO * KC] staged matvec input
+        sAcc = self.region(raw, "acc", Float32)  # [ks][n][row] GEMV results
+        sRstd = self.region(raw, "rstd", Float32)  # [NO]
+        sBest = self.region(raw, "best", Float32)  # [NO][2] running (max, index)
+        sQ = self.region(raw, "q", Float32)  # [NW][D]
+        sO = self.region(raw, "o", Float32)  # [NW][D]
+        sML = self.region(raw, "ml", Float32)  # [NW][2]
+        sFlag = self.region(raw, "flag", Int32)  # [1] broadcast from thread 0
+
+        epoch = Int32(0)
+        if tidx == 0:
+            epoch = sync.read_epoch(counters)
+
+        queue = program + bidx * queue_len * isa.RECORD_WORDS
+        pc = Int32(0)
+        op = cute.arch.load(queue, Int32)
+        while op != Op.END:
+            rec = cute.make_rmem_tensor((isa.RECORD_WORDS,), Int32)
+            gRec = cute.make_tensor(elem_ptr(queue, pc * isa.RECORD_WORDS, 16),
+                                    cute.make_layout(isa.RECORD_WORDS))
+            cute.autovec_copy(gRec, rec)
+            layer = rec[5]
+            if op == Op.ATTN_PARTIAL:
+                self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
+            elif op >= Op.QKV:
+                if op != Op.ARGMAX:
+                    self.prefetch_slab(weights, rec, tidx)
+            sync.wait_counter(counters, rec[1], epoch * rec[3] + rec[2], tidx)
+            if op == Op.EMBED:
+                self.embed(rec, weights, f32, i32, tidx)
+            elif op == Op.ATTN_PARTIAL:
+                self.attention.partial(rec, layer, f32, bf16, i32, k_cache, v_cache, s_max, sQ,
+                                       sO, sML, warp, lane)
+                self.attention.ticket(rec, epoch, counters, sFlag, f32, bf16, tidx, warp, lane)
+            elif op == Op.ARGMAX:
+                self.argmax(rec, f32, i32, tidx, warp, lane)
+            else:
+                self.matvec.run(op, rec, layer, weights, f32, bf16, i32, k_cache, v_cache, s_max,
+                                len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
+            if op != Op.ATTN_PARTIAL:  # the ticket above did its own signalling
+                sync.signal_counter(counters, rec[4], tidx)
+            pc += 1
+            op = cute.arch.load(queue + pc * isa.RECORD_WORDS, Int32)
+        sync.finish_step(counters, epoch, num_ctas, tidx)
+
+    def region(self, raw: cute.Tensor, name: str, dtype):
+        off, nbytes = self.regions[name]
+        width = dtype.width // 8
+        ptr = cute.recast_ptr(raw.iterator + off, dtype=dtype)
+        return cute.make_tensor(ptr, cute.make_layout(max(nbytes // width, 1)))
+
+    # ---- helpers and small handlers -----------------------------------------------------------
+    @cute.jit
+    def prefetch_slab(self, weights: cute.Pointer, rec: cute.Tensor, tidx: Int32):
+        """Ask L2 for (the head of) this instruction's weight slab; returns immediately."""
+        f = isa.COMMON_WORDS
+        w_base = join64(rec[f + 0], rec[f + 1])
+        # NROWS * K * 2 bytes can pass 2^31 (an LM head on few SMs): clamp in 64 bits
+        slab = Int64(rec[f + 3]) * Int64(rec[f + 4]) * Int64(2)
+        nbytes = Int32(PREFETCH_MAX)
+        if slab < Int64(PREFETCH_MAX):
+            nbytes = slab.to(Int32)
+        addr0 = weights.toint() + w_base * Int64(2)
+        for off in cutlass.range(tidx * PREFETCH_CHUNK, nbytes, self.NT * PREFETCH_CHUNK):
+            size = cutlass.min(Int32(PREFETCH_CHUNK), nbytes - off)
+            cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                 read_only_args=[addr0 + Int64(off), size])
+
+    @cute.jit
+    def embed(self, rec: cute.Tensor, weights: cute.Pointer, f32: cute.Pointer,
+              i32: cute.Pointer, tidx: Int32):
+        """h[n] = fp32(embedding[tokens_in[n]]) for n in [N0, N1)."""
+        f = isa.COMMON_WORDS
+        w_base = join64(rec[f + 0], rec[f + 1])
+        n0, n1, k = rec[f + 2], rec[f + 3], rec[f + 4]
+        tok_off, out_off = rec[f + 5], rec[f + 6]
+        nv = k // VEC
+        for idx in cutlass.range(tidx, (n1 - n0) * nv, self.NT):
+            nn = idx // nv
+            v = idx - nn * nv
+            tok = ld(i32, tok_off + n0 + nn)
+            row = load_bf16x8(weights, w_base + Int64(tok) * Int64(k) + Int64(v * VEC))
+            store_f32x8(f32, out_off + (n0 + nn) * k + v * VEC, row)
+
+    @cute.jit
+    def argmax(self, rec: cute.Tensor, f32: cute.Pointer, i32: cute.Pointer, tidx: Int32,
+               warp: Int32, lane: Int32):
+        """tokens_out[n] = argmax over the LM-head tiles' partials; then the step's flags."""
+        f = isa.COMMON_WORDS
+        n_tiles, parg, out_off = rec[f + 0], rec[f + 1], rec[f + 2]
+        tok_off, len_off, flags = rec[f + 3], rec[f + 4], rec[f + 5]
+        for n in cutlass.range(warp, self.N, self.NW):
+            best = Float32(-float("inf"))
+            bidx = Int32(0x7FFFFFFF)
+            for tile in cutlass.range(lane, n_tiles, LANES):
+                v = ld(f32, parg + (tile * self.N + n) * 2)
+                i = ld(f32, parg + (tile * self.N + n) * 2 + 1).to(Int32)
+                take = (v > best) | ((v == best) & (i < bidx))
+                if take:
+                    best = v
+                    bidx = i
+            best, bidx = warp_argmax(best, bidx)
+            if lane == 0:
+                st(i32, out_off + n, bidx)
+                if (flags & isa.FLAG_FEEDBACK) != 0:
+                    st(i32, tok_off + n, bidx)
+        if (flags & isa.FLAG_ADVANCE) != 0:
+            for b in cutlass.range(tidx, self.B, self.NT):
+                st(i32, len_off + b, ld(i32, len_off + b) + self.T)

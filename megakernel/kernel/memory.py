@@ -1,0 +1,112 @@
+"""Address arithmetic and vector loads/stores on raw global pointers (device code).
+
+The kernel's parameters are plain pointers; instruction operands are element offsets. These
+helpers turn (base, offset) into typed pointers and 16-byte vectors. Offsets that can exceed 2^31
+elements (weights, KV cache) are carried as Int64.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from megakernel.kernel.spec import VEC
+
+# weights are read once per step: do not pollute L1, ask L2 for 256-byte lines
+_W_ATOM_KW = dict(
+    l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE,
+    l2_prefetch_size=cute.nvgpu.L2PrefetchSize.SIZE_256B,
+)
+
+
+def join64(lo: Int32, hi: Int32) -> Int64:
+    """(low word as unsigned, high word) -> a 64-bit element offset."""
+    return (Int64(hi) << 32) | (Int64(lo) & Int64(0xFFFFFFFF))
+
+
+def elem_ptr(base: cute.Pointer, offset, align: int) -> cute.Pointer:
+    """`base + offset` elements, as a global pointer assumed `align`-byte aligned."""
+    width = base.dtype.width // 8
+    addr = base.toint() + Int64(offset) * Int64(width)
+    return cute.make_ptr(base.dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def weight_atom():
+    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128,
+                               **_W_ATOM_KW)
+
+
+def load_weights8(atom, base: cute.Pointer, offset: Int64):
+    """8 bf16 weights at `base + offset` (16-byte aligned) -> fp32 TensorSSA [8]."""
+    g = cute.make_tensor(elem_ptr(base, offset, 16), cute.make_layout(VEC))
+    r = cute.make_rmem_tensor((VEC,), BFloat16)
+    cute.copy(atom, g, r)
+    return r.load().to(Float32)
+
+
+def load_bf16x8(base: cute.Pointer, offset) -> cute.TensorSSA:
+    """8 bf16 activations at `base + offset` (16-byte aligned) -> fp32 [8] (L1-cached load)."""
+    g = cute.make_tensor(elem_ptr(base, offset, 16), cute.make_layout(VEC))
+    r = cute.make_rmem_tensor((VEC,), BFloat16)
+    cute.autovec_copy(g, r)
+    return r.load().to(Float32)
+
+
+def load_bf16_vec(base: cute.Pointer, offset, n: int):
+    """n (2 or 4) consecutive bf16 at `base + offset` (aligned to 2n bytes) -> fp32 [n]."""
+    g = cute.make_tensor(elem_ptr(base, offset, 2 * n), cute.make_layout(n))
+    r = cute.make_rmem_tensor((n,), BFloat16)
+    cute.autovec_copy(g, r)
+    return r.load().to(Float32)
+
+
+def store_f32_vec(base: cute.Pointer, offset, v, n: int) -> None:
+    """n consecutive fp32 to `base + offset` (aligned to 4n bytes)."""
+    r = cute.make_rmem_tensor((n,), Float32)
+    r.store(v)
+    g = cute.make_tensor(elem_ptr(base, offset, 4 * n), cute.make_layout(n))
+    cute.autovec_copy(r, g)
+
+
+def load_f32x8(base: cute.Pointer, offset) -> cute.TensorSSA:
+    """8 fp32 at `base + offset` (16-byte aligned) -> fp32 [8]."""
+    g = cute.make_tensor(elem_ptr(base, offset, 16), cute.make_layout(VEC))
+    r = cute.make_rmem_tensor((VEC,), Float32)
+    cute.autovec_copy(g, r)
+    return r.load()
+
+
+def store_f32x8(base: cute.Pointer, offset, v) -> None:
+    r = cute.make_rmem_tensor((VEC,), Float32)
+    r.store(v)
+    g = cute.make_tensor(elem_ptr(base, offset, 16), cute.make_layout(VEC))
+    cute.autovec_copy(r, g)
+
+
+def smem_vec8(s: cute.Tensor, offset):
+    """View of 8 consecutive elements of a 1-D shared tensor (offset a multiple of 8)."""
+    return cute.flat_divide(s, (VEC,))[None, offset // VEC]
+
+
+def load_smem_bf16x8(s: cute.Tensor, offset):
+    r = cute.make_rmem_tensor((VEC,), BFloat16)
+    cute.autovec_copy(smem_vec8(s, offset), r)
+    return r.load().to(Float32)
+
+
+def store_smem_bf16x8(s: cute.Tensor, offset, v) -> None:
+    """fp32 [8] -> bf16 (round to nearest even) -> shared."""
+    r = cute.make_rmem_tensor((VEC,), BFloat16)
+    r.store(v.to(BFloat16))
+    cute.autovec_copy(r, smem_vec8(s, offset))
+
+
+def ld(base: cute.Pointer, offset):
+    """Scalar global load of `base[offset]`."""
+    return cute.make_tensor(elem_ptr(base, offset, base.dtype.width // 8), cute.make_layout(1))[0]
+
+
+def st(base: cute.Pointer, offset, value) -> None:
+    """Scalar global store `base[offset] = value`."""
+    t = cute.make_tensor(elem_ptr(base, offset, base.dtype.width // 8), cute.make_layout(1))
+    t[0] = value

@@ -1,0 +1,254 @@
+"""Static configuration of one megakernel build, its parameter ABI and its budgets (no DSL).
+
+A build is specialised on (model shapes, batch B, tokens per step T, arch): everything the device
+code treats as a compile-time constant is in `KernelSpec`. What varies per launch (the program,
+the buffers, S_max, the queue length) is a kernel parameter. The parameter list is plain (global
+pointers and 32-bit integers) so that the manifest can be checked against the PTX `.entry`
+signature and the runtime can launch the cubin with the driver API alone.
+
+This module imports neither the DSL nor CUDA: the runtime and the CPU tests use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megakernel.config import ModelConfig
+from megakernel.program import isa
+
+ARCHS = ("sm_90a", "sm_100a")
+# compute capability -> the arch a cubin must be built for
+CAPABILITY_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+# ---- budgets (checked on every build and in the tests) ------------------------------------------
+NUM_THREADS = 256  # 8 warps per CTA, one CTA per SM
+REGISTER_BUDGET = 192  # per thread (one 256-thread CTA per SM may use 255; 512 threads need <= 128)
+SMEM_BUDGET = 200 * 1024  # dynamic shared memory per CTA (227 KB is the sm_90/sm_100 opt-in max)
+X_SMEM_BYTES = 64 * 1024  # staged matvec input (bf16 [NO, KC])
+ACC_SMEM_BYTES = 32 * 1024  # fp32 matvec results of one row chunk ([ks][n][row])
+
+ROW_CHUNK = 256  # slab rows per epilogue pass: a multiple of every head_dim and of 2 * 16 gate/up
+VEC = 8  # bf16 per 16-byte vector load
+ARGMAX_EXACT = 1 << 24  # vocab indices travel as fp32 in the partial argmax
+LANES = 32
+
+
+# ---- kernel parameters (the ABI) ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # "ptr" (64-bit global address) | "i32"
+    dtype: str  # element type behind a pointer, or "int32"
+    doc: str
+
+    @property
+    def size(self) -> int:
+        return 8 if self.kind == "ptr" else 4
+
+
+PARAMS: tuple[Param, ...] = (
+    Param("program", "ptr", "int32", "records [num_sms, queue_len, RECORD_WORDS]"),
+    Param("counters", "ptr", "int32", "counter words (EPOCH, EXIT, program counters)"),
+    Param("weights", "ptr", "bfloat16", "packed weight arena"),
+    Param("f32", "ptr", "float32", "fp32 arena (h, partials, logits, rope tables)"),
+    Param("bf16", "ptr", "bfloat16", "bf16 arena (q, attention output, MLP activation)"),
+    Param("i32", "ptr", "int32", "int32 arena (tokens in/out, lengths)"),
+    Param("k_cache", "ptr", "bfloat16", "K cache [L, B, Hkv, S_max, D]"),
+    Param("v_cache", "ptr", "bfloat16", "V cache [L, B, Hkv, S_max, D]"),
+    Param("queue_len", "i32", "int32", "records per CTA queue (second dim of program)"),
+    Param("s_max", "i32", "int32", "cache positions per sequence"),
+    Param("lengths_off", "i32", "int32", "i32 offset of lengths [B] (header I32_LENGTHS_OFF)"),
+)
+
+
+class SpecError(ValueError):
+    """A model/batch combination this kernel build cannot serve (named, with the limit)."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Compile-time constants of the device code."""
+
+    arch: str
+    family: str
+    hidden: int  # H
+    inter: int  # I
+    vocab: int  # V
+    layers: int  # L
+    heads: int  # Hq
+    kv_heads: int  # Hkv
+    head_dim: int  # D
+    qk_norm: bool
+    eps: float
+    batch: int  # B
+    tokens: int  # T
+    num_threads: int = NUM_THREADS
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:  # N = B * T
+        return self.batch * self.tokens
+
+    @property
+    def group(self) -> int:  # G
+        return self.heads // self.kv_heads
+
+    @property
+    def num_warps(self) -> int:
+        return self.num_threads // LANES
+
+    @property
+    def nb(self) -> int:
+        """Activation rows per register block of the GEMV (accumulators R * NB per lane): a power
+        of two so that R = 16 / NB divides the slab alignment; padded rows are zero inputs."""
+        nb = 1
+        while nb < min(self.rows, 8):
+            nb *= 2
+        return nb
+
+    @property
+    def rows_per_group(self) -> int:
+        """R: weight rows a warp streams together (16-byte loads in flight per lane)."""
+        return max(1, min(8, 16 // self.nb))
+
+    @property
+    def gemv_unroll(self) -> int:
+        """K-loop unroll: 16-byte weight loads in flight per lane = R * unroll (<= 8)."""
+        return 2 if self.rows_per_group <= 4 else 1
+
+    @property
+    def no(self) -> int:
+        """Activation rows per outer pass of a matvec (x staged for NO rows at a time)."""
+        npad = -(-self.rows // self.nb) * self.nb
+        return min(npad, 32 // self.nb * self.nb)
+
+    @property
+    def k_max(self) -> int:
+        return max(self.hidden, self.heads * self.head_dim, self.inter)
+
+    @property
+    def k_chunk(self) -> int:
+        """KC: input features staged per pass (a multiple of 256 = one warp-wide sweep)."""
+        cap = X_SMEM_BYTES // (2 * self.no) // 256 * 256
+        need = -(-self.k_max // 256) * 256
+        return max(256, min(cap, need))
+
+    @property
+    def row_chunk(self) -> int:
+        return ROW_CHUNK
+
+    @property
+    def acc_words(self) -> int:
+        return self.no * max(ROW_CHUNK, self.num_warps * self.rows_per_group)
+
+    @property
+    def attn_queries(self) -> int:  # T * G queries per (sequence, kv head)
+        return self.tokens * self.group
+
+    # shared memory carve-up (bytes, every region 128-byte aligned)
+    def smem_regions(self) -> dict[str, tuple[int, int]]:
+        """name -> (offset, bytes)."""
+        d, nw = self.head_dim, self.num_warps
+        sizes = [
+            ("x", 2 * self.no * self.k_chunk),  # bf16 [NO, KC]
+            ("acc", 4 * self.acc_words),  # fp32 [ks][n][row]
+            ("rstd", 4 * max(self.no, 32)),  # fp32 per activation row
+            ("best", 8 * max(self.no, 32)),  # (max, index) per activation row
+            ("q", 4 * nw * d),  # fp32 per warp: the query of attention
+            ("o", 4 * nw * d),  # fp32 per warp: attention partial output
+            ("ml", 4 * 2 * nw),  # fp32 per warp: (m, l)
+            ("flag", 16),  # int32 broadcast word
+        ]
+        out, off = {}, 0
+        for name, n in sizes:
+            out[name] = (off, n)
+            off += -(-n // 128) * 128
+        return out
+
+    @property
+    def smem_bytes(self) -> int:
+        return sum(-(-n // 128) * 128 for _, n in self.smem_regions().values())
+
+    # ---- checks ------------------------------------------------------------------------------
+    def validate(self) -> None:
+        if self.arch not in ARCHS:
+            raise SpecError(f"unsupported arch {self.arch!r}; supported: {', '.join(ARCHS)}")
+        if self.head_dim not in isa.SUPPORTED_HEAD_DIMS:
+            raise SpecError(f"unsupported head_dim {self.head_dim}; the kernel supports "
+                            f"{', '.join(map(str, isa.SUPPORTED_HEAD_DIMS))}")
+        if self.vocab > ARGMAX_EXACT:
+            raise SpecError(f"vocab_size {self.vocab} > {ARGMAX_EXACT}: the partial argmax "
+                            f"carries vocab indices as fp32, exact only up to 2^24")
+        if self.rows > isa.MAX_ROWS:
+            raise SpecError(f"batch * tokens = {self.rows} > {isa.MAX_ROWS} rows per step")
+        for what, k in (("hidden_size", self.hidden), ("q_size", self.heads * self.head_dim),
+                        ("intermediate_size", self.inter)):
+            if k % VEC:
+                raise SpecError(f"{what} = {k} must be a multiple of {VEC} (16-byte loads)")
+        if self.num_threads % LANES or not 64 <= self.num_threads <= 1024:
+            raise SpecError(f"num_threads must be a multiple of 32 in [64, 1024], "
+                            f"got {self.num_threads}")
+        if ROW_CHUNK % self.head_dim or ROW_CHUNK % (2 * isa.GATEUP_BLOCK):
+            raise SpecError("ROW_CHUNK must hold whole heads and whole gate/up block pairs")
+        if isa.ROW_ALIGN % self.rows_per_group:
+            raise SpecError("rows per warp group must divide the slab row alignment")
+        if 4 * self.acc_words > ACC_SMEM_BYTES:
+            raise SpecError(f"matvec accumulators need {4 * self.acc_words} B of shared memory "
+                            f"> {ACC_SMEM_BYTES}")
+        if self.smem_bytes > SMEM_BUDGET:
+            raise SpecError(f"the kernel needs {self.smem_bytes} B of shared memory > budget "
+                            f"{SMEM_BUDGET}")
+
+    # ---- identity ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KernelSpec:
+        return cls(**d)
+
+    @property
+    def tag(self) -> str:
+        """Short name of the static config: used in file names."""
+        return (f"{self.family}-h{self.hidden}-i{self.inter}-v{self.vocab}-l{self.layers}"
+                f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}")
+
+
+def make_spec(cfg: ModelConfig, batch: int, tokens: int, arch: str,
+              num_threads: int = NUM_THREADS) -> KernelSpec:
+    """The build's static config for a model, batch and tokens per step."""
+    if batch < 1 or tokens < 1:
+        raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
+    spec = KernelSpec(
+        arch=arch, family=cfg.family, hidden=cfg.hidden_size, inter=cfg.intermediate_size,
+        vocab=cfg.vocab_size, layers=cfg.num_layers, heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
+        eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens, num_threads=num_threads)
+    spec.validate()
+    return spec
+
+
+# ---- fingerprint --------------------------------------------------------------------------------
+KERNEL_SOURCES = ("spec.py", "megakernel.py", "matvec.py", "attention.py", "sync.py", "memory.py")
+
+
+def source_digest() -> str:
+    """sha256 over the device-code sources and the ISA (what the cubin is compiled from)."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        p = here / name
+        h.update(name.encode())
+        h.update(p.read_bytes() if p.exists() else b"<missing>")
+    h.update((here.parent / "program" / "isa.py").read_bytes())
+    return h.hexdigest()
+
+
+def fingerprint(spec: KernelSpec, dsl_version: str) -> str:
+    """Key of a compiled kernel: sources + DSL version + arch + static config + ISA version."""
+    blob = json.dumps({"sources": source_digest(), "dsl": dsl_version, "spec": spec.to_dict(),
+                       "format_version": isa.FORMAT_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -1,0 +1,131 @@
+"""`python -m megakernel plan`: compile a decode-step program and print what the cost model says.
+
+Prints instructions per opcode, bytes moved per step, the predicted step time, the floor (bytes /
+copy bandwidth, and bytes / HBM spec), the predicted efficiency (floor / predicted), the worst
+SM's idle fraction, and the assumptions. `--json` adds one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from typing import Any
+
+from megakernel.program import cost
+from megakernel.program.gpus import GPUS, SOURCES, from_device, gpu
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint dir")
+    p.add_argument("--gpu", default="h200",
+                   help=f"{', '.join(GPUS)}, or 'device' for the live CUDA device (default h200)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step B (default 1)")
+    p.add_argument("--tokens", type=int, default=1, help="tokens per sequence per step T")
+    p.add_argument("--context", type=int, default=None,
+                   help="cached tokens per sequence assumed by the cost model (default 1024)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV cache positions per sequence (default min(4096, model max))")
+    p.add_argument("--splits", type=int, default=None, help="attention splits (default: auto)")
+    p.add_argument("--policy", default="cost", choices=("cost", "round_robin"),
+                   help="SM assignment (default cost)")
+    p.add_argument("--copy-bw", type=float, default=None,
+                   help="measured copy bandwidth in GB/s (replaces the assumed 90%% of spec)")
+    p.add_argument("--measured-step-us", type=float, default=None,
+                   help="a measured step time to report against the prediction")
+    p.add_argument("--isa", action="store_true", help="also print the instruction set table")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
+         context: int | None = None, max_seq_len: int | None = None, splits: int | None = None,
+         policy: str = "cost", copy_bw_gbs: float | None = None) -> dict[str, Any]:
+    """Compile, verify and summarise one program (the JSON-ready result of `plan`)."""
+    from megakernel.config import resolve_model
+    from megakernel.program.compiler import compile_program
+    from megakernel.program.verify import check_program
+
+    cfg = resolve_model(model)
+    g = from_device() if gpu_name == "device" else gpu(gpu_name)
+    if copy_bw_gbs is not None:
+        g = g.with_copy_bandwidth(copy_bw_gbs * 1e9)
+    t0 = time.perf_counter()
+    prog = compile_program(cfg, batch, g, tokens=tokens, max_seq_len=max_seq_len,
+                           context=context, n_splits=splits, policy=policy)
+    plan_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    check_program(prog)
+    verify_s = time.perf_counter() - t0
+    r = prog.cost
+    weights = sum(i.w_bytes for i in prog.instrs if i.op.name != "ATTN_PARTIAL")
+    kv_read = sum(i.w_bytes for i in prog.instrs if i.op.name == "ATTN_PARTIAL")
+    return {
+        "model": model, "gpu": g.name, "batch": batch, "tokens": tokens,
+        "context": prog.context, "max_seq_len": prog.max_seq_len, "n_splits": prog.n_splits,
+        "policy": policy, "num_sms": prog.num_sms,
+        "instructions": len(prog.instrs), "ops": prog.ops_histogram(),
+        "max_queue": max(len(q) for q in prog.queues), "counters": len(prog.counters),
+        "bytes_per_step": r.bytes_per_step, "weight_bytes": weights, "kv_read_bytes": kv_read,
+        "kv_write_bytes": cost.kv_written_bytes(prog),
+        "predicted_step_us": round(r.predicted_s * 1e6, 2),
+        "floor_us": round(r.floor_s * 1e6, 2),
+        "spec_floor_us": round(r.spec_floor_s * 1e6, 2),
+        "predicted_efficiency": round(r.efficiency, 4),
+        "predicted_spec_efficiency": round(r.spec_efficiency, 4),
+        "copy_bw_gbs": round(g.copy_bw / 1e9, 1), "copy_bw_measured": g.copy_bw_measured,
+        "hbm_bw_gbs": round(g.hbm_bw / 1e9, 1),
+        "worst_sm_idle": round(r.worst_idle, 4), "mean_sm_idle": round(r.mean_idle, 4),
+        "plan_s": round(plan_s, 3), "verify_s": round(verify_s, 3),
+        "format_version": prog.header["FORMAT_VERSION"],
+        "cost_params": dataclasses.asdict(cost.CostParams()),
+    }
+
+
+def describe(r: dict[str, Any]) -> list[str]:
+    gb = 1e9
+    lines = [
+        f"{r['model']} on {r['gpu']} ({r['num_sms']} SMs): batch {r['batch']} x {r['tokens']} "
+        f"token(s), {r['context']} cached tokens per sequence assumed, cache of "
+        f"{r['max_seq_len']} positions, {r['n_splits']} attention split(s)",
+        f"program: {r['instructions']} instructions ({r['policy']} schedule), longest queue "
+        f"{r['max_queue']}, {r['counters']} counters; compiled in {r['plan_s']:.2f} s, verified "
+        f"in {r['verify_s']:.2f} s",
+        "instructions per opcode: " + ", ".join(f"{k} {v}" for k, v in r["ops"].items()),
+        f"bytes per step: {r['bytes_per_step'] / gb:.3f} GB (weights {r['weight_bytes'] / gb:.3f}"
+        f", KV read {r['kv_read_bytes'] / gb:.4f}, KV written {r['kv_write_bytes'] / gb:.5f})",
+        f"predicted step: {r['predicted_step_us']:.1f} us",
+        f"floor: {r['floor_us']:.1f} us at the copy bandwidth {r['copy_bw_gbs']:.0f} GB/s"
+        f" ({'measured' if r['copy_bw_measured'] else 'assumed 90% of spec'}); "
+        f"{r['spec_floor_us']:.1f} us at the spec {r['hbm_bw_gbs']:.0f} GB/s",
+        f"predicted efficiency: {100 * r['predicted_efficiency']:.1f}% of the copy floor "
+        f"({100 * r['predicted_spec_efficiency']:.1f}% of the spec floor)",
+        f"worst SM idle fraction: {100 * r['worst_sm_idle']:.1f}% (mean "
+        f"{100 * r['mean_sm_idle']:.1f}%)",
+    ]
+    if r.get("measured_step_us"):
+        lines.append(f"measured step: {r['measured_step_us']:.1f} us -> predicted/measured = "
+                     f"{r['predicted_step_us'] / r['measured_step_us']:.3f}")
+    p = r["cost_params"]
+    lines.append(
+        f"assumptions: {p['mem_latency'] * 1e9:.0f} ns per load/store on a dependency edge, "
+        f"{p['fixed_per_instr'] * 1e6:.2f} us fixed per instruction, launch "
+        f"{p['launch'] * 1e6:.1f} us ({cost.CITATIONS['mem_latency']}); "
+        f"{SOURCES['COPY']}; {SOURCES['L2']}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    r = plan(args.model, args.gpu, args.batch, args.tokens, args.context, args.max_seq_len,
+             args.splits, args.policy, args.copy_bw)
+    if args.measured_step_us is not None:
+        r["measured_step_us"] = args.measured_step_us
+    if args.isa:
+        from megakernel.program.isa import table_markdown
+
+        print(table_markdown())
+        print()
+    print("\n".join(describe(r)))
+    if args.json:
+        print(json.dumps(r))
+    return 0

@@ -1,0 +1,298 @@
+"""Cost model of one decode step: per-instruction bytes, latencies and fixed costs, per SM.
+
+Parameters (`CostParams`), each from a published figure or stated as an assumption:
+- `mem_latency` 500 ns: one global load or store on a dependency path. Hazy Research, "Look Ma,
+  No Bubbles" (2025): a B200 instruction pays "about 2 load plus 2 store latencies of ~500 ns".
+  Here a dependency edge is exactly that chain: producer's stores + release add (2 stores),
+  consumer's acquire poll + activation load (2 loads) = 2 us.
+- `fixed_per_instr` 0.96 us: setup and cross-warp synchronisation per instruction, derived from the
+  same post's B200 breakdown: 40 us sync + 80 us setup over the ~125 instructions per SM that its
+  250 us of dependency latency implies (250 us / 2 us).
+- `launch` 1.3 us: CUDA-graph kernel launch on H100 (same post).
+- `smem_reserve` 32 KiB: shared memory a CTA keeps for activations, the instruction ring and
+  barriers (a kernel design figure); the rest of the 227 KiB is the weight prefetch window.
+- `mma_efficiency` 0.5: fraction of dense BF16 tensor peak that warp-level mma.sync matvecs reach
+  (assumption; compute only matters at large batch).
+- bandwidth per SM = the GPU's copy bandwidth / SMs (every SM streams at once in the steady state);
+  activation reads come from L2 at the L2 bandwidth / SMs (gpus.py cites both).
+
+Timeline of one instruction i on SM s (the "no bubbles" overlap):
+- the weight loader streams the SM's instructions' prefetchable bytes (weights, cached KV) back to
+  back, at most `window` bytes ahead of what the compute side has consumed, so it runs ahead of
+  dependency waits;
+- start = max(previous instruction done, dependency visible) + fixed cost;
+- activations arrive one load latency (+ bytes / L2 share) later (t_act); bytes the loader had in
+  shared memory by t_act are free, the rest streams at the SM's share: the exposed cost is
+  max(wait, load) plus fixed costs;
+- done = max(weights in, t_act + compute) + stores / bandwidth; the CTA fences its stores (one
+  latency) and adds to the counter (one more); a waiter sees it one poll latency later.
+
+Two evaluations share these parameters: `SimState` places instructions one at a time for the
+scheduler (bandwidth from a first-come ledger, each SM capped at its L2 share), and replay.py
+replays the finished program with the bandwidth shared fairly among the SMs streaming at each
+moment; the replay's step time is the prediction `plan` reports.
+
+The floor is bytes per step / copy bandwidth, where bytes = weights read + KV cache read + KV
+written + embedding rows; the spec floor uses the HBM spec bandwidth instead. Predicted efficiency
+= floor / predicted step time. An SM's idle fraction is the share of the step in which its memory
+pipe is not streaming its own bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from megakernel.program.gpus import GPU
+from megakernel.program.isa import NO_COUNTER, Op
+
+CITATIONS = {
+    "mem_latency": "Hazy Research, 'Look Ma, No Bubbles' (2025-05-27): ~500 ns per load/store",
+    "fixed_per_instr": "derived from the same post's B200 breakdown: (40 + 80) us / ~125 instr",
+    "launch": "same post: CUDA-graph launch ~1.3 us on H100",
+    "smem_reserve": "kernel design figure (activations, instruction ring, barriers)",
+    "mma_efficiency": "assumption: mma.sync matvec at 50% of dense BF16 peak",
+}
+
+
+@dataclass(frozen=True)
+class CostParams:
+    mem_latency: float = 500e-9
+    fixed_per_instr: float = 0.96e-6
+    launch: float = 1.3e-6
+    smem_reserve: int = 32 * 1024
+    mma_efficiency: float = 0.5
+
+
+@dataclass
+class Rates:
+    """Per-SM rates of one GPU under `CostParams`."""
+
+    bw: float  # bytes/s of HBM per SM
+    l2: float  # bytes/s of L2 per SM
+    tensor: float  # flop/s per SM
+    fp32: float
+    window: int  # prefetch window bytes
+    lat: float
+    fixed: float
+
+    @classmethod
+    def of(cls, gpu: GPU, p: CostParams) -> Rates:
+        n = gpu.num_sms
+        return cls(gpu.copy_bw / n, gpu.l2_bw / n, gpu.bf16_tensor_flops * p.mma_efficiency / n,
+                   gpu.fp32_flops / n, max(16 * 1024, gpu.smem_per_block - p.smem_reserve),
+                   p.mem_latency, p.fixed_per_instr)
+
+
+class SimState:
+    """Per-SM timelines while instructions are placed (by the scheduler) or replayed."""
+
+    def __init__(self, gpu: GPU, params: CostParams | None = None) -> None:
+        self.params = params or CostParams()
+        self.r = Rates.of(gpu, self.params)
+        n = gpu.num_sms
+        self.n = n
+        self.free = np.zeros(n)  # compute side free (previous instruction done and fenced)
+        self.load_end = np.zeros(n)  # loader finished every byte so far
+        self.win = np.zeros(n)  # earliest time the loader may fetch the next byte (window)
+        self.cum = np.zeros(n, dtype=np.int64)  # prefetchable bytes so far
+        self.streamed = np.zeros(n)  # bytes moved by each SM (for idle fractions)
+        self.count = np.zeros(n, dtype=np.int64)
+        # per SM consumption history: end offsets, (start offset, t0, t1)
+        self._hist_end: list[list[int]] = [[] for _ in range(n)]
+        self._hist: list[list[tuple[int, float, float]]] = [[] for _ in range(n)]
+        self.counter_done: dict[int, float] = {}  # counter -> latest signal time so far
+        self.ledger = Ledger(gpu.copy_bw, self.r.l2)
+
+    # -- dependency ---------------------------------------------------------------------------
+    def visible(self, cid: int) -> float:
+        """When a waiter on counter `cid` sees all increments placed so far."""
+        if cid == NO_COUNTER:
+            return 0.0
+        return self.counter_done.get(cid, 0.0) + self.r.lat
+
+    # -- one instruction ----------------------------------------------------------------------
+    def _times(self, ins, ready, free, load_end, win):  # noqa: ANN001
+        r = self.r
+        start = np.maximum(free, ready) + r.fixed
+        after = ins.l2_bytes + ins.hbm_bytes
+        t_act = start + (r.lat + ins.l2_bytes / r.l2 + ins.hbm_bytes / r.bw if after else 0.0)
+        w = ins.w_bytes
+        compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
+        if w:
+            ls = np.maximum(load_end, win)
+            ls = ls + np.where(ls > load_end, r.lat, 0.0)  # restart latency after a stall
+            pre = np.clip((t_act - ls) * r.bw, 0.0, min(w, r.window))
+            t_w = np.where(pre < w, t_act + (w - pre) / r.bw, ls + w / r.bw)
+            new_load_end = np.maximum(t_w, ls + w / r.bw)
+        else:
+            t_w = t_act
+            new_load_end = load_end
+        t_c1 = np.maximum(t_w, t_act + compute) + ins.store_bytes / r.bw
+        return start, t_act, t_c1, new_load_end
+
+    def probe(self, ins) -> np.ndarray:  # noqa: ANN001
+        """Completion time of `ins` on every SM (nothing changes)."""
+        ready = self.visible(ins.wait)
+        _, _, t_c1, _ = self._times(ins, ready, self.free, self.load_end, self.win)
+        return t_c1
+
+    def place(self, ins, s: int) -> float:  # noqa: ANN001
+        """Append `ins` to SM `s`; returns its completion time (before the fence).
+
+        Unlike `probe`, the weight stream draws on the shared bandwidth ledger, so an SM streams
+        faster than its even share when others are idle (up to its own cap).
+        """
+        r = self.r
+        ready = self.visible(ins.wait)
+        start = max(float(self.free[s]), ready) + r.fixed
+        t_act = start
+        if ins.l2_bytes or ins.hbm_bytes:
+            t_act += r.lat + ins.l2_bytes / r.l2 + ins.hbm_bytes / r.bw
+        w = ins.w_bytes
+        le = float(self.load_end[s])
+        t_w = t_act
+        if w:
+            ls = max(le, float(self.win[s]))
+            if ls > le:
+                ls += r.lat  # the loader restarts after a full window
+            got, t1 = 0.0, ls
+            if t_act > ls:
+                t1, got = self.ledger.take(ls, min(w, r.window), t_act)
+            if got < w:
+                t_w, _ = self.ledger.take(max(t_act, t1), w - got)
+            else:
+                t_w = t1
+            le = t_w
+        compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
+        t_c1 = max(t_w, t_act + compute) + ins.store_bytes / r.bw
+        self.free[s] = t_c1 + r.lat  # fence before the signal
+        self.load_end[s] = le
+        if ins.w_bytes:
+            s0 = int(self.cum[s])
+            self.cum[s] += ins.w_bytes
+            self._hist_end[s].append(int(self.cum[s]))
+            self._hist[s].append((s0, t_act, t_c1))
+        self.win[s] = self._consumed_at(s, int(self.cum[s]) - r.window)
+        self.streamed[s] += ins.w_bytes + ins.hbm_bytes + ins.store_bytes
+        self.count[s] += 1
+        if ins.signal != NO_COUNTER:
+            sig = t_c1 + 2 * r.lat  # stores fenced, then the release add lands
+            self.counter_done[ins.signal] = max(self.counter_done.get(ins.signal, 0.0), sig)
+            if ins.op == Op.ATTN_PARTIAL:
+                # the last split's CTA merges: ticket (atomic round trip), read the partials,
+                # merge, store, fence, release add; max over the group = the last split
+                merge = (r.lat + ins.merge_l2_bytes / r.l2 + ins.merge_flops / r.fp32
+                         + ins.merge_store_bytes / r.bw + 2 * r.lat)
+                done = ins.operands["DONE_CID"]
+                t = self.counter_done[ins.signal] + merge
+                self.counter_done[done] = max(self.counter_done.get(done, 0.0), t)
+        ins.sm = s
+        ins.t_start, ins.t_end = start, t_c1
+        return t_c1
+
+    def _consumed_at(self, s: int, offset: int) -> float:
+        """When SM s's compute side had consumed its stream up to `offset` bytes."""
+        if offset <= 0:
+            return 0.0
+        ends = self._hist_end[s]
+        j = bisect.bisect_left(ends, offset)
+        if j >= len(ends):
+            return float("inf")
+        s0, t0, t1 = self._hist[s][j]
+        frac = (offset - s0) / max(1, ends[j] - s0)
+        return t0 + frac * (t1 - t0)
+
+    def step_time(self) -> float:
+        """Predicted step: last CTA done + exit atomic + launch."""
+        return float(self.free.max()) + self.r.lat + self.params.launch
+
+
+class Ledger:
+    """HBM bandwidth over time, in bins: streams placed earlier take bandwidth first, each at most
+    `cap` bytes/s (one SM), all together at most `total` bytes/s."""
+
+    def __init__(self, total: float, cap: float, dt: float = 0.25e-6) -> None:
+        self.dt = dt
+        self.tot_b = total * dt
+        self.cap_b = cap * dt
+        self.used = np.zeros(1 << 14)
+
+    def _grow(self, n: int) -> None:
+        if n > len(self.used):
+            self.used = np.concatenate((self.used, np.zeros(max(n, 2 * len(self.used)))))
+
+    def take(self, t0: float, nbytes: float, t_limit: float = float("inf")) -> tuple[float, float]:
+        """Stream up to `nbytes` from t0, stopping at t_limit; -> (end time, bytes got)."""
+        dt = self.dt
+        b = int(t0 / dt)
+        first = 1.0 - (t0 / dt - b)  # fraction of the first bin left
+        last = int(t_limit / dt) if t_limit != float("inf") else None
+        need, got, chunk = float(nbytes), 0.0, 256
+        while True:
+            if last is not None and b > last:
+                return t_limit, got
+            hi = b + chunk if last is None else min(b + chunk, last + 1)
+            self._grow(hi + 1)
+            avail = np.clip(np.minimum(self.cap_b, self.tot_b - self.used[b:hi]), 0.0, None)
+            avail[0] *= first
+            if last is not None and hi == last + 1:
+                avail[-1] *= min(1.0, t_limit / dt - last)
+            cs = np.cumsum(avail)
+            if cs[-1] >= need - got:
+                k = int(np.searchsorted(cs, need - got))
+                before = cs[k - 1] if k else 0.0
+                part = need - got - before
+                self.used[b : b + k] += avail[:k]
+                self.used[b + k] += part
+                start_in_bin = (1.0 - first) if k == 0 else 0.0
+                frac = part / avail[k] if avail[k] > 0 else 0.0
+                span = (first if k == 0 else 1.0) * frac
+                return (b + k + start_in_bin + span) * dt, need
+            self.used[b:hi] += avail
+            got += float(cs[-1])
+            b, first = hi, 1.0
+
+
+@dataclass
+class CostReport:
+    gpu: str
+    predicted_s: float
+    bytes_per_step: int
+    floor_s: float  # bytes / copy bandwidth
+    spec_floor_s: float  # bytes / HBM spec bandwidth
+    copy_bw: float
+    hbm_bw: float
+    worst_idle: float
+    mean_idle: float
+    instructions: int
+
+    @property
+    def efficiency(self) -> float:
+        return self.floor_s / self.predicted_s
+
+    @property
+    def spec_efficiency(self) -> float:
+        return self.spec_floor_s / self.predicted_s
+
+
+def step_bytes(instrs) -> int:  # noqa: ANN001
+    """HBM bytes the instructions must read: prefetchable bytes (weights, cached KV) and
+    embedding rows. The new K/V rows written are added by the caller (`kv_written_bytes`)."""
+    return sum(ins.w_bytes + ins.hbm_bytes for ins in instrs)
+
+
+def report(state: SimState, instrs, gpu: GPU, extra_bytes: int = 0) -> CostReport:  # noqa: ANN001
+    t = state.step_time()
+    nbytes = step_bytes(instrs) + extra_bytes
+    own = state.streamed / state.r.bw  # seconds each SM's pipe streams
+    idle = 1.0 - own / t
+    return CostReport(gpu.name, t, nbytes, nbytes / gpu.copy_bw, nbytes / gpu.hbm_bw,
+                      gpu.copy_bw, gpu.hbm_bw, float(idle.max()), float(idle.mean()), len(instrs))
+
+
+def kv_written_bytes(prog) -> int:  # noqa: ANN001
+    c = prog.cfg
+    return 2 * 2 * c.num_layers * prog.rows * c.num_kv_heads * c.head_dim

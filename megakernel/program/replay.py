@@ -1,0 +1,165 @@
+"""Fluid replay of a finished program: HBM bandwidth shared fairly among the SMs streaming.
+
+The scheduler's placement model (cost.SimState) hands bandwidth out first-come first-served in
+placement order, which favours earlier stages. This replay runs the final queues through an
+event-driven fluid model instead, with the same parameters (cost.CostParams, gpus.GPU):
+
+- every SM's loader streams the prefetchable bytes (weights, cached KV) of its queue in order; all
+  loaders that can stream share the copy bandwidth equally, each at most the per-SM cap (the L2
+  share, as in SimState); a loader stops when `window` bytes of instructions whose consumption has
+  not started sit in shared memory;
+- an SM's compute side walks its queue: wait for the counter to become visible, then the fixed
+  cost and the activation load (one latency + bytes / L2 share), then consume the weights as they
+  arrive (at least the compute time), then store (bytes / bandwidth share) and fence (one
+  latency); the release add lands one latency later and a waiter sees it one poll latency after;
+- the last split of each (sequence, kv head) merges: its ticket returns one latency after its
+  add, then the merge reads the partials, computes and stores, and the done counter's add lands.
+
+The result is the predicted step time reported by `plan` (cost.CostReport). Between events the
+rates are constant, so the replay is exact for this model.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from megakernel.program.cost import CostParams, CostReport, Rates, kv_written_bytes, step_bytes
+from megakernel.program.isa import NO_COUNTER, Op
+
+_WAIT, _SETUP, _CONSUME, _STORE, _DONE = range(5)
+_EPS = 0.5  # bytes: below this a stream or a window counts as done or full
+
+
+def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN001
+    """Predicted step of `prog` under fair bandwidth sharing (see the module docstring)."""
+    params = params or CostParams()
+    gpu = prog.gpu
+    r = Rates.of(gpu, params)
+    n = prog.num_sms
+    queues = [[prog.instrs[i] for i in q] for q in prog.queues]
+    qlen = np.array([len(q) for q in queues])
+    wbytes = [[float(i.w_bytes) for i in q] + [0.0] for q in queues]
+    totals = [c.total for c in prog.counters]
+    seen = [0] * len(totals)
+    visible = [np.inf] * len(totals)
+    last_land = [0.0] * len(totals)
+    waiting_on: dict[int, list[int]] = {}
+    wake: list[tuple[float, int]] = []
+
+    lq = np.zeros(n, dtype=np.int64)  # instruction whose bytes the loader fetches
+    lrem = np.array([w[0] for w in wbytes])  # its bytes still to fetch
+    buffered = np.zeros(n)  # fetched bytes of instructions not yet being consumed
+    ci = np.zeros(n, dtype=np.int64)  # instruction of the compute side
+    phase = np.full(n, _WAIT)
+    phase_end = np.full(n, np.inf)
+    consume_min = np.zeros(n)
+    streamed = np.zeros(n)
+    t = 0.0
+
+    def skip_empty(s: int) -> None:
+        while lq[s] < qlen[s] and lrem[s] <= _EPS:
+            lq[s] += 1
+            lrem[s] = wbytes[s][lq[s]]
+
+    def enter_wait(s: int) -> None:
+        if ci[s] >= qlen[s]:
+            phase[s], phase_end[s] = _DONE, np.inf
+            return
+        ins = queues[s][ci[s]]
+        phase[s], phase_end[s] = _WAIT, np.inf
+        if ins.wait == NO_COUNTER or visible[ins.wait] <= t:
+            start_setup(s)
+        elif visible[ins.wait] == np.inf:
+            waiting_on.setdefault(ins.wait, []).append(s)
+        else:
+            heapq.heappush(wake, (visible[ins.wait], s))
+
+    def start_setup(s: int) -> None:
+        ins = queues[s][ci[s]]
+        dur = r.fixed
+        if ins.l2_bytes or ins.hbm_bytes:
+            dur += r.lat + ins.l2_bytes / r.l2 + ins.hbm_bytes / r.bw
+        phase[s], phase_end[s] = _SETUP, t + dur
+
+    def signal(cid: int, land: float) -> None:
+        seen[cid] += 1
+        last_land[cid] = max(last_land[cid], land)
+        if seen[cid] == totals[cid]:
+            visible[cid] = last_land[cid] + r.lat  # the waiter's poll
+            for w in waiting_on.pop(cid, []):
+                heapq.heappush(wake, (visible[cid], w))
+
+    def step_sm(s: int) -> None:
+        """Handle SM s's due phase change at time t."""
+        ins = queues[s][ci[s]]
+        if phase[s] == _SETUP:
+            i = ci[s]
+            fetched = wbytes[s][i] if lq[s] > i else (wbytes[s][i] - lrem[s] if lq[s] == i else 0)
+            buffered[s] -= fetched  # leaves the window: consumed as it arrives from now on
+            phase[s] = _CONSUME
+            consume_min[s] = t + ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
+            phase_end[s] = consume_min[s] if lq[s] > i else np.inf
+        elif phase[s] == _CONSUME:
+            phase[s] = _STORE
+            phase_end[s] = t + ins.store_bytes / r.bw + r.lat  # stores, then the fence
+            streamed[s] += ins.store_bytes + ins.hbm_bytes
+        elif phase[s] == _STORE:
+            land = t + r.lat  # the release add lands
+            if ins.signal != NO_COUNTER:
+                last = ins.op == Op.ATTN_PARTIAL and seen[ins.signal] + 1 == totals[ins.signal]
+                signal(ins.signal, land)
+                if last:  # ticket returns, merge, store, fence, done add lands
+                    merge = (r.lat + ins.merge_l2_bytes / r.l2 + ins.merge_flops / r.fp32
+                             + ins.merge_store_bytes / r.bw + 2 * r.lat)
+                    signal(ins.operands["DONE_CID"], land + merge)
+            ci[s] += 1
+            enter_wait(s)
+
+    for s in range(n):
+        skip_empty(s)
+        enter_wait(s)
+    while True:
+        through = (phase == _CONSUME) & (lq == ci)
+        room = np.where(through, np.inf, r.window - buffered)
+        active = (lq < qlen) & (lrem > _EPS) & (room > _EPS)
+        na = int(active.sum())
+        rate = min(r.l2, gpu.copy_bw / na) if na else 0.0
+        t_next = float(phase_end.min())
+        if wake:
+            t_next = min(t_next, wake[0][0])
+        if na:
+            t_next = min(t_next, t + float(np.min(np.minimum(lrem, room)[active])) / rate)
+        if t_next == np.inf:
+            break
+        if na:
+            moved = np.where(active, np.minimum(rate * (t_next - t), np.minimum(lrem, room)), 0)
+            lrem -= moved
+            streamed += moved
+            buffered += np.where(through, 0.0, moved)
+        t = t_next
+        for s in np.nonzero(active & (lrem <= _EPS))[0].tolist():
+            done_i = lq[s]
+            lrem[s] = 0.0
+            skip_empty(s)
+            if phase[s] == _CONSUME and ci[s] == done_i:
+                phase_end[s] = max(t, consume_min[s])  # the last bytes arrived
+        while wake and wake[0][0] <= t:
+            _, s = heapq.heappop(wake)
+            if phase[s] == _WAIT:
+                start_setup(s)
+        due = np.nonzero(phase_end <= t)[0]
+        while len(due):
+            for s in due.tolist():
+                step_sm(s)
+            due = np.nonzero(phase_end <= t)[0]
+    if not (phase == _DONE).all():
+        stuck = [s for s in range(n) if phase[s] != _DONE]
+        raise RuntimeError(f"replay deadlocked: SMs {stuck[:8]} never finish")
+    step = t + r.lat + params.launch  # exit atomic, launch
+    nbytes = step_bytes(prog.instrs) + kv_written_bytes(prog)
+    idle = 1.0 - np.minimum(1.0, streamed / (r.bw * step))
+    return CostReport(gpu.name, step, nbytes, nbytes / gpu.copy_bw, nbytes / gpu.hbm_bw,
+                      gpu.copy_bw, gpu.hbm_bw, float(idle.max()), float(idle.mean()),
+                      len(prog.instrs))

@@ -1,0 +1,312 @@
+"""The megakernel as a torch op, a `Megakernel` object that owns a model's GPU state, and the
+`generate` function behind `python -m megakernel generate --backend kernel`.
+
+`torch.ops.megakernel.decode_step(...)` runs one decode step: it mutates the counters, the scratch
+arenas and the KV cache in place and returns the next tokens (and, on request, the logits). Its
+fake implementation only describes output shapes, so it traces under torch.compile (fake, meta or
+CPU tensors) and the real launch is one driver-API call on torch's current stream, which CUDA
+graphs can capture. Nothing here imports the DSL; a build comes from a directory (AOT) or, when
+the DSL is installed, from the JIT cache (megakernel.kernel.jit).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megakernel.config import ModelConfig
+from megakernel.runtime import (
+    ArgumentError,
+    KernelUnavailable,
+    LoadedKernel,
+    Manifest,
+    check_lengths,
+    check_records,
+    device_info,
+    load_manifest,
+    validate_args,
+)
+
+ENV_BUILD_DIR = "MEGAKERNEL_BUILD_DIR"
+
+
+# ---- registry of builds the op may launch -------------------------------------------------------
+@dataclass
+class _Entry:
+    manifest: Manifest
+    loaded: LoadedKernel | None = None
+
+
+_REGISTRY: dict[int, _Entry] = {}
+
+
+def register_build(manifest: Manifest) -> int:
+    """Make a build launchable by the op; returns the `kernel` id to pass to decode_step."""
+    for k, e in _REGISTRY.items():
+        if e.manifest.path == manifest.path and e.manifest.data == manifest.data:
+            return k
+    k = len(_REGISTRY) + 1
+    _REGISTRY[k] = _Entry(manifest)
+    return k
+
+
+def _entry(kernel: int) -> _Entry:
+    if kernel not in _REGISTRY:
+        raise ArgumentError(f"unknown kernel id {kernel}; register a build with register_build()")
+    return _REGISTRY[kernel]
+
+
+MUTATED = ("counters", "f32", "bf16", "i32", "k_cache", "v_cache")
+
+
+@torch.library.custom_op("megakernel::decode_step", mutates_args=MUTATED)
+def decode_step(program: torch.Tensor, counters: torch.Tensor, weights: torch.Tensor,
+                f32: torch.Tensor, bf16: torch.Tensor, i32: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, kernel: int, offsets: list[int],
+                return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step. offsets = [lengths_off (i32), tokens_out_off (i32), logits_off (f32)].
+
+    Returns (tokens_out [N] int32, logits [N, V] fp32 or [0, V] when not requested), copies.
+    """
+    e = _entry(kernel)
+    spec = e.manifest.spec
+    lengths_off, tok_off, logits_off = _offsets(offsets)
+    tensors = dict(program=program, counters=counters, weights=weights, f32=f32, bf16=bf16,
+                   i32=i32, k_cache=k_cache, v_cache=v_cache)
+    validate_args(spec, tensors, lengths_off=lengths_off)  # before any CUDA call
+    n, v = e.manifest.rows, spec["vocab"]
+    if tok_off < 0 or tok_off + n > i32.numel():
+        raise ArgumentError(f"tokens_out_off {tok_off} + {n} rows is outside the i32 arena")
+    if return_logits and (logits_off < 0 or logits_off + n * v > f32.numel()):
+        raise ArgumentError(f"logits_off {logits_off} + {n}x{v} is outside the f32 arena")
+    if e.loaded is None:
+        e.loaded = LoadedKernel(e.manifest, program.device.index)
+    e.loaded.launch(program.shape[0], tensors,
+                    dict(queue_len=program.shape[1], s_max=k_cache.shape[3],
+                         lengths_off=lengths_off))
+    tokens = i32[tok_off: tok_off + n].clone()
+    if return_logits:
+        logits = f32[logits_off: logits_off + n * v].view(n, v).clone()
+    else:
+        logits = f32.new_empty((0, v))
+    return tokens, logits
+
+
+@decode_step.register_fake
+def _(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel, offsets,
+      return_logits=False):
+    e = _entry(kernel)
+    n, v = e.manifest.rows, e.manifest.spec["vocab"]
+    tokens = i32.new_empty((n,))
+    logits = f32.new_empty((n if return_logits else 0, v))
+    return tokens, logits
+
+
+def _offsets(offsets: list[int]) -> tuple[int, int, int]:
+    if len(offsets) != 3:
+        raise ArgumentError(f"offsets must be [lengths_off, tokens_out_off, logits_off], got "
+                            f"{list(offsets)}")
+    return int(offsets[0]), int(offsets[1]), int(offsets[2])
+
+
+# ---- a model's GPU state ------------------------------------------------------------------------
+def _require_gpu() -> None:
+    if not torch.cuda.is_available():
+        raise KernelUnavailable(
+            "the kernel backend needs an sm_90a (H100/H200) or sm_100a (B200) CUDA GPU and none "
+            "is available here (torch.cuda.is_available() is False); use --backend reference or "
+            "--backend cpu-executor on this machine")
+
+
+def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
+               build_dir: str | Path | None) -> Manifest:
+    """The manifest to launch: `build_dir` / $MEGAKERNEL_BUILD_DIR (AOT; a single build
+    DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache."""
+    build_dir = build_dir or os.environ.get(ENV_BUILD_DIR)
+    if build_dir is None:
+        from megakernel.kernel.jit import ensure_build
+
+        build_dir = ensure_build(cfg, batch, tokens, arch)
+    build_dir = Path(build_dir)
+    if not (build_dir / arch / "manifest.json").is_file():  # a build set: DIR/<tag>/<arch>/
+        from megakernel.kernel.spec import make_spec
+
+        tagged = build_dir / make_spec(cfg, batch, tokens, arch).tag
+        if (tagged / arch / "manifest.json").is_file():
+            build_dir = tagged
+    m = load_manifest(build_dir, arch)
+    s = m.spec
+    # everything the build bakes in as a constant (eps included: a checkpoint whose
+    # rms_norm_eps differs from the build's would otherwise run with the wrong one)
+    want = dict(family=cfg.family, hidden=cfg.hidden_size, inter=cfg.intermediate_size,
+                vocab=cfg.vocab_size, layers=cfg.num_layers, heads=cfg.num_heads,
+                kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
+                eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens)
+    bad = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
+    if bad:
+        raise ArgumentError(
+            f"the build in {m.path} does not serve this model/batch: "
+            + ", ".join(f"{k} built {b} vs needed {n}" for k, (b, n) in bad.items())
+            + f"; rebuild with `python -m megakernel build --batch {batch} --tokens {tokens}`")
+    return m
+
+
+TENSORS = ("program", "counters", "weights", "f32", "bf16", "i32", "k_cache", "v_cache")
+
+
+@dataclass
+class DeviceState:
+    """The kernel's arguments for one program: records, counters, arenas, KV cache."""
+
+    prog: object  # megakernel.program.compiler.Program
+    program: torch.Tensor
+    counters: torch.Tensor
+    weights: torch.Tensor
+    f32: torch.Tensor
+    bf16: torch.Tensor
+    i32: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    offsets: list[int]  # [lengths_off, tokens_out_off, logits_off] for decode_step
+
+    def region(self, arena: str, name: str) -> torch.Tensor:
+        r = getattr(self.prog.buffers, arena)[name]
+        return getattr(self, arena)[r.offset: r.offset + r.numel]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in TENSORS}
+
+
+def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # noqa: ANN001
+                   device: str | torch.device) -> DeviceState:
+    """Pack the weights and allocate every buffer of `prog` on `device` (CPU works too: the
+    layout is checked there). Counters start at zero and are never reset (epochs)."""
+    from megakernel.program.compiler import rope_tables
+    from megakernel.program.pack import pack_weights
+
+    buf, hdr, d = prog.buffers, prog.header, torch.device(device)
+    st = DeviceState(
+        prog=prog,
+        program=prog.records().to(d),
+        counters=torch.zeros(prog.counter_words(), dtype=torch.int32, device=d),
+        weights=pack_weights(cfg, weights).arena.to(d),
+        f32=torch.zeros(buf.f32_numel, dtype=torch.float32, device=d),
+        bf16=torch.zeros(buf.bf16_numel, dtype=torch.bfloat16, device=d),
+        i32=torch.zeros(buf.i32_numel, dtype=torch.int32, device=d),
+        k_cache=torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
+        v_cache=torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
+        offsets=[hdr["I32_LENGTHS_OFF"], hdr["I32_TOKENS_OUT_OFF"], hdr["F32_LOGITS_OFF"]],
+    )
+    cos, sin = rope_tables(cfg, prog.max_seq_len)
+    st.region("f32", "rope_cos").copy_(cos.reshape(-1))
+    st.region("f32", "rope_sin").copy_(sin.reshape(-1))
+    return st
+
+
+class Megakernel:
+    """Packed weights, program, arenas and KV cache of one model on one GPU; decodes with the
+    kernel after a prefill by the torch reference (bf16 mode) on the same GPU."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], batch: int,
+                 tokens: int = 1, max_seq_len: int | None = None,
+                 build_dir: str | Path | None = None, device: str | torch.device = "cuda"):
+        _require_gpu()
+        from megakernel.program.compiler import compile_program
+        from megakernel.program.gpus import from_device
+
+        self.cfg, self.batch, self.tokens = cfg, batch, tokens
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        dev = device_info(self.device)
+        self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir)
+        self.kernel_id = register_build(self.manifest)
+        self.prog = compile_program(cfg, batch, from_device(self.device.index), tokens=tokens,
+                                    max_seq_len=max_seq_len)
+        self.max_seq_len = self.prog.max_seq_len
+        check_records(self.prog.records(), self.manifest.spec)
+        self.state = allocate_state(cfg, weights, self.prog, self.device)
+        for name in TENSORS:
+            setattr(self, name, getattr(self.state, name))
+        self.offsets = self.state.offsets
+        self.lengths: list[int] = [0] * batch  # host mirror of lengths (the op advances them)
+        self._weights_hf = weights
+
+    def _region(self, arena: str, name: str) -> torch.Tensor:
+        return self.state.region(arena, name)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[N, V] fp32 logits of the last step (a view of the scratch arena)."""
+        return self._region("f32", "logits").view(self.prog.rows, self.cfg.vocab_size)
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill with the reference (bf16 mode) on this GPU; returns the first tokens [B]."""
+        from reference.model import ReferenceModel
+
+        if len(prompts) != self.batch:
+            raise ArgumentError(f"{len(prompts)} prompts for a kernel built for batch "
+                                f"{self.batch}")
+        ref = ReferenceModel(self.cfg, self._weights_hf, mode="bf16", device=self.device)
+        cache = ref.new_cache(self.batch, self.max_seq_len)
+        logits = ref.prefill(cache, prompts)  # [B, V] fp32
+        self.k_cache.copy_(cache.k)
+        self.v_cache.copy_(cache.v)
+        self.lengths = [int(x) for x in cache.lengths.tolist()]
+        self._region("i32", "lengths").copy_(cache.lengths.to(torch.int32))
+        return _greedy(logits)
+
+    def step(self, tokens: torch.Tensor | None = None, return_logits: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel step; `tokens` [B, T] (None: the tokens the last step fed back)."""
+        check_lengths(self.manifest.spec, self.lengths, self.max_seq_len)
+        if tokens is not None:
+            t = torch.as_tensor(tokens).reshape(-1)
+            if t.numel() != self.prog.rows:
+                raise ArgumentError(f"tokens must be [{self.batch}, {self.tokens}], got "
+                                    f"{tuple(torch.as_tensor(tokens).shape)}")
+            if bool(((t < 0) | (t >= self.cfg.vocab_size)).any()):
+                raise ArgumentError(f"token ids must be in [0, {self.cfg.vocab_size})")
+            self._region("i32", "tokens_in").copy_(t.to(torch.int32))
+        out = torch.ops.megakernel.decode_step(
+            self.program, self.counters, self.weights, self.f32, self.bf16, self.i32,
+            self.k_cache, self.v_cache, self.kernel_id, self.offsets, return_logits)
+        self.lengths = [n + self.tokens for n in self.lengths]
+        return out
+
+    def generate(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
+        if steps <= 0:
+            return [[] for _ in prompts]
+        if self.tokens != 1:
+            raise ArgumentError("generate() decodes one token per step; build with --tokens 1")
+        first = self.prefill(prompts)
+        outs = [first.to(torch.int32)]
+        tok = first[:, None]
+        for _ in range(steps - 1):
+            t, _ = self.step(tok)
+            tok = None  # the program feeds its tokens back (FLAG_FEEDBACK)
+            outs.append(t)
+        return torch.stack(outs, dim=1).to(torch.int64).tolist()
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax with the lowest index on ties (torch.argmax's documented behaviour)."""
+    return torch.argmax(logits, dim=-1)
+
+
+def generate(cfg: ModelConfig, weights: dict[str, torch.Tensor], prompts: list[list[int]],
+             steps: int, max_seq_len: int | None = None, seed: int = 0,
+             build_dir: str | Path | None = None) -> list[list[int]]:
+    """Greedy generation for `--backend kernel`: new tokens per prompt (prompt excluded)."""
+    del seed  # the kernel is deterministic; kept for the backend signature
+    _require_gpu()
+    if not prompts:
+        raise ArgumentError("no prompts given")
+    if max_seq_len is None:
+        max_seq_len = max(len(p) for p in prompts) + max(steps, 1)
+    mk = Megakernel(cfg, weights, batch=len(prompts), tokens=1, max_seq_len=max_seq_len,
+                    build_dir=build_dir)
+    return mk.generate(prompts, steps)
