@@ -5,9 +5,9 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.setup-done
 ARCHS   ?= sm_90a,sm_100a
 MODEL   ?= llama-3.2-1b
-OUT     ?= out
+OUTDIR  ?= out
 
-.PHONY: setup test demo lint bench build gpu-check clean
+.PHONY: setup test demo lint bench build gpu-builds gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -36,10 +36,15 @@ bench: $(STAMP)
 	$(VPY) bench/plan.py
 
 build: $(STAMP)
-	$(VPY) -m megakernel build --model $(MODEL) --arch $(ARCHS) --out $(OUT)/build
+	$(VPY) -m megakernel build --model $(MODEL) --arch $(ARCHS) --out $(OUTDIR)/build
 
+# On a CPU machine: AOT-build every cubin the GPU check needs (carry $(OUTDIR)/gpu-builds along).
+gpu-builds: $(STAMP)
+	$(VPY) -m megakernel gpu-check --prepare --build-dir $(OUTDIR)/gpu-builds --arch $(ARCHS)
+
+# On a GPU machine without the DSL (python3 with torch + cuda-python): the one GPU script.
 gpu-check:
-	$(PY) -m megakernel gpu-check --out $(OUT)/gpu-check
+	$(PY) -m megakernel gpu-check --build-dir $(OUTDIR)/gpu-builds --out $(OUTDIR)/gpu-check
 
 clean:
-	rm -rf $(VENV) $(OUT) build *.egg-info
+	rm -rf $(VENV) $(OUTDIR) build *.egg-info

@@ -28,18 +28,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def timed(fn, iters: int, warmup: int = 3) -> float:
-    """Seconds per call, CUDA events around `iters` calls."""
+def timed(fn, iters: int, warmup: int = 3, groups: int = 7) -> float:
+    """Median seconds per call: CUDA events around `groups` groups of `iters` calls each."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        fn()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / 1e3 / iters
+    times = []
+    for _ in range(groups):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3 / iters)
+    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -108,58 +111,42 @@ class TorchDecode:
         return torch.argmax(F.linear(x, head).float(), dim=-1)
 
 
-def main() -> int:
-    from megakernel.config import resolve_model
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Namespace,  # noqa: ANN001
+                bw: float) -> dict:
+    """One batch size: the kernel (CUDA-graph replays) and the torch baselines, same bytes."""
     from megakernel.torch_op import Megakernel
-    from megakernel.weights import random_weights
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.2-1b")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--build-dir", default=None, help="AOT builds (default: JIT cache)")
-    ap.add_argument("--out", default=None, help="directory for decode.json")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("error: bench/decode.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    cfg = resolve_model(args.model)
-    w = random_weights(cfg, seed=0)
-    s_max = args.context + args.iters * 4 + 64
-    res: dict = {"model": cfg.name, "batch": args.batch, "context": args.context,
-                 "device": torch.cuda.get_device_name()}
-    bw = copy_bandwidth()
-    res["copy_GBps"] = bw / 1e9
-
-    # kernel
-    mk = Megakernel(cfg, w, batch=args.batch, max_seq_len=s_max, build_dir=args.build_dir)
-    mk.prefill([[1] * args.context for _ in range(args.batch)])
-    mk.step(torch.ones(args.batch, 1, dtype=torch.int64, device=mk.device))
+    s_max = args.context + args.iters * 8 + 64
+    res: dict = {"batch": batch}
+    mk = Megakernel(cfg, w, batch=batch, max_seq_len=s_max, build_dir=args.build_dir)
+    mk.prefill([[1 + (b * 7919 + i) % (cfg.vocab_size - 1) for i in range(args.context)]
+                for b in range(batch)])
+    mk.step(torch.ones(batch, 1, dtype=torch.int64, device=mk.device))
     cost = mk.prog.cost
     kargs = (mk.program, mk.counters, mk.weights, mk.f32, mk.bf16, mk.i32, mk.k_cache,
              mk.v_cache, mk.kernel_id, mk.offsets, False)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         torch.ops.megakernel.decode_step(*kargs)
-    t_kernel = timed(graph.replay, args.iters)
+    t_kernel = timed(graph.replay, args.iters)  # tokens feed back: every replay is a new input
     nbytes = cost.bytes_per_step
-    res["kernel"] = {"ms": t_kernel * 1e3, "tok_s": args.batch / t_kernel,
-                     "bw_fraction": nbytes / t_kernel / bw}
-    res["predicted_ms"] = cost.predicted_s * 1e3
     res["bytes_per_step"] = nbytes
+    res["predicted_ms"] = cost.predicted_s * 1e3
+    res["kernel"] = {"ms": t_kernel * 1e3, "tok_s_user": 1 / t_kernel, "tok_s": batch / t_kernel,
+                     "bw_fraction": nbytes / t_kernel / bw}
     del mk, graph
     torch.cuda.empty_cache()
 
-    # torch baselines
-    base = TorchDecode(cfg, w, args.batch, s_max)
-    tok = torch.ones(args.batch, dtype=torch.int64, device="cuda")
-    pos = torch.full((args.batch,), args.context, dtype=torch.int64, device="cuda")
+    base = TorchDecode(cfg, w, batch, s_max)
+    tok = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
+    pos = torch.full((batch,), args.context, dtype=torch.int64, device="cuda")
     with torch.no_grad():
-        t_eager = timed(lambda: base.step(tok, pos), max(10, args.iters // 10))
-        res["torch_eager"] = {"ms": t_eager * 1e3, "tok_s": args.batch / t_eager,
-                              "bw_fraction": nbytes / t_eager / bw}
+        t_eager = timed(lambda: base.step(tok, pos), max(5, args.iters // 10), groups=3)
+        res["torch_eager"] = {"ms": t_eager * 1e3, "tok_s_user": 1 / t_eager,
+                              "tok_s": batch / t_eager, "bw_fraction": nbytes / t_eager / bw}
         if not args.no_compile:
             t0 = time.perf_counter()
             step = torch.compile(base.step, mode="reduce-overhead", fullgraph=True)
@@ -167,23 +154,93 @@ def main() -> int:
                 step(tok, pos)
             res["compile_s"] = time.perf_counter() - t0
             t_comp = timed(lambda: step(tok, pos), args.iters)
-            res["torch_compile"] = {"ms": t_comp * 1e3, "tok_s": args.batch / t_comp,
-                                    "bw_fraction": nbytes / t_comp / bw}
-    print(f"{res['device']}: {cfg.name} B={args.batch} ctx={args.context}, "
-          f"{nbytes / 1e9:.3f} GB/step, copy {bw / 1e9:.0f} GB/s, "
-          f"cost model {res['predicted_ms']:.3f} ms")
-    for name in ("kernel", "torch_eager", "torch_compile"):
-        if name in res:
-            r = res[name]
-            print(f"  {name:14s} {r['ms']:8.3f} ms/step {r['tok_s']:9.1f} tok/s "
-                  f"{100 * r['bw_fraction']:5.1f}% of copy bandwidth")
-    if "torch_compile" in res:
-        res["speedup_vs_compile"] = res["torch_compile"]["ms"] / res["kernel"]["ms"]
-        print(f"  kernel speedup vs torch.compile: {res['speedup_vs_compile']:.2f}x")
+            res["torch_compile"] = {"ms": t_comp * 1e3, "tok_s_user": 1 / t_comp,
+                                    "tok_s": batch / t_comp, "bw_fraction": nbytes / t_comp / bw}
+            res["speedup_vs_compile"] = t_comp / t_kernel
+    return res  # the baseline's caches are freed with this frame
+
+
+def markdown(res: dict) -> str:
+    lines = [f"{res['device']}: {res['model']}, context {res['context']}, copy bandwidth "
+             f"{res['copy_GBps']:.0f} GB/s (measured in this run)", "",
+             "| B | bytes/step | predicted ms | kernel ms | kernel tok/s/user | kernel % copy BW "
+             "| eager ms | compile ms | speedup vs compile |", "|" + "---|" * 9]
+    for r in res["runs"]:
+        k, e, c = r["kernel"], r.get("torch_eager", {}), r.get("torch_compile", {})
+        lines.append(f"| {r['batch']} | {r['bytes_per_step'] / 1e9:.3f} GB | "
+                     f"{r['predicted_ms']:.3f} | {k['ms']:.3f} | {k['tok_s_user']:.0f} | "
+                     f"{100 * k['bw_fraction']:.1f}% | {e.get('ms', float('nan')):.3f} | "
+                     f"{c.get('ms', float('nan')):.3f} | "
+                     f"{r.get('speedup_vs_compile', float('nan')):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    """tokens/s per user and % of copy bandwidth against B (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    bs = [r["batch"] for r in res["runs"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("kernel", "torch_compile", "torch_eager"):
+        if all(name in r for r in res["runs"]):
+            a1.plot(bs, [r[name]["tok_s_user"] for r in res["runs"]], "o-", label=name)
+            a2.plot(bs, [100 * r[name]["bw_fraction"] for r in res["runs"]], "o-", label=name)
+    for a, y in ((a1, "tokens/s per user"), (a2, "% of measured copy bandwidth")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("batch B")
+        a.set_ylabel(y)
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.suptitle(f"{res['model']} decode step on {res['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    from megakernel.config import resolve_model
+    from megakernel.weights import random_weights
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                    help="comma list of batch sizes (default 1,2,4,...,64)")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=50, help="graph replays per timed group")
+    ap.add_argument("--build-dir", default=None, help="AOT builds (default: JIT cache)")
+    ap.add_argument("--out", default=None, help="directory for decode.{json,md,png}")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("error: bench/decode.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cfg = resolve_model(args.model)
+    w = random_weights(cfg, seed=0)
+    bw = copy_bandwidth()
+    res: dict = {"model": cfg.name, "context": args.context,
+                 "device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "runs": []}
+    for b in (int(x) for x in args.batches.split(",") if x.strip()):
+        try:
+            res["runs"].append(bench_batch(cfg, w, b, args, bw))
+        except Exception as e:  # a missing build for one B must not lose the others
+            print(f"B={b}: skipped ({type(e).__name__}: {e})", file=sys.stderr)
+    if not res["runs"]:
+        print("error: no batch size could be benchmarked", file=sys.stderr)
+        return 1
+    md = markdown(res)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "decode.json").write_text(json.dumps(res, indent=2) + "\n")
-    return 0 if math.isfinite(t_kernel) else 1
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode.json").write_text(json.dumps(res, indent=2) + "\n")
+        (out / "decode.md").write_text(md)
+        plot(res, out / "decode.png")
+    print(md)
+    return 0 if all(math.isfinite(r["kernel"]["ms"]) for r in res["runs"]) else 1
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from megakernel.config import ModelConfig
+from megakernel.weights import expected_shapes as expected_weight_shapes
 
 from .layers import MODES, causal_attention, linear, rms_norm, store
 from .rope import apply_rope, inv_freq_tensor, rope_cos_sin
@@ -69,30 +70,6 @@ class KVCache:
     def sequence(self, b: int) -> KVCache:
         """A view of sequence b as a batch-1 cache; writes through it land in this cache."""
         return KVCache(self.k[:, b : b + 1], self.v[:, b : b + 1], self.lengths[b : b + 1])
-
-
-def expected_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face weight names and shapes the reference needs (no lm_head when tied)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, h)
-        shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, h)
-        shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.q_size)
-        if cfg.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
 
 
 def _checked_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

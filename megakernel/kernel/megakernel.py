@@ -1,7 +1,9 @@
 """The persistent decode megakernel: one CTA per SM interprets its queue of the program.
 
-Per record: read the 16 words, prefetch the weight slab into L2 (before the dependency wait, so the
-wait overlaps the stream), wait on the producer counter, run the handler for the opcode, signal.
+Per record: read the 16 words, extend the L2 lookahead (before the dependency wait, so the wait
+overlaps the stream: bulk L2 prefetches of this CTA's next weight slabs up to spec.PREFETCH_WINDOW
+bytes past the start of the current one, each byte requested once; an ATTN_PARTIAL also prefetches
+its cached keys/values), wait on the producer counter, run the handler for the opcode, signal.
 At the end of the queue the CTA counts itself out and the last one advances the epoch (sync.py).
 
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
@@ -22,12 +24,9 @@ from megakernel.kernel import sync
 from megakernel.kernel.attention import Attention
 from megakernel.kernel.matvec import Matvec, warp_argmax
 from megakernel.kernel.memory import elem_ptr, join64, ld, load_bf16x8, st, store_f32x8
-from megakernel.kernel.spec import LANES, VEC, KernelSpec
+from megakernel.kernel.spec import LANES, PREFETCH_CHUNK, VEC, KernelSpec
 from megakernel.program import isa
 from megakernel.program.isa import Op
-
-PREFETCH_CHUNK = 16 * 1024  # bytes per cp.async.bulk.prefetch.L2 request
-PREFETCH_MAX = 256 * 1024  # at most this much of a slab is prefetched ahead of its wait
 
 
 class DecodeMegakernel:
@@ -42,6 +41,7 @@ class DecodeMegakernel:
         self.attention = Attention(spec)
         self.regions = spec.smem_regions()
         self.smem_bytes = spec.smem_bytes
+        self.window = spec.prefetch_window
 
     @cute.jit
     def __call__(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
@@ -81,6 +81,12 @@ class DecodeMegakernel:
 
         queue = program + bidx * queue_len * isa.RECORD_WORDS
         pc = Int32(0)
+        # lookahead state: record pf_pc's slab is requested up to byte pf_off; pf_cum and cum are
+        # offsets in this CTA's stream of slabs (the lookahead position, the start of slab pc)
+        pf_pc = Int32(0)
+        pf_off = Int64(0)
+        pf_cum = Int64(0)
+        cum = Int64(0)
         op = cute.arch.load(queue, Int32)
         while op != Op.END:
             rec = cute.make_rmem_tensor((isa.RECORD_WORDS,), Int32)
@@ -90,9 +96,8 @@ class DecodeMegakernel:
             layer = rec[5]
             if op == Op.ATTN_PARTIAL:
                 self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
-            elif op >= Op.QKV:
-                if op != Op.ARGMAX:
-                    self.prefetch_slab(weights, rec, tidx)
+            pf_pc, pf_off, pf_cum = self.prefetch_ahead(weights, queue, pc, cum, pf_pc, pf_off,
+                                                        pf_cum, tidx)
             sync.wait_counter(counters, rec[1], epoch * rec[3] + rec[2], tidx)
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
@@ -107,6 +112,7 @@ class DecodeMegakernel:
                                 len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
             if op != Op.ATTN_PARTIAL:  # the ticket above did its own signalling
                 sync.signal_counter(counters, rec[4], tidx)
+            cum = cum + self.slab_bytes(queue, pc)
             pc += 1
             op = cute.arch.load(queue + pc * isa.RECORD_WORDS, Int32)
         sync.finish_step(counters, epoch, num_ctas, tidx)
@@ -119,20 +125,53 @@ class DecodeMegakernel:
 
     # ---- helpers and small handlers -----------------------------------------------------------
     @cute.jit
-    def prefetch_slab(self, weights: cute.Pointer, rec: cute.Tensor, tidx: Int32):
-        """Ask L2 for (the head of) this instruction's weight slab; returns immediately."""
+    def slab_bytes(self, queue: cute.Pointer, i: Int32) -> Int64:
+        """Weight bytes of record i of the queue (NROWS * K * 2 for the matvec family, else 0)."""
         f = isa.COMMON_WORDS
-        w_base = join64(rec[f + 0], rec[f + 1])
-        # NROWS * K * 2 bytes can pass 2^31 (an LM head on few SMs): clamp in 64 bits
-        slab = Int64(rec[f + 3]) * Int64(rec[f + 4]) * Int64(2)
-        nbytes = Int32(PREFETCH_MAX)
-        if slab < Int64(PREFETCH_MAX):
-            nbytes = slab.to(Int32)
-        addr0 = weights.toint() + w_base * Int64(2)
-        for off in cutlass.range(tidx * PREFETCH_CHUNK, nbytes, self.NT * PREFETCH_CHUNK):
-            size = cutlass.min(Int32(PREFETCH_CHUNK), nbytes - off)
-            cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                                 read_only_args=[addr0 + Int64(off), size])
+        base = i * isa.RECORD_WORDS
+        rop = ld(queue, base)
+        nbytes = Int64(0)
+        if (rop >= Op.QKV) & (rop != Op.ATTN_PARTIAL) & (rop != Op.ARGMAX):
+            # NROWS * K * 2 can pass 2^31 (an LM head on few SMs): 64-bit
+            nbytes = Int64(ld(queue, base + f + 3)) * Int64(ld(queue, base + f + 4)) * Int64(2)
+        return nbytes
+
+    @cute.jit
+    def prefetch_ahead(self, weights: cute.Pointer, queue: cute.Pointer, pc: Int32, cum: Int64,
+                       pf_pc: Int32, pf_off: Int64, pf_cum: Int64, tidx: Int32):
+        """Extend the L2 lookahead to `cum + window` (cum = stream offset of slab pc): bulk L2
+        prefetches of the not yet requested bytes of slabs pc, pc+1, ... (spec.lookahead_plan is
+        the host mirror). Returns the new (pf_pc, pf_off, pf_cum); every thread runs the same walk
+        and issues its share of the 16 KB requests. Returns without waiting."""
+        f = isa.COMMON_WORDS
+        if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
+            pf_pc = pc
+            pf_off = Int64(0)
+            pf_cum = cum
+        limit = cum + Int64(self.window)
+        more = pf_cum < limit
+        while more:
+            nbytes = self.slab_bytes(queue, pf_pc)
+            take = cutlass.min(nbytes - pf_off, limit - pf_cum)
+            if take > Int64(0):
+                base = pf_pc * isa.RECORD_WORDS
+                w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
+                addr0 = weights.toint() + w_base * Int64(2) + pf_off
+                n32 = take.to(Int32)  # <= window
+                for off in cutlass.range(tidx * PREFETCH_CHUNK, n32, self.NT * PREFETCH_CHUNK):
+                    size = cutlass.min(Int32(PREFETCH_CHUNK), n32 - off)
+                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                         read_only_args=[addr0 + Int64(off), size])
+                pf_off = pf_off + take
+                pf_cum = pf_cum + take
+            if pf_off >= nbytes:  # this record's slab is requested (or it has none): next
+                if ld(queue, pf_pc * isa.RECORD_WORDS) == Op.END:
+                    limit = pf_cum  # the queue ends here: stop
+                else:
+                    pf_pc = pf_pc + 1
+                    pf_off = Int64(0)
+            more = pf_cum < limit
+        return pf_pc, pf_off, pf_cum
 
     @cute.jit
     def embed(self, rec: cute.Tensor, weights: cute.Pointer, f32: cute.Pointer,

@@ -35,6 +35,59 @@ VEC = 8  # bf16 per 16-byte vector load
 ARGMAX_EXACT = 1 << 24  # vocab indices travel as fp32 in the partial argmax
 LANES = 32
 
+# ---- L2 lookahead prefetch (megakernel.py `prefetch_ahead`; the cost model reads the same window)
+# Before its dependency wait, a CTA asks L2 (cp.async.bulk.prefetch.L2) for the weight slabs of its
+# own queue from the current instruction on, up to PREFETCH_WINDOW bytes past the start of the
+# current slab; each byte is requested once. The window per SM is sized from the L2 capacity:
+# the prefetched-but-unread bytes of all SMs (SMs x window) take at most L2_PREFETCH_SHARE of L2,
+# so a prefetched line survives the demand stream that passes through L2 during its lead time
+# (about the same number of bytes again). L2 capacities: H100 SXM5 and H200 (same GH100 die)
+# 50 MB (NVIDIA H100 Tensor Core GPU Architecture whitepaper; `l2CacheSize` = 50 MiB); B200
+# 126 MB over its two dies (Chips and Cheese, "Nvidia's B200: Keeping the CUDA Juggernaut
+# Rolling", 2025). SM counts: the largest part of each arch (H100/H200 SXM 132, B200 148).
+PREFETCH_CHUNK = 16 * 1024  # bytes per cp.async.bulk.prefetch.L2 request
+L2_BYTES = {"sm_90a": 50 * 2**20, "sm_100a": 126 * 2**20}
+ARCH_SMS = {"sm_90a": 132, "sm_100a": 148}
+L2_PREFETCH_SHARE = 0.5
+
+
+def prefetch_window(arch: str) -> int:
+    """Lookahead L2 prefetch window per SM in bytes (a multiple of PREFETCH_CHUNK):
+    192 KiB on sm_90a (132 x 192 KiB = 24.8 MiB of 50 MiB), 432 KiB on sm_100a (148 x 432 KiB =
+    62.4 MiB of 126 MiB)."""
+    if arch not in L2_BYTES:
+        raise SpecError(f"unsupported arch {arch!r}; supported: {', '.join(ARCHS)}")
+    w = int(L2_BYTES[arch] * L2_PREFETCH_SHARE) // ARCH_SMS[arch]
+    return w // PREFETCH_CHUNK * PREFETCH_CHUNK
+
+
+def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, int]]]:
+    """Host mirror of the kernel's lookahead (same state machine, for tests and documentation).
+
+    `slabs[i]`: prefetchable weight bytes of queue instruction i (0 for opcodes without a slab).
+    Returns, per instruction i, the (instruction, byte offset, bytes) ranges requested when the
+    CTA reaches i: everything of slabs i, i+1, ... below (start of slab i) + window that was not
+    requested before.
+    """
+    out: list[list[tuple[int, int, int]]] = []
+    pf_pc, pf_off, pf_cum, cum = 0, 0, 0, 0
+    for pc, nb in enumerate(slabs):
+        if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
+            pf_pc, pf_off, pf_cum = pc, 0, cum
+        limit = cum + window
+        got: list[tuple[int, int, int]] = []
+        while pf_cum < limit and pf_pc < len(slabs):
+            take = min(slabs[pf_pc] - pf_off, limit - pf_cum)
+            if take > 0:
+                got.append((pf_pc, pf_off, take))
+                pf_off += take
+                pf_cum += take
+            if pf_off >= slabs[pf_pc]:
+                pf_pc, pf_off = pf_pc + 1, 0
+        out.append(got)
+        cum += nb
+    return out
+
 
 # ---- kernel parameters (the ABI) ----------------------------------------------------------------
 @dataclass(frozen=True)
@@ -88,6 +141,10 @@ class KernelSpec:
     num_threads: int = NUM_THREADS
 
     # ---- derived ----------------------------------------------------------------------------
+    @property
+    def prefetch_window(self) -> int:
+        return prefetch_window(self.arch)
+
     @property
     def rows(self) -> int:  # N = B * T
         return self.batch * self.tokens
