@@ -12,7 +12,10 @@ teacher-forced with the kernel's own tokens so that all three see the same input
 - scratch poisoned (NaN, tokens_out -1) before the first step and the outputs before every step;
   every logit must be finite and every token in range afterwards (nothing left unwritten);
 - DESIGN.md section 4: max |kernel - fp32| <= 2 max |ref_bf16 - fp32| + noise, per step;
-- greedy tokens of kernel and bf16 reference agree at every step;
+- greedy tokens of kernel and bf16 reference agree at every step where the reference's top-2
+  margin is clear: above twice the kernel's measured logit error against the reference at that
+  step (a smaller margin is a near tie that rounding may legitimately flip; near ties are counted
+  and must stay rare, see `greedy_check`);
 - repeated runs from the same state are bit-identical;
 - tiny models: the first steps against the CPU executor of the same program (logits close, bf16
   KV-cache entries equal up to a few one-ulp flips at shared rounding points).
@@ -97,6 +100,63 @@ def _noise(x) -> float:
     return 2.0 * float(((x + 0.3) - 0.3 - x).abs().max())
 
 
+NEAR_TIE_FRACTION = 0.05  # at most this share of tokens may be near ties that flipped
+MIN_PREFIX = 16  # free-running generations must agree this long unless a near tie comes first
+
+
+def top2_margin(logits):  # noqa: ANN001, ANN201
+    """[..., V] logits -> [...] gap between the largest and the second largest (fp32)."""
+    import torch
+
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+def greedy_check(kernel_logits, kernel_tokens, ref_logits) -> dict[str, Any]:  # noqa: ANN001
+    """Teacher-forced greedy comparison of one step: [R, V] logits, [R] kernel tokens.
+
+    Row r's tokens must be equal when the reference's top-2 margin exceeds 2 * max |kernel -
+    reference| on that row: then no error of that size can reorder the top two, so a mismatch is
+    a real defect ("clear"). Below it the row is a near tie and a mismatch is only counted.
+    """
+    import torch
+
+    k = kernel_logits.float()
+    ref = ref_logits.float().to(k.device)
+    err = (k - ref).abs().amax(dim=-1)  # [R]
+    bound = 2.0 * err
+    margin = top2_margin(ref)
+    want = torch.argmax(ref, dim=-1)
+    bad = kernel_tokens.to(want.device).long() != want
+    clear = bad & (margin > bound)
+    return {"clear": int(clear.sum()), "near_ties": int((bad & ~clear).sum()),
+            "mismatch": bool(bad.any()), "min_margin": float(margin.min()),
+            "max_bound": float(bound.max())}
+
+
+def common_prefix(kernel_tokens: list[int], ref_tokens: list[int], ref_margins: list[float],
+                  bound: float) -> dict[str, Any]:
+    """Free-running greedy comparison of one sequence.
+
+    Steps are compared until the first one whose reference top-2 margin is <= `bound` (a near
+    tie: both generations may legitimately part there, and later steps see different inputs).
+    Returns the compared length, where the sequences first differ (None if they agree), whether
+    a near tie ended the comparison, and `ok`: no difference in the compared steps, and the
+    compared prefix is at least MIN_PREFIX long (or all steps) unless a near tie came first.
+    """
+    n = min(len(kernel_tokens), len(ref_tokens), len(ref_margins))
+    compared, tie = n, False
+    for t in range(n):
+        if ref_margins[t] <= bound:
+            compared, tie = t, True  # the near-tie step itself may differ: not compared
+            break
+    first = next((t for t in range(n) if kernel_tokens[t] != ref_tokens[t]), None)
+    diverged = first is not None and first < compared
+    long_enough = compared >= min(n, MIN_PREFIX) or tie
+    return {"compared": compared, "first_difference": first, "near_tie_stop": tie,
+            "ok": not diverged and long_enough and len(kernel_tokens) == len(ref_tokens)}
+
+
 def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     import torch
 
@@ -131,7 +191,8 @@ def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     snap = None
     res: dict[str, Any] = dict(model=c.model, batch=c.batch, tokens=c.tokens, prompt_lengths=lens,
                                steps=0, token_mismatches=0, max_err_kernel=0.0,
-                               max_err_bf16ref=0.0, tolerance_failures=0, unwritten=0)
+                               max_err_bf16ref=0.0, tolerance_failures=0, unwritten=0,
+                               near_tie_mismatches=0, first_mismatch_step=None)
     tok = first[:, None].repeat(1, c.tokens) if c.tokens > 1 else first[:, None]
     last = first
     for step in range(c.steps):
@@ -155,8 +216,12 @@ def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
         if not ek <= 2 * e16 + _noise(l32):
             res["tolerance_failures"] += 1
         kt = out_tok.view(c.batch, c.tokens).long()
-        rt = torch.argmax(l16, dim=-1)
-        res["token_mismatches"] += int((kt != rt).sum())
+        gc = greedy_check(logits.reshape(-1, logits.shape[-1]), kt.reshape(-1),
+                          l16.reshape(-1, l16.shape[-1]))
+        res["token_mismatches"] += gc["clear"]
+        res["near_tie_mismatches"] += gc["near_ties"]
+        if gc["mismatch"] and res["first_mismatch_step"] is None:
+            res["first_mismatch_step"] = step
         last = kt[:, -1]
         tok = last[:, None] if c.tokens == 1 else tok
         res["steps"] += 1
@@ -166,8 +231,11 @@ def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     if c.executor_steps:
         res.update(_against_executor(cfg, weights, prompts, c, dev, build_dir))
     res["seconds"] = round(time.perf_counter() - t0, 2)
+    res["near_ties_ok"] = (res["near_tie_mismatches"]
+                           <= max(1, int(NEAR_TIE_FRACTION * c.steps * c.batch * c.tokens)))
     res["ok"] = (res["unwritten"] == 0 and res["tolerance_failures"] == 0
-                 and res["token_mismatches"] == 0 and res.get("deterministic", True)
+                 and res["token_mismatches"] == 0 and res["near_ties_ok"]
+                 and res.get("deterministic", True)
                  and res.get("executor_ok", True))
     return res
 
@@ -219,7 +287,10 @@ def _against_executor(cfg, weights, prompts, c: Case, dev, build_dir) -> dict:
         kt, lg = mk.step(tok.to(dev), return_logits=True)
         et = ex.step(tok)
         worst = max(worst, _err(lg.cpu(), ex.logits))
-        tok_diff += int((kt.cpu().view(c.batch, c.tokens).long() != et).sum())
+        del et  # = argmax of ex.logits; compared below with the near-tie rule
+        v = ex.logits.shape[-1]
+        tok_diff += greedy_check(lg.cpu().reshape(-1, v), kt.cpu().reshape(-1),
+                                 ex.logits.reshape(-1, v))["clear"]
         for mine, theirs in ((mk.k_cache, ex.k), (mk.v_cache, ex.v)):
             a, b = mine.cpu().float(), theirs.float()
             kv_diff += int(((a != b) & torch.isfinite(a) & torch.isfinite(b)).sum())
@@ -348,7 +419,7 @@ def gpu_check(out: Path, build_dir: Path, quick: bool = False) -> dict[str, Any]
 
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"# gpu-check on {r['device']} ({r['arch']}, {r['sms']} SMs)", "",
-             "| case | steps | ok | max err kernel | max err bf16 ref | tok mismatch "
+             "| case | steps | ok | max err kernel | max err bf16 ref | tok mismatch (near ties) "
              "| executor | s |",
              "|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
@@ -359,7 +430,8 @@ def markdown(r: dict[str, Any]) -> str:
         ex = (f"{c['executor_max_logit_diff']:.2e}" if "executor_max_logit_diff" in c else "-")
         lines.append(f"| {c['model']} B={c['batch']} T={c['tokens']} | {c['steps']} | "
                      f"{'yes' if c['ok'] else 'NO'} | {c['max_err_kernel']:.3e} | "
-                     f"{c['max_err_bf16ref']:.3e} | {c['token_mismatches']} | {ex} | "
+                     f"{c['max_err_bf16ref']:.3e} | {c['token_mismatches']} "
+                     f"({c.get('near_tie_mismatches', 0)}) | {ex} | "
                      f"{c['seconds']} |")
     lines += ["", f"copy bandwidth: {r.get('copy_bandwidth_GBps', float('nan')):.0f} GB/s", ""]
     for b in r["bench"]:

@@ -79,6 +79,7 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
         "plan_s": round(plan_s, 3), "verify_s": round(verify_s, 3),
         "format_version": prog.header["FORMAT_VERSION"],
         "cost_params": dataclasses.asdict(cost.CostParams()),
+        "l2_prefetch_window_bytes": cost.Rates.of(g, cost.CostParams()).window,
     }
 
 
@@ -111,7 +112,9 @@ def describe(r: dict[str, Any]) -> list[str]:
         f"assumptions: {p['mem_latency'] * 1e9:.0f} ns per load/store on a dependency edge, "
         f"{p['fixed_per_instr'] * 1e6:.2f} us fixed per instruction, launch "
         f"{p['launch'] * 1e6:.1f} us ({cost.CITATIONS['mem_latency']}); "
-        f"{SOURCES['COPY']}; {SOURCES['L2']}")
+        f"L2 lookahead prefetch of {r['l2_prefetch_window_bytes'] // 1024} KiB per SM (the "
+        f"kernel's window), prefetched bytes read from L2 after {p['l2_latency'] * 1e9:.0f} ns "
+        f"({cost.CITATIONS['l2_latency']}); {SOURCES['COPY']}; {SOURCES['L2']}")
     return lines
 
 

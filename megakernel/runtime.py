@@ -183,8 +183,14 @@ _DTYPES = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float32": torch.fl
 
 
 def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, lengths_off: int,
-                  require_cuda: bool = True) -> None:
-    """Check every tensor argument against the build's static config; raises ArgumentError."""
+                  max_seq_len: int | None = None, require_cuda: bool = True) -> None:
+    """Check every tensor argument against the build's static config; raises ArgumentError.
+
+    `max_seq_len`: the program header's S_MAX. The kernel takes S_max from the cache's S
+    dimension and finds the rope sin table at ROPE_OFF + S_max * D/2, where the program put it
+    for S_MAX: a cache of any other length would read the wrong table (or past it), so it is
+    refused here, before any CUDA call.
+    """
     from megakernel.kernel.spec import PARAMS
 
     dt = {p.name: _DTYPES[p.dtype] for p in PARAMS if p.kind == "ptr"}
@@ -225,6 +231,11 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
     if tensors["k_cache"].shape != tensors["v_cache"].shape:
         raise ArgumentError(f"k_cache {tuple(tensors['k_cache'].shape)} and v_cache "
                             f"{tuple(tensors['v_cache'].shape)} differ")
+    if max_seq_len is not None and tensors["k_cache"].shape[3] != max_seq_len:
+        raise ArgumentError(f"the KV cache has S_max = {tensors['k_cache'].shape[3]} positions "
+                            f"but the program was compiled for max_seq_len {max_seq_len} (its "
+                            f"rope tables are laid out for it); allocate the cache with "
+                            f"{max_seq_len} positions or recompile the program")
     for name in TENSOR_ARGS:
         if not tensors[name].is_contiguous():
             raise ArgumentError(f"{name} must be contiguous (got strides "

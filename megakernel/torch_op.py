@@ -67,16 +67,18 @@ def decode_step(program: torch.Tensor, counters: torch.Tensor, weights: torch.Te
                 f32: torch.Tensor, bf16: torch.Tensor, i32: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kernel: int, offsets: list[int],
                 return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step. offsets = [lengths_off (i32), tokens_out_off (i32), logits_off (f32)].
+    """One decode step. offsets = [lengths_off (i32), tokens_out_off (i32), logits_off (f32),
+    s_max (the program header's S_MAX: the kernel finds the rope sin table S_MAX * D/2 after cos,
+    so the cache must have exactly S_MAX positions)].
 
     Returns (tokens_out [N] int32, logits [N, V] fp32 or [0, V] when not requested), copies.
     """
     e = _entry(kernel)
     spec = e.manifest.spec
-    lengths_off, tok_off, logits_off = _offsets(offsets)
+    lengths_off, tok_off, logits_off, s_max = _offsets(offsets)
     tensors = dict(program=program, counters=counters, weights=weights, f32=f32, bf16=bf16,
                    i32=i32, k_cache=k_cache, v_cache=v_cache)
-    validate_args(spec, tensors, lengths_off=lengths_off)  # before any CUDA call
+    validate_args(spec, tensors, lengths_off=lengths_off, max_seq_len=s_max)  # before CUDA
     n, v = e.manifest.rows, spec["vocab"]
     if tok_off < 0 or tok_off + n > i32.numel():
         raise ArgumentError(f"tokens_out_off {tok_off} + {n} rows is outside the i32 arena")
@@ -105,11 +107,11 @@ def _(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel, offs
     return tokens, logits
 
 
-def _offsets(offsets: list[int]) -> tuple[int, int, int]:
-    if len(offsets) != 3:
-        raise ArgumentError(f"offsets must be [lengths_off, tokens_out_off, logits_off], got "
-                            f"{list(offsets)}")
-    return int(offsets[0]), int(offsets[1]), int(offsets[2])
+def _offsets(offsets: list[int]) -> tuple[int, int, int, int]:
+    if len(offsets) != 4:
+        raise ArgumentError(f"offsets must be [lengths_off, tokens_out_off, logits_off, s_max], "
+                            f"got {list(offsets)}")
+    return int(offsets[0]), int(offsets[1]), int(offsets[2]), int(offsets[3])
 
 
 # ---- a model's GPU state ------------------------------------------------------------------------
@@ -170,7 +172,7 @@ class DeviceState:
     i32: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    offsets: list[int]  # [lengths_off, tokens_out_off, logits_off] for decode_step
+    offsets: list[int]  # [lengths_off, tokens_out_off, logits_off, S_MAX] for decode_step
 
     def region(self, arena: str, name: str) -> torch.Tensor:
         r = getattr(self.prog.buffers, arena)[name]
@@ -198,7 +200,8 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # 
         i32=torch.zeros(buf.i32_numel, dtype=torch.int32, device=d),
         k_cache=torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
         v_cache=torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
-        offsets=[hdr["I32_LENGTHS_OFF"], hdr["I32_TOKENS_OUT_OFF"], hdr["F32_LOGITS_OFF"]],
+        offsets=[hdr["I32_LENGTHS_OFF"], hdr["I32_TOKENS_OUT_OFF"], hdr["F32_LOGITS_OFF"],
+                 hdr["S_MAX"]],
     )
     cos, sin = rope_tables(cfg, prog.max_seq_len)
     st.region("f32", "rope_cos").copy_(cos.reshape(-1))

@@ -119,6 +119,27 @@ def test_sass_has_the_intended_instructions(builds):
         assert needle in ptx, needle
 
 
+def test_ptx_has_the_l2_lookahead(builds):
+    """The weight prefetch is the lookahead walk: one bulk-prefetch site for weights (in the walk
+    over queued records) and one for cached K/V, the arch's window added to the slab start, the
+    walk reading NROWS and K (record words 9, 10 = bytes 36, 40) of queued records before the
+    weight prefetch, and no fixed per-slab clamp."""
+    for (name, arch), (d, _) in _all(builds):
+        ptx = (d / "megakernel.ptx").read_text()
+        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2, (name, arch)
+        w = spec_mod.prefetch_window(arch)
+        add = re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {w};", ptx)
+        assert add, (name, arch, w)
+        sites = [i.start() for i in re.finditer(r"cp\.async\.bulk\.prefetch\.L2", ptx)]
+        after = [i for i in sites if i > add.start()]
+        assert after, (name, arch)
+        walk = ptx[add.start():after[0]]
+        nrows = isa.COMMON_WORDS + 3
+        assert re.search(rf"ld\.global\.b32\s+%r\d+, \[%rd\d+\+{4 * nrows}\];", walk), name
+        assert re.search(rf"ld\.global\.b32\s+%r\d+, \[%rd\d+\+{4 * nrows + 4}\];", walk), name
+        assert str(256 * 1024) not in ptx, (name, arch)  # the old per-slab clamp is gone
+
+
 def test_resource_rules_reject_spills_and_budget_overruns():
     s = make_spec(preset("llama-tiny"), 1, 1, "sm_90a")
     ok = dict(registers=64, spill_stores=0, spill_loads=0, local_bytes=0, local_stores=0,

@@ -18,7 +18,8 @@ from megakernel.runtime import ArgumentError, KernelUnavailable, Manifest
 from tests.test_runtime import manifest_dict, tensors
 
 REPO = Path(__file__).resolve().parents[1]
-OFFSETS = [128, 64, 0]  # lengths, tokens_out (i32); logits (f32)
+S_MAX = 32  # tests.test_runtime.tensors' cache length
+OFFSETS = [128, 64, 0, S_MAX]  # lengths, tokens_out (i32); logits (f32); the program's S_MAX
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,19 @@ def test_op_rejects_unknown_kernel_and_bad_offsets(kid):
         torch.ops.megakernel.decode_step(ts["program"], ts["counters"], ts["weights"], ts["f32"],
                                          ts["bf16"], ts["i32"], ts["k_cache"], ts["v_cache"],
                                          kid, [1, 2], False)
+
+
+def test_op_refuses_a_cache_of_another_length_than_the_program(kid):
+    """The kernel finds the rope sin table at ROPE_OFF + S_max * D/2 with S_max from the cache:
+    a cache longer or shorter than the program's S_MAX is refused on the host (CPU tensors, so
+    no CUDA call has happened), naming both lengths."""
+    for s_max in (S_MAX + 8, S_MAX - 1):
+        ts = tensors(spec(), s_max=s_max)
+        with pytest.raises(ArgumentError, match=rf"S_max = {s_max} positions but the program "
+                                                rf"was compiled for max_seq_len {S_MAX}"):
+            call(ts, kid)
+    with pytest.raises(ArgumentError, match="the kernel needs CUDA tensors"):
+        call(tensors(spec(), s_max=S_MAX), kid)  # the same length passes this check
 
 
 def test_fake_describes_outputs(kid):
@@ -130,7 +144,9 @@ def test_host_state_on_cpu_matches_the_build_and_the_executor(model, batch, toke
     spec = manifest_dict(batch=batch, tokens=tokens, model=model)["spec"]
     st = op.allocate_state(cfg, w, prog, "cpu")
     check_records(st.program, spec)
-    validate_args(spec, st.tensors(), lengths_off=st.offsets[0], require_cuda=False)
+    validate_args(spec, st.tensors(), lengths_off=st.offsets[0], max_seq_len=st.offsets[3],
+                  require_cuda=False)
+    assert st.offsets[3] == prog.max_seq_len == st.k_cache.shape[3]
     ex = Executor(prog, pack_weights(cfg, w), check=False)
     assert torch.equal(st.weights, ex.weights)
     assert torch.equal(st.program, ex.records)

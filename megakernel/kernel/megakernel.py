@@ -112,7 +112,7 @@ class DecodeMegakernel:
                                 len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
             if op != Op.ATTN_PARTIAL:  # the ticket above did its own signalling
                 sync.signal_counter(counters, rec[4], tidx)
-            cum = cum + self.slab_bytes(queue, pc)
+            cum = cum + self.slab_bytes(op, rec[isa.COMMON_WORDS + 3], rec[isa.COMMON_WORDS + 4])
             pc += 1
             op = cute.arch.load(queue + pc * isa.RECORD_WORDS, Int32)
         sync.finish_step(counters, epoch, num_ctas, tidx)
@@ -125,15 +125,12 @@ class DecodeMegakernel:
 
     # ---- helpers and small handlers -----------------------------------------------------------
     @cute.jit
-    def slab_bytes(self, queue: cute.Pointer, i: Int32) -> Int64:
-        """Weight bytes of record i of the queue (NROWS * K * 2 for the matvec family, else 0)."""
-        f = isa.COMMON_WORDS
-        base = i * isa.RECORD_WORDS
-        rop = ld(queue, base)
+    def slab_bytes(self, rop: Int32, nrows: Int32, k: Int32) -> Int64:
+        """Weight bytes of a record (NROWS * K * 2 for the matvec family, else 0)."""
         nbytes = Int64(0)
         if (rop >= Op.QKV) & (rop != Op.ATTN_PARTIAL) & (rop != Op.ARGMAX):
             # NROWS * K * 2 can pass 2^31 (an LM head on few SMs): 64-bit
-            nbytes = Int64(ld(queue, base + f + 3)) * Int64(ld(queue, base + f + 4)) * Int64(2)
+            nbytes = Int64(nrows) * Int64(k) * Int64(2)
         return nbytes
 
     @cute.jit
@@ -151,10 +148,11 @@ class DecodeMegakernel:
         limit = cum + Int64(self.window)
         more = pf_cum < limit
         while more:
-            nbytes = self.slab_bytes(queue, pf_pc)
+            base = pf_pc * isa.RECORD_WORDS
+            rop = ld(queue, base)
+            nbytes = self.slab_bytes(rop, ld(queue, base + f + 3), ld(queue, base + f + 4))
             take = cutlass.min(nbytes - pf_off, limit - pf_cum)
             if take > Int64(0):
-                base = pf_pc * isa.RECORD_WORDS
                 w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
                 addr0 = weights.toint() + w_base * Int64(2) + pf_off
                 n32 = take.to(Int32)  # <= window
@@ -165,7 +163,7 @@ class DecodeMegakernel:
                 pf_off = pf_off + take
                 pf_cum = pf_cum + take
             if pf_off >= nbytes:  # this record's slab is requested (or it has none): next
-                if ld(queue, pf_pc * isa.RECORD_WORDS) == Op.END:
+                if rop == Op.END:
                     limit = pf_cum  # the queue ends here: stop
                 else:
                     pf_pc = pf_pc + 1

@@ -1,5 +1,12 @@
 """Cost model of one decode step: per-instruction bytes, latencies and fixed costs, per SM.
 
+It models the kernel that exists (megakernel/kernel/megakernel.py), whose only weight staging is
+an L2 lookahead: when a CTA reaches instruction i (before its dependency wait) it issues
+cp.async.bulk.prefetch.L2 for the weight slabs of its own queue up to `window` bytes past the
+start of slab i, each byte once (kernel.spec.lookahead_plan); an ATTN_PARTIAL also prefetches its
+own cached keys/values. There is no shared-memory weight pipeline: earlier versions of this model
+assumed a 195 KB shared-memory lookahead window, which the kernel does not have.
+
 Parameters (`CostParams`), each from a published figure or stated as an assumption:
 - `mem_latency` 500 ns: one global load or store on a dependency path. Hazy Research, "Look Ma,
   No Bubbles" (2025): a B200 instruction pays "about 2 load plus 2 store latencies of ~500 ns".
@@ -9,23 +16,35 @@ Parameters (`CostParams`), each from a published figure or stated as an assumpti
   same post's B200 breakdown: 40 us sync + 80 us setup over the ~125 instructions per SM that its
   250 us of dependency latency implies (250 us / 2 us).
 - `launch` 1.3 us: CUDA-graph kernel launch on H100 (same post).
-- `smem_reserve` 32 KiB: shared memory a CTA keeps for activations, the instruction ring and
-  barriers (a kernel design figure); the rest of the 227 KiB is the weight prefetch window.
+- `l2_latency` 200 ns: first bytes of a prefetched slab (an L2 hit). Assumption: Chips and
+  Cheese measure ~150 ns for a B200 L2 hit within a partition, more across the die boundary
+  ("Nvidia's B200: Keeping the CUDA Juggernaut Rolling", 2025); no H100/H200 figure is used.
+- `prefetch_window` None: the kernel's lookahead window for the GPU's arch
+  (kernel.spec.prefetch_window: 192 KiB on sm_90a, 432 KiB on sm_100a, sized so that all SMs'
+  windows fill at most half of L2); an int overrides it for what-ifs.
+- `prefetch_to_smem` False: a what-if switch for a kernel that would stage the prefetched bytes
+  in shared memory before the wait (reading them then costs nothing after it). The kernel does
+  not do this; plan always reports False.
 - `mma_efficiency` 0.5: fraction of dense BF16 tensor peak that warp-level mma.sync matvecs reach
   (assumption; compute only matters at large batch).
 - bandwidth per SM = the GPU's copy bandwidth / SMs (every SM streams at once in the steady state);
-  activation reads come from L2 at the L2 bandwidth / SMs (gpus.py cites both).
+  activation reads and prefetched weight reads come from L2 at the L2 bandwidth / SMs (gpus.py
+  cites both). Prefetched bytes still cross HBM: a prefetch only moves the fetch earlier, and it
+  takes its share of the copy bandwidth like a demand load.
 
-Timeline of one instruction i on SM s (the "no bubbles" overlap):
-- the weight loader streams the SM's instructions' prefetchable bytes (weights, cached KV) back to
-  back, at most `window` bytes ahead of what the compute side has consumed, so it runs ahead of
-  dependency waits;
+Timeline of one instruction i on SM s:
+- the SM's HBM stream fetches, in queue order, the weight bytes below (start of slab ci) + window,
+  ci being the instruction the CTA has reached (the lookahead), and all of slab ci once the CTA
+  consumes it (demand loads); an ATTN_PARTIAL's cached K/V are fetched from the moment the CTA
+  reaches it;
 - start = max(previous instruction done, dependency visible) + fixed cost;
-- activations arrive one load latency (+ bytes / L2 share) later (t_act); bytes the loader had in
-  shared memory by t_act are free, the rest streams at the SM's share: the exposed cost is
-  max(wait, load) plus fixed costs;
-- done = max(weights in, t_act + compute) + stores / bandwidth; the CTA fences its stores (one
-  latency) and adds to the counter (one more); a waiter sees it one poll latency later.
+- activations arrive one load latency (+ bytes / L2 share) later (t_act); the bytes of slab i that
+  had arrived in L2 by then need no HBM time, the rest arrives at the SM's HBM share; when part
+  of the slab was prefetched, reading starts one L2 latency after t_act and the whole slab passes
+  the SM's L2 share (prefetched and demand bytes share the port); the instruction needs the
+  latest of these and the compute time;
+- done = that + stores / bandwidth; the CTA fences its stores (one latency) and adds to the
+  counter (one more); a waiter sees it one poll latency later.
 
 Two evaluations share these parameters: `SimState` places instructions one at a time for the
 scheduler (bandwidth from a first-come ledger, each SM capped at its L2 share), and replay.py
@@ -45,6 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megakernel.kernel.spec import prefetch_window
 from megakernel.program.gpus import GPU
 from megakernel.program.isa import NO_COUNTER, Op
 
@@ -52,7 +72,9 @@ CITATIONS = {
     "mem_latency": "Hazy Research, 'Look Ma, No Bubbles' (2025-05-27): ~500 ns per load/store",
     "fixed_per_instr": "derived from the same post's B200 breakdown: (40 + 80) us / ~125 instr",
     "launch": "same post: CUDA-graph launch ~1.3 us on H100",
-    "smem_reserve": "kernel design figure (activations, instruction ring, barriers)",
+    "l2_latency": "assumption near Chips and Cheese's ~150 ns B200 L2 hit (2025)",
+    "prefetch_window": "kernel.spec.prefetch_window: half of L2 over the arch's SMs",
+    "prefetch_to_smem": "what-if only: the kernel has no shared-memory weight stage",
     "mma_efficiency": "assumption: mma.sync matvec at 50% of dense BF16 peak",
 }
 
@@ -62,8 +84,12 @@ class CostParams:
     mem_latency: float = 500e-9
     fixed_per_instr: float = 0.96e-6
     launch: float = 1.3e-6
-    smem_reserve: int = 32 * 1024
+    l2_latency: float = 200e-9
+    prefetch_window: int | None = None  # None: the kernel's window for the GPU's arch
     mma_efficiency: float = 0.5
+    # what-if only (the kernel does not do this): prefetched bytes staged in shared memory
+    # before the wait, so reading them costs nothing on the path after it
+    prefetch_to_smem: bool = False
 
 
 @dataclass
@@ -74,16 +100,18 @@ class Rates:
     l2: float  # bytes/s of L2 per SM
     tensor: float  # flop/s per SM
     fp32: float
-    window: int  # prefetch window bytes
+    window: int  # L2 lookahead window bytes (past the start of the current slab)
     lat: float
     fixed: float
+    l2_lat: float
 
     @classmethod
     def of(cls, gpu: GPU, p: CostParams) -> Rates:
         n = gpu.num_sms
+        window = prefetch_window(gpu.arch) if p.prefetch_window is None else p.prefetch_window
         return cls(gpu.copy_bw / n, gpu.l2_bw / n, gpu.bf16_tensor_flops * p.mma_efficiency / n,
-                   gpu.fp32_flops / n, max(16 * 1024, gpu.smem_per_block - p.smem_reserve),
-                   p.mem_latency, p.fixed_per_instr)
+                   gpu.fp32_flops / n, int(window), p.mem_latency, p.fixed_per_instr,
+                   p.l2_latency)
 
 
 class SimState:
@@ -95,14 +123,14 @@ class SimState:
         n = gpu.num_sms
         self.n = n
         self.free = np.zeros(n)  # compute side free (previous instruction done and fenced)
-        self.load_end = np.zeros(n)  # loader finished every byte so far
-        self.win = np.zeros(n)  # earliest time the loader may fetch the next byte (window)
-        self.cum = np.zeros(n, dtype=np.int64)  # prefetchable bytes so far
+        self.load_end = np.zeros(n)  # HBM stream finished every byte so far
+        self.win = np.zeros(n)  # earliest time the lookahead may request the next slab's bytes
+        self.cum = np.zeros(n, dtype=np.int64)  # weight bytes so far (the kernel's stream offset)
         self.streamed = np.zeros(n)  # bytes moved by each SM (for idle fractions)
         self.count = np.zeros(n, dtype=np.int64)
-        # per SM consumption history: end offsets, (start offset, t0, t1)
-        self._hist_end: list[list[int]] = [[] for _ in range(n)]
-        self._hist: list[list[tuple[int, float, float]]] = [[] for _ in range(n)]
+        # per SM: stream offset of each placed instruction's slab and when the CTA reached it
+        self._starts: list[list[int]] = [[] for _ in range(n)]
+        self._reach: list[list[float]] = [[] for _ in range(n)]
         self.counter_done: dict[int, float] = {}  # counter -> latest signal time so far
         self.ledger = Ledger(gpu.copy_bw, self.r.l2)
 
@@ -122,11 +150,14 @@ class SimState:
         w = ins.w_bytes
         compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
         if w:
-            ls = np.maximum(load_end, win)
+            kv = ins.op == Op.ATTN_PARTIAL  # prefetched whole when the CTA reaches it
+            ls = np.maximum(load_end, free if kv else win)
             ls = ls + np.where(ls > load_end, r.lat, 0.0)  # restart latency after a stall
-            pre = np.clip((t_act - ls) * r.bw, 0.0, min(w, r.window))
+            pre = np.clip((t_act - ls) * r.bw, 0.0, w if kv else min(w, r.window))
             t_w = np.where(pre < w, t_act + (w - pre) / r.bw, ls + w / r.bw)
             new_load_end = np.maximum(t_w, ls + w / r.bw)
+            if not self.params.prefetch_to_smem:
+                t_w = np.maximum(t_w, np.where(pre > 0, t_act + r.l2_lat + w / r.l2, t_act))
         else:
             t_w = t_act
             new_load_end = load_end
@@ -142,40 +173,44 @@ class SimState:
     def place(self, ins, s: int) -> float:  # noqa: ANN001
         """Append `ins` to SM `s`; returns its completion time (before the fence).
 
-        Unlike `probe`, the weight stream draws on the shared bandwidth ledger, so an SM streams
+        Unlike `probe`, the HBM stream draws on the shared bandwidth ledger, so an SM streams
         faster than its even share when others are idle (up to its own cap).
         """
         r = self.r
         ready = self.visible(ins.wait)
-        start = max(float(self.free[s]), ready) + r.fixed
+        reach = float(self.free[s])  # the CTA reaches ins: lookahead issued, then the wait
+        start = max(reach, ready) + r.fixed
         t_act = start
         if ins.l2_bytes or ins.hbm_bytes:
             t_act += r.lat + ins.l2_bytes / r.l2 + ins.hbm_bytes / r.bw
         w = ins.w_bytes
+        kv = ins.op == Op.ATTN_PARTIAL
         le = float(self.load_end[s])
         t_w = t_act
         if w:
-            ls = max(le, float(self.win[s]))
+            ls = max(le, reach if kv else float(self.win[s]))
             if ls > le:
-                ls += r.lat  # the loader restarts after a full window
+                ls += r.lat  # the stream restarts after a stall
             got, t1 = 0.0, ls
             if t_act > ls:
-                t1, got = self.ledger.take(ls, min(w, r.window), t_act)
+                t1, got = self.ledger.take(ls, w if kv else min(w, r.window), t_act)
             if got < w:
                 t_w, _ = self.ledger.take(max(t_act, t1), w - got)
             else:
                 t_w = t1
             le = t_w
+            if got > 0 and not self.params.prefetch_to_smem:
+                # the prefetched head is in L2: the whole slab passes the SM's L2 port
+                t_w = max(t_w, t_act + r.l2_lat + w / r.l2)
         compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
         t_c1 = max(t_w, t_act + compute) + ins.store_bytes / r.bw
         self.free[s] = t_c1 + r.lat  # fence before the signal
         self.load_end[s] = le
-        if ins.w_bytes:
-            s0 = int(self.cum[s])
-            self.cum[s] += ins.w_bytes
-            self._hist_end[s].append(int(self.cum[s]))
-            self._hist[s].append((s0, t_act, t_c1))
-        self.win[s] = self._consumed_at(s, int(self.cum[s]) - r.window)
+        self._starts[s].append(int(self.cum[s]))
+        self._reach[s].append(reach)
+        if not kv:
+            self.cum[s] += w
+        self.win[s] = self._reached_at(s, int(self.cum[s]) - r.window)
         self.streamed[s] += ins.w_bytes + ins.hbm_bytes + ins.store_bytes
         self.count[s] += 1
         if ins.signal != NO_COUNTER:
@@ -193,17 +228,15 @@ class SimState:
         ins.t_start, ins.t_end = start, t_c1
         return t_c1
 
-    def _consumed_at(self, s: int, offset: int) -> float:
-        """When SM s's compute side had consumed its stream up to `offset` bytes."""
-        if offset <= 0:
-            return 0.0
-        ends = self._hist_end[s]
-        j = bisect.bisect_left(ends, offset)
-        if j >= len(ends):
-            return float("inf")
-        s0, t0, t1 = self._hist[s][j]
-        frac = (offset - s0) / max(1, ends[j] - s0)
-        return t0 + frac * (t1 - t0)
+    def _reached_at(self, s: int, offset: int) -> float:
+        """When the lookahead of SM s first covered stream offset `offset`: the time the CTA
+        reached the first instruction whose slab starts past offset - that is, offset + 1 bytes
+        lie below its start + window (the next, unplaced instruction: when the CTA frees)."""
+        starts = self._starts[s]
+        j = bisect.bisect_right(starts, offset)
+        if j >= len(starts):
+            return float(self.free[s])
+        return self._reach[s][j]
 
     def step_time(self) -> float:
         """Predicted step: last CTA done + exit atomic + launch."""

@@ -13,8 +13,12 @@ Published figures, each with its source in `SOURCES`:
   run measures it (DESIGN.md §5 reports every GPU run against a copy bandwidth measured in the same
   run; `with_copy_bandwidth` replaces it). Public measurements of H100 SXM copies land near
   3.0 TB/s of 3.35 (about 90%).
-- [L2] L2 -> SM read bandwidth: 2.5x the HBM spec, an assumption from Chips and Cheese's H100 PCIe
-  measurement (about 5.5 TB/s of L2 against 2 TB/s of HBM2e).
+- [L2] L2 -> SM read bandwidth: 2.5x the HBM spec of the H100 SXM (8.4 TB/s), an assumption from
+  Chips and Cheese's H100 PCIe measurement (about 5.5 TB/s of L2 against 2 TB/s of HBM2e). The
+  L2 is on the die, so the H200 (the same GH100 die and 50 MB L2 with faster HBM) gets the H100
+  figure, not 2.5x its own HBM. B200: 2.5x its HBM spec, an assumption (no published B200 L2
+  bandwidth figure is used). The cost model reads prefetched weights and activations from L2 at
+  this bandwidth / SMs.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ SOURCES = {
     "B200": "NVIDIA DGX B200 / HGX B200 datasheets",
     "TUNE": "NVIDIA Hopper and Blackwell tuning guides (shared memory per SM)",
     "COPY": "assumption: copy bandwidth = 90% of the HBM spec until measured",
-    "L2": "assumption: L2 read bandwidth = 2.5x HBM spec (Chips and Cheese, H100 PCIe)",
+    "L2": "assumption: L2 read bandwidth = 2.5x HBM spec (Chips and Cheese, H100 PCIe); "
+          "H200 = H100 (same die)",
 }
 
 COPY_FRACTION = 0.90
@@ -79,7 +84,8 @@ class GPU:
         )
 
 
-def _gpu(name, arch, sms, mem_gb, hbm_tb, bf16_tf, fp32_tf) -> GPU:  # noqa: ANN001
+def _gpu(name, arch, sms, mem_gb, hbm_tb, bf16_tf, fp32_tf, l2_hbm_tb=None) -> GPU:  # noqa: ANN001
+    """`l2_hbm_tb`: the HBM spec the [L2] factor applies to (the die's own part), default hbm_tb."""
     hbm = hbm_tb * 1e12
     return GPU(
         name=name,
@@ -89,7 +95,7 @@ def _gpu(name, arch, sms, mem_gb, hbm_tb, bf16_tf, fp32_tf) -> GPU:  # noqa: ANN
         memory_bytes=int(mem_gb * 1e9),
         hbm_bw=hbm,
         copy_bw=COPY_FRACTION * hbm,
-        l2_bw=L2_FACTOR * hbm,
+        l2_bw=L2_FACTOR * (l2_hbm_tb or hbm_tb) * 1e12,
         bf16_tensor_flops=bf16_tf * 1e12,
         fp32_flops=fp32_tf * 1e12,
     )
@@ -97,7 +103,7 @@ def _gpu(name, arch, sms, mem_gb, hbm_tb, bf16_tf, fp32_tf) -> GPU:  # noqa: ANN
 
 GPUS: dict[str, GPU] = {
     "h100": _gpu("H100 SXM", "sm_90a", 132, 80, 3.35, 989.4, 66.9),
-    "h200": _gpu("H200 SXM", "sm_90a", 132, 141, 4.8, 989.4, 66.9),
+    "h200": _gpu("H200 SXM", "sm_90a", 132, 141, 4.8, 989.4, 66.9, l2_hbm_tb=3.35),
     "b200": _gpu("B200", "sm_100a", 148, 180, 8.0, 2250.0, 75.0),
 }
 

@@ -4,14 +4,19 @@ The scheduler's placement model (cost.SimState) hands bandwidth out first-come f
 placement order, which favours earlier stages. This replay runs the final queues through an
 event-driven fluid model instead, with the same parameters (cost.CostParams, gpus.GPU):
 
-- every SM's loader streams the prefetchable bytes (weights, cached KV) of its queue in order; all
-  loaders that can stream share the copy bandwidth equally, each at most the per-SM cap (the L2
-  share, as in SimState); a loader stops when `window` bytes of instructions whose consumption has
-  not started sit in shared memory;
+- every SM has one HBM stream. It fetches the weight bytes of its queue in order, up to the
+  kernel's L2 lookahead limit: (stream offset of the slab of the instruction the CTA has reached)
+  + window, or the end of that slab once the CTA consumes it (the demand loads past the window).
+  When the CTA reaches an ATTN_PARTIAL its cached keys/values are fetched first (prefetch_kv).
+  All streams that can move share the copy bandwidth equally, each at most the per-SM cap (the
+  L2 share, as in SimState): prefetched bytes cost HBM bandwidth like any other;
 - an SM's compute side walks its queue: wait for the counter to become visible, then the fixed
-  cost and the activation load (one latency + bytes / L2 share), then consume the weights as they
-  arrive (at least the compute time), then store (bytes / bandwidth share) and fence (one
-  latency); the release add lands one latency later and a waiter sees it one poll latency after;
+  cost and the activation load (one latency + bytes / L2 share), then consume the slab: when part
+  of it is already in L2, reading starts one L2 latency later and the whole slab passes the SM's
+  L2 share (prefetched and demand bytes use the same port), the rest arriving from HBM as it
+  comes (at least the compute time); then store (bytes / bandwidth share) and
+  fence (one latency); the release add lands one latency later and a waiter sees it one poll
+  latency after;
 - the last split of each (sequence, kv head) merges: its ticket returns one latency after its
   add, then the merge reads the partials, computes and stores, and the done counter's add lands.
 
@@ -40,7 +45,6 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
     n = prog.num_sms
     queues = [[prog.instrs[i] for i in q] for q in prog.queues]
     qlen = np.array([len(q) for q in queues])
-    wbytes = [[float(i.w_bytes) for i in q] + [0.0] for q in queues]
     totals = [c.total for c in prog.counters]
     seen = [0] * len(totals)
     visible = [np.inf] * len(totals)
@@ -48,9 +52,15 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
     waiting_on: dict[int, list[int]] = {}
     wake: list[tuple[float, int]] = []
 
-    lq = np.zeros(n, dtype=np.int64)  # instruction whose bytes the loader fetches
+    kvb = [[float(i.w_bytes) if i.op == Op.ATTN_PARTIAL else 0.0 for i in q] for q in queues]
+    wbytes = [[0.0 if i.op == Op.ATTN_PARTIAL else float(i.w_bytes) for i in q] + [0.0]
+              for q in queues]
+    wstart = [np.concatenate(([0.0], np.cumsum(w))) for w in wbytes]  # slab stream offsets
+    lq = np.zeros(n, dtype=np.int64)  # instruction whose weight bytes the stream fetches
     lrem = np.array([w[0] for w in wbytes])  # its bytes still to fetch
-    buffered = np.zeros(n)  # fetched bytes of instructions not yet being consumed
+    wpos = np.zeros(n)  # weight bytes fetched so far (the stream offset)
+    kvrem = np.zeros(n)  # cached K/V of the reached ATTN_PARTIAL still to fetch
+    limit = np.array([float(r.window)] * n)  # lookahead limit (stream offset)
     ci = np.zeros(n, dtype=np.int64)  # instruction of the compute side
     phase = np.full(n, _WAIT)
     phase_end = np.full(n, np.inf)
@@ -67,7 +77,10 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
         if ci[s] >= qlen[s]:
             phase[s], phase_end[s] = _DONE, np.inf
             return
-        ins = queues[s][ci[s]]
+        i = ci[s]
+        ins = queues[s][i]
+        limit[s] = max(limit[s], wstart[s][i] + r.window)  # the lookahead, before the wait
+        kvrem[s] = kvb[s][i]
         phase[s], phase_end[s] = _WAIT, np.inf
         if ins.wait == NO_COUNTER or visible[ins.wait] <= t:
             start_setup(s)
@@ -96,11 +109,18 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
         ins = queues[s][ci[s]]
         if phase[s] == _SETUP:
             i = ci[s]
-            fetched = wbytes[s][i] if lq[s] > i else (wbytes[s][i] - lrem[s] if lq[s] == i else 0)
-            buffered[s] -= fetched  # leaves the window: consumed as it arrives from now on
+            if kvb[s][i]:
+                total, left = kvb[s][i], kvrem[s]
+            else:
+                total = wbytes[s][i]
+                left = 0.0 if lq[s] > i else (lrem[s] if lq[s] == i else total)
+            pre = total - left  # already in L2: read at the L2 share after one L2 latency
+            limit[s] = max(limit[s], wstart[s][i] + wbytes[s][i])  # demand loads: whole slab
             phase[s] = _CONSUME
             consume_min[s] = t + ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
-            phase_end[s] = consume_min[s] if lq[s] > i else np.inf
+            if pre > _EPS and not params.prefetch_to_smem:  # the slab passes the SM's L2 port
+                consume_min[s] = max(consume_min[s], t + r.l2_lat + total / r.l2)
+            phase_end[s] = consume_min[s] if left <= _EPS else np.inf
         elif phase[s] == _CONSUME:
             phase[s] = _STORE
             phase_end[s] = t + ins.store_bytes / r.bw + r.lat  # stores, then the fence
@@ -121,25 +141,30 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
         skip_empty(s)
         enter_wait(s)
     while True:
-        through = (phase == _CONSUME) & (lq == ci)
-        room = np.where(through, np.inf, r.window - buffered)
-        active = (lq < qlen) & (lrem > _EPS) & (room > _EPS)
+        kv_on = kvrem > _EPS
+        room = np.where(kv_on, kvrem, np.minimum(lrem, limit - wpos))
+        active = kv_on | ((lq < qlen) & (lrem > _EPS) & (room > _EPS))
         na = int(active.sum())
         rate = min(r.l2, gpu.copy_bw / na) if na else 0.0
         t_next = float(phase_end.min())
         if wake:
             t_next = min(t_next, wake[0][0])
         if na:
-            t_next = min(t_next, t + float(np.min(np.minimum(lrem, room)[active])) / rate)
+            t_next = min(t_next, t + float(np.min(room[active])) / rate)
         if t_next == np.inf:
             break
         if na:
-            moved = np.where(active, np.minimum(rate * (t_next - t), np.minimum(lrem, room)), 0)
-            lrem -= moved
+            moved = np.where(active, np.minimum(rate * (t_next - t), room), 0.0)
+            kvrem -= np.where(kv_on, moved, 0.0)
+            lrem -= np.where(kv_on, 0.0, moved)
+            wpos += np.where(kv_on, 0.0, moved)
             streamed += moved
-            buffered += np.where(through, 0.0, moved)
         t = t_next
-        for s in np.nonzero(active & (lrem <= _EPS))[0].tolist():
+        for s in np.nonzero(kv_on & (kvrem <= _EPS))[0].tolist():
+            kvrem[s] = 0.0
+            if phase[s] == _CONSUME and kvb[s][ci[s]]:
+                phase_end[s] = max(t, consume_min[s])  # the last keys/values arrived
+        for s in np.nonzero(active & ~kv_on & (lrem <= _EPS))[0].tolist():
             done_i = lq[s]
             lrem[s] = 0.0
             skip_empty(s)

@@ -107,15 +107,21 @@ def _waterfill(st: SimState, stg: Stage) -> list[int]:
     cu = one.tensor_flops / r.tensor + one.fp32_flops / r.fp32
     per_unit_t = cu + su / r.bw  # compute-bound time per unit
 
+    # a prefetched head is read from L2 after the wait: the whole slab then passes the SM's L2
+    # share after one L2 latency (cost.SimState.place)
+    l2_on = (pre > 0) & (not st.params.prefetch_to_smem)
+
     def counts_at(level: float) -> np.ndarray:
         slack = np.maximum(level - t_act, 0.0)
         c_bw = (slack * r.bw + pre) / (ub + su)
         c_cp = slack / per_unit_t if per_unit_t > 0 else np.full_like(slack, np.inf)
-        c = np.floor(np.minimum(c_bw, c_cp))
+        c_l2 = np.where(l2_on, np.maximum(slack - r.l2_lat, 0.0) * r.l2 / max(ub, 1.0), np.inf)
+        c = np.floor(np.minimum(np.minimum(c_bw, c_cp), c_l2))
         return np.where(level >= t_act, c, 0.0)
 
     lo = float(t_act.min())
-    hi = float(t_act.max()) + stg.units * (ub + su) / r.bw + stg.units * per_unit_t + 1e-6
+    hi = (float(t_act.max()) + stg.units * ((ub + su) / r.bw + per_unit_t + ub / r.l2)
+          + r.l2_lat + 1e-6)
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if counts_at(mid).sum() >= stg.units:
@@ -125,14 +131,15 @@ def _waterfill(st: SimState, stg: Stage) -> list[int]:
     c = counts_at(hi).astype(np.int64)
     excess = int(c.sum()) - stg.units
 
-    def finish(c: np.ndarray) -> np.ndarray:
-        t = t_act + np.maximum(np.maximum(c * ub - pre, 0) / r.bw, c * cu) + c * su / r.bw
-        return np.where(c > 0, t, -np.inf)
+    def finish(idx, c):  # noqa: ANN001, ANN202 (SM index or slice, its unit counts)
+        t = t_act[idx] + np.maximum(np.maximum(c * ub - pre[idx], 0) / r.bw, c * cu)
+        t = np.where(l2_on[idx], np.maximum(t, t_act[idx] + r.l2_lat + c * ub / r.l2), t)
+        return np.where(c > 0, t + c * su / r.bw, -np.inf)
 
-    fin = finish(c)
+    fin = finish(slice(None), c)
     while excess > 0:  # one unit at a time from the SM that would finish last
         s = int(np.argmax(fin))
         c[s] -= 1
         excess -= 1
-        fin[s] = finish(c[s : s + 1])[0]
+        fin[s] = finish(s, c[s])
     return [int(x) for x in c]
