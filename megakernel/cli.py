@@ -252,18 +252,30 @@ def run_generation(
 def _run_hybrid_generation(model: str, prompts: list[list[int]], steps: int, backend: str,
                            dtype: str, seed: int, replay_window: int | None,
                            device: str) -> dict[str, Any]:
-    """`run_generation` for a hybrid model: the reference, recurrent or ReplaySSM."""
-    if backend != "reference":
+    """`run_generation` for a hybrid model: the reference or the CPU executor of the hybrid
+    program (the families in hybrid_executor.SUPPORTED_FAMILIES), recurrent or ReplaySSM."""
+    if backend not in ("reference", "cpu-executor"):
         raise CliError(f"backend {backend!r} does not serve hybrid models yet; "
                        "use --backend reference")
     if replay_window is not None and replay_window < 1:
         raise CliError(f"--replay-window must be >= 1 (or 0 for the recurrent update), "
                        f"got {replay_window}")
-    from megakernel.hybrid import generate as hybrid_generate
+    if backend == "cpu-executor":
+        from megakernel.hybrid.config import resolve_hybrid
+        from megakernel.hybrid_executor import SUPPORTED_FAMILIES
+        from megakernel.hybrid_executor import generate as hybrid_generate
 
+        family = resolve_hybrid(model).family
+        if family not in SUPPORTED_FAMILIES:
+            raise CliError(f"backend {backend!r} does not serve {family} hybrid models yet "
+                           f"(only {', '.join(SUPPORTED_FAMILIES)}); use --backend reference")
+        run = functools.partial(hybrid_generate, seed=seed)
+    else:
+        from megakernel.hybrid import generate as hybrid_generate
+
+        run = functools.partial(hybrid_generate, dtype=dtype, seed=seed, device=device)
     t0 = time.perf_counter()
-    tokens = hybrid_generate(model, prompts, steps, replay_window=replay_window, dtype=dtype,
-                             seed=seed, device=device)
+    tokens = run(model, prompts, steps, replay_window=replay_window)
     gen_s = time.perf_counter() - t0  # includes loading the weights
     from megakernel.hybrid.config import PRESETS as HYBRID_PRESETS
 

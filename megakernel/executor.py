@@ -208,8 +208,17 @@ class Executor:
             raise RaceError(f"SM {sm} {self.cur_desc} {what} SM {s2} instruction {p2} "
                             f"({self._desc(s2, p2)}) in {buf} without synchronising with it")
 
+    # record decoding (a subclass running another opcode table overrides these two)
+    @staticmethod
+    def decode_record(rec: list[int]) -> dict:
+        return isa.decode(rec)
+
+    @staticmethod
+    def describe_record(rec: list[int]) -> str:
+        return isa.describe(rec)
+
     def _desc(self, sm: int, pos: int) -> str:
-        return isa.describe(self.records[sm, pos].tolist())
+        return self.describe_record(self.records[sm, pos].tolist())
 
     # ---- a step -------------------------------------------------------------------------------
     def poison(self) -> None:
@@ -286,12 +295,12 @@ class Executor:
             s = rng.choice(runnable)
             rec = recs[s][pcs[s]]
             self.cur = (s, pcs[s])
-            self.cur_desc = f"instruction {pcs[s]} ({isa.describe(rec)})"
+            self.cur_desc = f"instruction {pcs[s]} ({self.describe_record(rec)})"
             vc = self.vc[s]
             vc[s] = pcs[s]
             if rec[1] != isa.NO_COUNTER and rec[1] in self.cvc:
                 torch.maximum(vc, self.cvc[rec[1]], out=vc)
-            self._exec(isa.decode(rec), epoch)
+            self._exec(self.decode_record(rec), epoch)
             pcs[s] += 1
 
     def _release(self, cid: int, acquire: bool = False) -> int:
@@ -324,9 +333,9 @@ class Executor:
             rec = recs[s][pcs[s]]
             cid, target, total = rec[1], rec[2], rec[3]
             val = self.counters[isa.COUNTER_BASE + cid]
-            lines.append(f"  SM {s} at instruction {pcs[s]} {isa.describe(rec)} waits for counter "
-                         f"{cid} ({self.counter_names[cid]}) >= {epoch * total + target}, "
-                         f"it is {val}")
+            lines.append(f"  SM {s} at instruction {pcs[s]} {self.describe_record(rec)} waits "
+                         f"for counter {cid} ({self.counter_names[cid]}) >= "
+                         f"{epoch * total + target}, it is {val}")
         return "\n".join(lines)
 
     # ---- instruction semantics -------------------------------------------------------------------

@@ -36,8 +36,27 @@ def test_replay_window_on_dense_model_is_refused(capsys):
 
 
 def test_hybrid_on_unsupported_backend_is_refused(capsys):
-    rc, _, err = _run(capsys, "generate", "--model", "qwen3.5-tiny", "--backend", "cpu-executor")
-    assert rc == 2 and "does not serve hybrid models" in err
+    for model in ("qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"):
+        rc, _, err = _run(capsys, "generate", "--model", model, "--backend", "kernel")
+        assert rc == 2 and "does not serve hybrid models" in err
+
+
+@pytest.mark.parametrize("model, window", [("qwen3.5-tiny", None), ("qwen3.5-tiny", "3"),
+                                           ("nemotron-h-tiny", "2"), ("kimi-linear-tiny", None),
+                                           ("kimi-linear-tiny", "2")])
+def test_cpu_executor_matches_reference(capsys, model, window):
+    args = ("generate", "--model", model, "--prompt-ids", "5,17,3,101;7,1", "--steps",
+            "5", "--json")
+    extra = () if window is None else ("--replay-window", window)
+    rc, out, _ = _run(capsys, *args, *extra)
+    assert rc == 0
+    ref = json.loads(out.strip().splitlines()[-1])
+    rc, out, _ = _run(capsys, *args, *extra, "--backend", "cpu-executor")
+    assert rc == 0
+    ex = json.loads(out.strip().splitlines()[-1])
+    assert ex["backend"] == "cpu-executor" and ex["replay_window"] == int(window or 0)
+    assert [len(t) for t in ex["tokens"]] == [5, 5]
+    assert ex["tokens"] == ref["tokens"]
 
 
 def test_unknown_model_lists_both_kinds_of_preset(capsys):
