@@ -1,7 +1,8 @@
 """Greedy generation with a hybrid model from a preset or checkpoint, recurrent or ReplaySSM.
 
-The entry point the CLI wires `--replay-window L` to. Runs the torch reference (rung 1); the
-program / CPU executor path for hybrid models does not exist yet.
+The entry point `generate --backend reference` wires `--replay-window L` to: it runs the torch
+reference (rung 1). The compiled hybrid program runs on the CPU executor through
+`megakernel.hybrid_executor.generate` (`generate --backend cpu-executor`, same flags).
 """
 
 from __future__ import annotations
