@@ -18,6 +18,15 @@ from megakernel.config import ModelConfig
 _NUMERICS: list[tuple[str, str]] = []
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tests run tiny ops: one intra-op thread is much faster than two fighting over two cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @dataclass
 class HFCheckpoint:
     """A tiny random Hugging Face model, its saved directory, and the weights our loader read."""

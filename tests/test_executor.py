@@ -36,15 +36,6 @@ LOGIT_TOL = 0.1
 STEPS = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops: one thread is much faster than two fighting over two shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _setup(name: str, batch: int, tokens: int, seed: int, steps: int = STEPS):
     cfg = preset(name)
     w = random_weights(cfg, seed=seed)

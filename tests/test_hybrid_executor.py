@@ -41,14 +41,6 @@ MODEL = "qwen3.5-tiny"
 MODELS = ("qwen3.5-tiny", "nemotron-h-tiny", "kimi-linear-tiny")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 _WEIGHTS: dict[str, dict[str, torch.Tensor]] = {}
 
 

@@ -25,15 +25,6 @@ PROMPT_LENGTHS = (9, 6)
 SINGLE_STEPS, MULTI_STEP = 14, 4  # decode tokens: single steps, then one T=4 call
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls are far faster single-threaded on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def load_hf(cfg, weights, path: Path, dtype=torch.float32):
     import transformers
 

@@ -21,14 +21,6 @@ from reference.hybrid.replay import delta_rule_fold, delta_rule_replay, ssd_fold
 FAMILIES = ["qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def setup(name: str, seed: int, steps: int):
     cfg = preset(name)
     weights = random_weights(cfg, seed=seed, dtype=torch.float32)

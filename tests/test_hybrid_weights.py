@@ -25,14 +25,6 @@ from reference.hybrid import build_model
 TINY = ["qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("name", TINY)
 def test_transformers_checkpoint_loads_and_runs(name: str, tmp_path: Path) -> None:
     """A transformers-initialised model, saved by save_pretrained (which reverts its load-time
