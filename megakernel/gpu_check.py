@@ -6,6 +6,11 @@ machine and carried over:
     python -m megakernel gpu-check --prepare --build-dir out/gpu-builds --arch sm_90a   # CPU, DSL
     python -m megakernel gpu-check --build-dir out/gpu-builds --out out/gpu-check       # GPU
 
+Kernel variants (`variants()`): the default build and the other side of the shared-memory weight
+pipeline switch (spec.smem_stages); --prepare builds both (DIR/<tag>/ and DIR/<variant>/<tag>/),
+the run checks each in its own child process (a device-side trap in one cannot take the other's
+CUDA context down) with half of the time budget, and reports them side by side.
+
 For each case (model, B, T) whose build is present it runs the kernel against the torch reference
 (bf16 mirror and fp32 truth, on the GPU) with random weights and ragged prompt lengths, every step
 teacher-forced with the kernel's own tokens so that all three see the same inputs:
@@ -68,29 +73,56 @@ CASES = (
 
 
 # ---- prepare (CPU, needs the DSL) ---------------------------------------------------------------
-def prepare(build_dir: str | Path, archs: list[str], cases=CASES) -> list[dict]:
+def variants() -> tuple[tuple[str, int], ...]:
+    """(name, smem_stages) of the kernel variants gpu-check compares: the default build and the
+    other side of the shared-memory weight pipeline switch (spec.smem_stages)."""
+    from megakernel.kernel.spec import DEFAULT_SMEM_STAGES, PIPELINE_STAGES
+
+    other = 0 if DEFAULT_SMEM_STAGES else PIPELINE_STAGES
+    return (("default", DEFAULT_SMEM_STAGES), (f"smem{other}" if other else "global", other))
+
+
+
+def variant_dir(build_dir: str | Path, name: str) -> Path:
+    """Build set of a variant: the default one is build_dir itself (what `Megakernel` finds)."""
+    return Path(build_dir) if name == "default" else Path(build_dir) / name
+
+
+def prepare(build_dir: str | Path, archs: list[str], cases=CASES) -> tuple[list[dict], list[str]]:
+    """Build every case for every arch and variant; a build that fails (or a variant whose spec
+    cannot serve a case) is reported and skipped: it does not stop the others. Returns the
+    manifests and the failures ('variant case arch: error')."""
     from megakernel.config import preset
     from megakernel.kernel.build import build_arch
     from megakernel.kernel.spec import make_spec
 
-    out = []
+    out, failed = [], []
     done = set()
     for c in cases:
         cfg = preset(c.model)
         for arch in archs:
-            tag = make_spec(cfg, c.batch, c.tokens, arch).tag
-            if (tag, arch) in done:
-                continue
-            done.add((tag, arch))
-            m = build_arch(cfg, arch, Path(build_dir) / tag, c.batch, c.tokens)
-            r = m["resources"]
-            print(f"built {c.model} B={c.batch} T={c.tokens} {arch}: {r['registers']} regs, "
-                  f"spills {r['spill_stores']}/{r['spill_loads']}, {m['compile_seconds']} s")
-            out.append(m)
-    return out
+            for name, stages in variants():
+                tag = make_spec(cfg, c.batch, c.tokens, arch).tag
+                if (tag, arch, name) in done:
+                    continue
+                done.add((tag, arch, name))
+                what = f"{name} {c.model} B={c.batch} T={c.tokens} {arch}"
+                t0 = time.perf_counter()
+                try:
+                    m = build_arch(cfg, arch, variant_dir(build_dir, name) / tag, c.batch,
+                                   c.tokens, smem_stages=stages)
+                except Exception as e:  # SpecError (variant cannot serve the case), BuildError
+                    failed.append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
+                    print(f"FAILED {failed[-1]}")
+                    continue
+                r = m["resources"]
+                print(f"built {what}: {r['registers']} regs, spills {r['spill_stores']}/"
+                      f"{r['spill_loads']}, smem {m['dynamic_smem_bytes']} B, "
+                      f"{time.perf_counter() - t0:.1f} s")
+                out.append(m)
+    return out, failed
 
 
-# ---- checks (GPU) -------------------------------------------------------------------------------
 def _err(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -363,6 +395,7 @@ def bench_case(c: Case, build_dir: Path, copy_bw: float, replays: int = 50) -> d
 
 # ---- driver -------------------------------------------------------------------------------------
 def _have_build(build_dir: Path, c: Case, arch: str) -> bool:
+    """`build_dir` (one variant's build set) has this case's build for `arch`."""
     from megakernel.config import preset
     from megakernel.kernel.spec import make_spec
 
@@ -370,76 +403,147 @@ def _have_build(build_dir: Path, c: Case, arch: str) -> bool:
     return (build_dir / tag / arch / "manifest.json").is_file()
 
 
-def gpu_check(out: Path, build_dir: Path, quick: bool = False) -> dict[str, Any]:
+def gpu_check(out: Path, build_dir: Path, quick: bool = False, variant: str | None = None,
+              budget_s: float = TIME_BUDGET_S) -> dict[str, Any]:
+    """Run the cases (and benches) of one variant in this process, or (variant None) every
+    variant in its own child process: a variant that traps (a device-side watchdog) or hangs
+    leaves the CUDA context unusable, and must not take the other variant down with it."""
     import torch
 
     from megakernel.runtime import KernelUnavailable, device_info
 
-    t_start = time.perf_counter()
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # checked before any child starts (creates no context)
         raise KernelUnavailable("gpu-check needs a CUDA GPU; none is available here")
+    if variant is None:
+        return _run_variants(out, build_dir, quick)
+    t_start = time.perf_counter()
     dev = device_info()
     report: dict[str, Any] = {"device": dev.name, "capability": list(dev.capability),
                               "arch": dev.arch, "sms": dev.sm_count, "torch": torch.__version__,
                               "build_dir": str(build_dir), "cases": [], "bench": [],
                               "skipped": []}
     cases = [c for c in CASES if not quick or c.model.endswith("tiny")]
+    vdirs = [(variant, variant_dir(build_dir, variant))]
     for c in cases:
-        name = f"{c.model} B={c.batch} T={c.tokens}"
-        if not _have_build(build_dir, c, dev.arch):
-            report["skipped"].append(f"{name}: no {dev.arch} build in {build_dir}")
-            continue
-        if time.perf_counter() - t_start > TIME_BUDGET_S * 0.8:
-            report["skipped"].append(f"{name}: time budget spent")
-            continue
-        try:
-            report["cases"].append(run_case(c, build_dir))
-        except Exception as e:  # record and go on: one failure must not hide the others
-            report["cases"].append({"model": c.model, "batch": c.batch, "tokens": c.tokens,
-                                    "ok": False, "error": f"{type(e).__name__}: {e}",
-                                    "traceback": traceback.format_exc()[-3000:]})
+        for vname, vdir in vdirs:
+            name = f"{c.model} B={c.batch} T={c.tokens} [{vname}]"
+            if not _have_build(vdir, c, dev.arch):
+                report["skipped"].append(f"{name}: no {dev.arch} build in {vdir}")
+                continue
+            if time.perf_counter() - t_start > budget_s * 0.8:
+                report["skipped"].append(f"{name}: time budget spent")
+                continue
+            try:
+                res = run_case(c, vdir)
+            except Exception as e:  # record and go on: one failure must not hide the others
+                res = {"model": c.model, "batch": c.batch, "tokens": c.tokens, "ok": False,
+                       "error": f"{type(e).__name__}: {e}",
+                       "traceback": traceback.format_exc()[-3000:]}
+            report["cases"].append({**res, "variant": vname})
     bw = copy_bandwidth()
     report["copy_bandwidth_GBps"] = bw / 1e9
     for c in cases:
-        if c.bench and _have_build(build_dir, c, dev.arch):
-            if time.perf_counter() - t_start > TIME_BUDGET_S:
-                report["skipped"].append(f"bench {c.model}: time budget spent")
-                continue
-            try:
-                report["bench"].append(bench_case(c, build_dir, bw))
-            except Exception as e:
-                report["bench"].append({"model": c.model, "error": f"{type(e).__name__}: {e}"})
+        for vname, vdir in vdirs:
+            if c.bench and _have_build(vdir, c, dev.arch):
+                if time.perf_counter() - t_start > budget_s:
+                    report["skipped"].append(f"bench {c.model} [{vname}]: time budget spent")
+                    continue
+                try:
+                    b = bench_case(c, vdir, bw)
+                except Exception as e:
+                    b = {"model": c.model, "error": f"{type(e).__name__}: {e}"}
+                report["bench"].append({**b, "variant": vname})
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     report["ok"] = bool(report["cases"]) and all(c.get("ok") for c in report["cases"])
+    report["ok_by_variant"] = {v: all(c.get("ok") for c in report["cases"] if c["variant"] == v)
+                               for v in {c["variant"] for c in report["cases"]}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "gpu_check.md").write_text(markdown(report))
     return report
 
 
+def _run_variants(out: Path, build_dir: Path, quick: bool) -> dict[str, Any]:
+    """Each variant in a child process with its share of the time budget; reports merged."""
+    import os
+    import subprocess
+    import sys
+
+    names = [name for name, _ in variants()]
+    share = TIME_BUDGET_S / len(names)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    merged: dict[str, Any] = {"build_dir": str(build_dir), "cases": [], "bench": [],
+                              "skipped": [], "variants": names}
+    t0 = time.perf_counter()
+    for name in names:
+        vout = out / name
+        cmd = [sys.executable, "-m", "megakernel.gpu_check", "--out", str(vout), "--build-dir",
+               str(build_dir), "--variant", name, "--budget-s", str(share)]
+        if quick:
+            cmd.append("--quick")
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=share + 120)
+            tail, rc = (proc.stdout + proc.stderr)[-3000:], proc.returncode
+        except subprocess.TimeoutExpired as e:
+            tail, rc = f"timed out after {e.timeout:.0f} s", None
+        f = vout / "gpu_check.json"
+        if f.is_file() and rc is not None:
+            r = json.loads(f.read_text())
+            for k in ("device", "capability", "arch", "sms", "torch", "copy_bandwidth_GBps"):
+                merged.setdefault(k, r.get(k))
+            merged["cases"] += r["cases"]
+            merged["bench"] += r["bench"]
+            merged["skipped"] += r["skipped"]
+        else:  # the child died (or hung) before writing its report: a failed variant
+            last = tail.strip().splitlines()[-1] if tail.strip() else ""
+            merged["cases"].append({"model": "-", "batch": 0, "tokens": 0, "variant": name,
+                                    "ok": False, "error": f"variant process exit {rc}: {last}",
+                                    "traceback": tail})
+    for k, v in (("device", "?"), ("arch", "?"), ("sms", 0)):
+        merged.setdefault(k, v)
+        if merged[k] is None:
+            merged[k] = v
+    merged["seconds"] = round(time.perf_counter() - t0, 1)
+    merged["ok"] = bool(merged["cases"]) and all(c.get("ok") for c in merged["cases"])
+    merged["ok_by_variant"] = {n: any(c["variant"] == n for c in merged["cases"])
+                               and all(c.get("ok") for c in merged["cases"]
+                                       if c["variant"] == n) for n in names}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(merged, indent=2) + "\n")
+    (out / "gpu_check.md").write_text(markdown(merged))
+    return merged
+
+
 def markdown(r: dict[str, Any]) -> str:
-    lines = [f"# gpu-check on {r['device']} ({r['arch']}, {r['sms']} SMs)", "",
-             "| case | steps | ok | max err kernel | max err bf16 ref | tok mismatch (near ties) "
-             "| executor | s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"# gpu-check on {r.get('device', '?')} ({r.get('arch', '?')}, {r.get('sms', 0)} SMs)",
+             "",
+             "| case | variant | steps | ok | max err kernel | max err bf16 ref "
+             "| tok mismatch (near ties) | executor | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
         if "error" in c:
-            lines.append(f"| {c['model']} B={c['batch']} T={c['tokens']} | - | FAIL | "
-                         f"{c['error'][:80]} | | | | |")
+            lines.append(f"| {c['model']} B={c['batch']} T={c['tokens']} | "
+                         f"{c.get('variant', '-')} | - | FAIL | {c['error'][:80]} | | | | |")
             continue
         ex = (f"{c['executor_max_logit_diff']:.2e}" if "executor_max_logit_diff" in c else "-")
-        lines.append(f"| {c['model']} B={c['batch']} T={c['tokens']} | {c['steps']} | "
+        lines.append(f"| {c['model']} B={c['batch']} T={c['tokens']} | "
+                     f"{c.get('variant', '-')} | {c['steps']} | "
                      f"{'yes' if c['ok'] else 'NO'} | {c['max_err_kernel']:.3e} | "
                      f"{c['max_err_bf16ref']:.3e} | {c['token_mismatches']} "
                      f"({c.get('near_tie_mismatches', 0)}) | {ex} | "
                      f"{c['seconds']} |")
-    lines += ["", f"copy bandwidth: {r.get('copy_bandwidth_GBps', float('nan')):.0f} GB/s", ""]
+    bw = r.get("copy_bandwidth_GBps") or float("nan")
+    lines += ["", f"copy bandwidth: {bw:.0f} GB/s", ""]
     for b in r["bench"]:
         if "error" in b:
-            lines.append(f"- bench {b['model']}: {b['error']}")
+            lines.append(f"- bench {b['model']} [{b.get('variant', '-')}]: {b['error']}")
         else:
             frac = b["bandwidth_fraction_of_copy"]
-            lines.append(f"- bench {b['model']} B={b['batch']}: {b['step_ms']:.3f} ms/step "
+            lines.append(f"- bench {b['model']} B={b['batch']} [{b.get('variant', '-')}]: "
+                         f"{b['step_ms']:.3f} ms/step "
                          f"({b['tokens_per_s']:.0f} tok/s), "
                          f"{'-' if frac is None else f'{100 * frac:.0f}%'} of copy bandwidth, "
                          f"cost model {b['predicted_ms']:.3f} ms")
@@ -456,18 +560,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="build the cubins every case needs into --build-dir (needs the DSL)")
     p.add_argument("--arch", default="sm_90a", help="archs for --prepare (comma list)")
     p.add_argument("--quick", action="store_true", help="tiny models only")
+    p.add_argument("--variant", default=None,
+                   help="run only this kernel variant in this process (default: every variant "
+                        "of gpu_check.variants(), each in a child process)")
+    p.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
+                   help="time budget of a --variant run in seconds")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.prepare:
         archs = [a.strip() for a in args.arch.split(",") if a.strip()]
         t0 = time.perf_counter()
-        ms = prepare(args.build_dir, archs)
-        print(f"prepared {len(ms)} builds in {args.build_dir} in {time.perf_counter() - t0:.0f} s")
-        return 0
-    r = gpu_check(Path(args.out), Path(args.build_dir), args.quick)
+        ms, failed = prepare(args.build_dir, archs)
+        print(f"prepared {len(ms)} builds in {args.build_dir} in {time.perf_counter() - t0:.0f} s"
+              f"; {len(failed)} not built")
+        for f in failed:
+            print(f"  not built: {f}")
+        # the default variant must build everywhere; the other one may not serve every case
+        return 1 if any(f.startswith("default ") for f in failed) else 0
+    r = gpu_check(Path(args.out), Path(args.build_dir), args.quick, args.variant, args.budget_s)
     print(markdown(r))
     status = "PASS" if r["ok"] else "FAIL"
+    print("ok by variant: " + ", ".join(f"{v} {'PASS' if ok else 'FAIL'}"
+                                        for v, ok in sorted(r["ok_by_variant"].items())))
     print(f"gpu-check {status}: {sum(bool(c.get('ok')) for c in r['cases'])}/{len(r['cases'])} "
           f"cases ok in {r['seconds']} s; details in {args.out}/gpu_check.md")
     return 0 if r["ok"] else 1

@@ -80,6 +80,7 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
         "format_version": prog.header["FORMAT_VERSION"],
         "cost_params": dataclasses.asdict(cost.CostParams()),
         "l2_prefetch_window_bytes": cost.Rates.of(g, cost.CostParams()).window,
+        "smem_window_bytes": cost.default_smem_window(),
     }
 
 
@@ -114,7 +115,9 @@ def describe(r: dict[str, Any]) -> list[str]:
         f"{p['launch'] * 1e6:.1f} us ({cost.CITATIONS['mem_latency']}); "
         f"L2 lookahead prefetch of {r['l2_prefetch_window_bytes'] // 1024} KiB per SM (the "
         f"kernel's window), prefetched bytes read from L2 after {p['l2_latency'] * 1e9:.0f} ns "
-        f"({cost.CITATIONS['l2_latency']}); {SOURCES['COPY']}; {SOURCES['L2']}")
+        f"({cost.CITATIONS['l2_latency']}); a loader warp stages the next "
+        f"{r['smem_window_bytes'] // 1024} KiB of weights in shared memory "
+        f"({cost.CITATIONS['smem_window']}); {SOURCES['COPY']}; {SOURCES['L2']}")
     return lines
 
 

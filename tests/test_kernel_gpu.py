@@ -48,14 +48,18 @@ def build_dir(tmp_path_factory) -> Path:
     ("llama-tiny", 4, 1, 64, 2),
     ("qwen3-tiny", 4, 4, 64, 1),
 ])
-def test_kernel_matches_executor_and_reference(build_dir, model, batch, tokens, steps, ex_steps):
-    from megakernel.gpu_check import Case, _have_build, run_case
+@pytest.mark.parametrize("variant", [0, 1], ids=["default", "other"])
+def test_kernel_matches_executor_and_reference(build_dir, model, batch, tokens, steps, ex_steps,
+                                               variant):
+    """Both sides of the shared-memory weight pipeline switch (gpu_check.variants)."""
+    from megakernel.gpu_check import Case, _have_build, run_case, variant_dir, variants
     from megakernel.runtime import device_info
 
     c = Case(model, batch, tokens, steps, ex_steps)
-    if not _have_build(build_dir, c, device_info().arch):
-        pytest.skip(f"no build for {model} B={batch} T={tokens} in {build_dir}")
-    r = run_case(c, build_dir)
+    vdir = variant_dir(build_dir, variants()[variant][0])
+    if not _have_build(vdir, c, device_info().arch):
+        pytest.skip(f"no build for {model} B={batch} T={tokens} in {vdir}")
+    r = run_case(c, vdir)
     print(r)
     assert r["steps"] == steps
     assert r["unwritten"] == 0, "poisoned outputs survived a step"

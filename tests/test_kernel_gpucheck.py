@@ -3,6 +3,7 @@ flip, a clear margin may not; free-running generations are compared up to the fi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megakernel.gpu_check import MIN_PREFIX, common_prefix, greedy_check, top2_margin
@@ -61,3 +62,46 @@ def test_common_prefix_stops_at_the_first_near_tie():
     assert not common_prefix(k, ref, margins, 0.1)["ok"]
     short = list(range(MIN_PREFIX - 1))
     assert not common_prefix(short, ref, margins, 0.1)["ok"]  # lengths differ
+
+
+def test_variants_are_the_two_sides_of_the_pipeline_switch():
+    from megakernel.gpu_check import variant_dir, variants
+    from megakernel.kernel.spec import DEFAULT_SMEM_STAGES
+
+    (d_name, d_stages), (o_name, o_stages) = variants()
+    assert d_name == "default" and d_stages == DEFAULT_SMEM_STAGES
+    assert {d_stages, o_stages} == {0, d_stages or o_stages} and d_stages != o_stages
+    assert variant_dir("b", "default").as_posix() == "b"
+    assert variant_dir("b", o_name).as_posix() == f"b/{o_name}"
+
+
+def test_a_failing_variant_process_is_reported_not_fatal(tmp_path):
+    """Each variant runs in its own process; here (no GPU) both die before writing a report:
+    each is recorded as a failed case of its variant, and the merged report is still written."""
+    import json
+
+    from megakernel.gpu_check import _run_variants, variants
+
+    r = _run_variants(tmp_path / "out", tmp_path / "builds", quick=True)
+    names = [n for n, _ in variants()]
+    assert [c["variant"] for c in r["cases"]] == names
+    assert not r["ok"] and r["ok_by_variant"] == {n: False for n in names}
+    for c in r["cases"]:
+        assert "needs a CUDA GPU" in c["error"], c["error"]
+    on_disk = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert on_disk["ok_by_variant"] == r["ok_by_variant"]
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert all(f"| {n} |" in md for n in names)
+
+
+def test_prepare_builds_one_variant_when_the_other_cannot_serve_the_case(tmp_path, monkeypatch,
+                                                                          capsys):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
+    from megakernel import gpu_check
+
+    monkeypatch.setattr(gpu_check, "variants", lambda: (("default", 0), ("huge", 8)))
+    ms, failed = gpu_check.prepare(tmp_path, ["sm_90a"], [gpu_check.Case("llama-tiny", 1, 1, 1)])
+    assert [m["smem_stages"] for m in ms] == [0]
+    assert len(failed) == 1 and failed[0].startswith("huge llama-tiny B=1 T=1 sm_90a: SpecError")
+    assert "shared memory > budget" in failed[0]
+    assert "FAILED huge" in capsys.readouterr().out

@@ -272,8 +272,14 @@ def test_cost_model_prefers_overlap_and_respects_latency() -> None:
                            params=cost.CostParams(mem_latency=1e-6)).cost.predicted_s
     fast = compile_program(cfg, 1, gpu("b200")).cost.predicted_s
     assert slow > base > fast
-    # at B=1 the L2 -> SM read of prefetched slabs after each wait is on the critical path
-    assert replay(prog, cost.CostParams(prefetch_to_smem=True)).predicted_s < 0.99 * base
+    # at B=1 the L2 -> SM read of prefetched slabs after each wait is on the critical path: the
+    # default build's shared-memory ring takes it off; without the ring (smem_window=0, the
+    # global-memory weight path) the step is slower, and staging the whole L2 window in shared
+    # memory (the what-if) is never slower than the ring
+    assert cost.Rates.of(gpu("h200"), cost.CostParams()).smem_window == 96 * 1024
+    no_ring = replay(prog, cost.CostParams(smem_window=0)).predicted_s
+    assert no_ring > 1.01 * base
+    assert replay(prog, cost.CostParams(prefetch_to_smem=True)).predicted_s <= base * (1 + 1e-9)
 
 
 def test_scheduler_is_not_worse_than_round_robin() -> None:
@@ -284,7 +290,8 @@ def test_scheduler_is_not_worse_than_round_robin() -> None:
 
 
 def test_cost_model_uses_the_kernels_l2_lookahead_window() -> None:
-    """The window is the kernel's spec constant for the GPU's arch (no shared-memory window)."""
+    """The L2 window is the kernel's spec constant for the GPU's arch; the shared-memory window is
+    the default build's ring (spec.DEFAULT_SMEM_STAGES x SMEM_STAGE_BYTES)."""
     from megakernel.kernel.spec import prefetch_window
 
     for name in ("h100", "h200", "b200"):
@@ -293,6 +300,15 @@ def test_cost_model_uses_the_kernels_l2_lookahead_window() -> None:
     assert cost.Rates.of(gpu("h200"), cost.CostParams()).window == 192 * 1024
     assert cost.Rates.of(gpu("b200"), cost.CostParams(prefetch_window=4096)).window == 4096
     assert "smem_reserve" not in cost.CostParams.__dataclass_fields__
+    from megakernel.kernel.spec import DEFAULT_SMEM_STAGES, SMEM_STAGE_BYTES
+
+    assert cost.default_smem_window() == DEFAULT_SMEM_STAGES * SMEM_STAGE_BYTES
+    assert cost.Rates.of(gpu("h200"), cost.CostParams(smem_window=0)).smem_window == 0
+    # staged head: prefetched bytes capped by the ring and by the L2 -> SM refill since reach
+    assert cost.staged_bytes(50e3, 96e3, 1.0, 1e9) == 50e3
+    assert cost.staged_bytes(200e3, 96e3, 1.0, 1e9) == 96e3
+    assert cost.staged_bytes(200e3, 96e3, 10e-6, 1e9) == 10e3
+    assert cost.staged_bytes(200e3, float("inf"), 0.0, 1e9) == 200e3
     assert set(cost.CITATIONS) == set(cost.CostParams.__dataclass_fields__)  # each one sourced
 
 

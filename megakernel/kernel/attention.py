@@ -20,6 +20,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
 from megakernel.kernel.spec import LANES, VEC, KernelSpec
+from megakernel.kernel.sync import cta_sync
 from megakernel.program import isa
 
 NEG_INF = -math.inf
@@ -29,6 +30,7 @@ KV_PREFETCH_CHUNK = 32 * 1024
 class Attention:
     def __init__(self, spec: KernelSpec):
         self.spec = spec
+        self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.D, self.G, self.T, self.B = spec.head_dim, spec.group, spec.tokens, spec.batch
         self.N, self.Hq, self.Hkv = spec.rows, spec.heads, spec.kv_heads
         self.NT, self.NW = spec.num_threads, spec.num_warps
@@ -76,7 +78,7 @@ class Attention:
                     sML[2 * warp + 1] = lsum
             cute.arch.sync_warp()
         if cutlass.const_expr(WQ > 1):
-            cute.arch.sync_threads()
+            cta_sync(self.named)
             for qi in cutlass.range(warp, self.QG, self.NW):
                 t = qi // self.G
                 head = g * self.G + qi - t * self.G
@@ -148,7 +150,7 @@ class Attention:
         f = isa.COMMON_WORDS
         b, g, n_splits = rec[f + 0], rec[f + 1], rec[f + 3]
         po_off, pml_off, out_off, done_cid = rec[f + 5], rec[f + 6], rec[f + 8], rec[f + 9]
-        cute.arch.sync_threads()  # every thread's partial stores happen-before the ticket
+        cta_sync(self.named)  # every thread's partial stores happen-before the ticket
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
             old = cute.arch.atomic_add(counters + (rec[4] + isa.COUNTER_BASE), Int32(1),
@@ -156,10 +158,10 @@ class Attention:
             sFlag[0] = Int32(0)
             if old - (epoch * n_splits + n_splits - 1) == 0:
                 sFlag[0] = Int32(1)
-        cute.arch.sync_threads()  # publishes the acquire (and the flag) to the CTA
+        cta_sync(self.named)  # publishes the acquire (and the flag) to the CTA
         if sFlag[0] != 0:
             self.merge(b, g, n_splits, po_off, pml_off, out_off, pF, pB, warp, lane)
-            cute.arch.sync_threads()
+            cta_sync(self.named)
             if tidx == 0:
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.red(counters + (done_cid + isa.COUNTER_BASE), Int32(1), op="add",

@@ -76,8 +76,8 @@ def check_resources(res: dict, spec: KernelSpec) -> None:
                         f"{res['local_loads']} LDL)")
     if res["registers"] > spec_mod.REGISTER_BUDGET:
         problems.append(f"{res['registers']} registers > budget {spec_mod.REGISTER_BUDGET}")
-    if res["registers"] * spec.num_threads > 65536:
-        problems.append(f"{res['registers']} registers x {spec.num_threads} threads do not fit "
+    if res["registers"] * spec.block_threads > 65536:
+        problems.append(f"{res['registers']} registers x {spec.block_threads} threads do not fit "
                         f"one SM's register file")
     if spec.smem_bytes + res["shared_bytes"] > spec_mod.SMEM_BUDGET + 1024:
         problems.append(f"shared memory {spec.smem_bytes} + {res['shared_bytes']} B > budget")
@@ -125,9 +125,11 @@ def _newest(d: str, pattern: str) -> str:
 
 
 def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
-               tokens: int = 1, num_threads: int = spec_mod.NUM_THREADS) -> dict:
-    """Compile one arch into out_dir/<arch>/ and return its manifest."""
-    spec = make_spec(cfg, batch, tokens, arch, num_threads)
+               tokens: int = 1, num_threads: int = spec_mod.NUM_THREADS,
+               smem_stages: int | None = None) -> dict:
+    """Compile one arch into out_dir/<arch>/ and return its manifest (`smem_stages`: the
+    shared-memory weight pipeline's stages, None = spec.DEFAULT_SMEM_STAGES)."""
+    spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages)
     dest = Path(out_dir) / arch
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mk-dump-") as dump:
@@ -139,8 +141,8 @@ def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
     check_entry_matches(entry)
     res = resource_report(str(dest / CUBIN_NAME), str(dest / PTX_NAME), arch, entry.name)
     check_resources(res, spec)
-    if entry.reqntid is not None and entry.reqntid[0] != spec.num_threads:
-        raise BuildError(f"PTX requires {entry.reqntid} threads, spec says {spec.num_threads}")
+    if entry.reqntid is not None and entry.reqntid[0] != spec.block_threads:
+        raise BuildError(f"PTX requires {entry.reqntid} threads, spec says {spec.block_threads}")
     dsl = dsl_version()
     manifest = {
         "manifest_version": MANIFEST_VERSION,
@@ -149,7 +151,8 @@ def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
         "cubin": CUBIN_NAME,
         "ptx": PTX_NAME,
         "cubin_sha256": hashlib.sha256((dest / CUBIN_NAME).read_bytes()).hexdigest(),
-        "block": [spec.num_threads, 1, 1],
+        "block": [spec.block_threads, 1, 1],
+        "smem_stages": spec.smem_stages,
         "dynamic_smem_bytes": spec.smem_bytes,
         "cooperative": True,
         "params": [{"name": p.name, "kind": p.kind, "dtype": p.dtype, "size": p.size,
@@ -183,6 +186,7 @@ def report_line(m: dict) -> str:
     return (f"{m['arch']:8s} {m['model'] or '?':14s} B={m['batch']} T={m['tokens']}  "
             f"regs {r['registers']:3d}  spills {r['spill_stores']}/{r['spill_loads']} B  "
             f"local {r['local_bytes']} B  smem {m['dynamic_smem_bytes']} B  "
+            f"stages {m.get('smem_stages', 0)}  "
             f"compile {m['compile_seconds']:.1f} s")
 
 

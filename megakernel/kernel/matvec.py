@@ -16,6 +16,10 @@ Loop nest (per CTA):
 When a chunk has fewer row groups than warps, warps also split K (ks) and the epilogue sums the
 K-slices in a fixed order, so results do not depend on timing. Rows of activations beyond N are
 staged as zeros and skipped by the epilogues.
+
+`run` reads the weights from global memory (16-byte loads); `run_piped` (spec.smem_stages >= 2)
+reads them from the loader warp's shared-memory ring (pipeline.py) in tiles of whole rows of one
+K-chunk, with the same loop nest, staging and epilogues.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from megakernel.kernel.memory import (
     store_smem_bf16x8,
     weight_atom,
 )
-from megakernel.kernel.spec import LANES, VEC, KernelSpec
+from megakernel.kernel.pipeline import Pipeline
+from megakernel.kernel.spec import LANES, VEC, KernelSpec, ring_slot
+from megakernel.kernel.sync import cta_sync
 from megakernel.program import isa
 from megakernel.program.isa import Op
 
@@ -57,6 +63,8 @@ class Matvec:
         self.Hq, self.Hkv, self.G = spec.heads, spec.kv_heads, spec.group
         self.E = spec.head_dim // LANES  # head elements per lane in the QKV epilogue
         self.eps = spec.eps
+        self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
+        self.pipe = Pipeline(spec) if spec.pipelined else None
 
     # ---- entry --------------------------------------------------------------------------------
     @cute.jit
@@ -83,16 +91,16 @@ class Matvec:
                 if ng < self.NW:
                     ksplit = self.NW // ng
                 nrp = ng * self.R
-                cute.arch.sync_threads()  # previous epilogue done with sAcc
+                cta_sync(self.named)  # previous epilogue done with sAcc
                 for i in cutlass.range(tidx, ksplit * self.NO * nrp, self.NT):
                     sAcc[i] = Float32(0.0)
                 for kc0 in cutlass.range(0, k, self.KC):
                     kc = cutlass.min(Int32(self.KC), k - kc0)
-                    cute.arch.sync_threads()  # sX free, sAcc zeroed
+                    cta_sync(self.named)  # sX free, sAcc zeroed
                     self.stage_x(pW, pF, pB, norm_off, in_off, k, n0, kc0, kc, sX, sRstd, tidx)
-                    cute.arch.sync_threads()
+                    cta_sync(self.named)
                     self.gemv(pW, w_base, k, rc0, kc0, kc, ng, ksplit, nrp, sX, sAcc, warp, lane)
-                cute.arch.sync_threads()
+                cta_sync(self.named)
                 if op == Op.QKV:
                     self.epi_qkv(layer, row0, rc0, nr, n0, ksplit, nrp, out_off, extra0, extra1,
                                  pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, warp, lane)
@@ -104,13 +112,111 @@ class Matvec:
                 else:  # OPROJ, DOWN: residual add into h
                     self.epi_residual(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
             if op == Op.LMHEAD:
-                cute.arch.sync_threads()
+                cta_sync(self.named)
                 for nn in cutlass.range(tidx, self.NO, self.NT):
                     if n0 + nn < self.N:
                         slot = (extra0 * self.N + n0 + nn) * 2
                         st(pF, extra1 + slot, sBest[2 * nn])
                         st(pF, extra1 + slot + 1, sBest[2 * nn + 1])
-            cute.arch.sync_threads()
+            cta_sync(self.named)
+
+    @cute.jit
+    def run_piped(self, op: Int32, rec: cute.Tensor, layer: Int32, pW: cute.Pointer,
+                  pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer, pK: cute.Pointer,
+                  pV: cute.Pointer, s_max: Int32, len_off: Int32, sX: cute.Tensor,
+                  sAcc: cute.Tensor, sRstd: cute.Tensor, sBest: cute.Tensor, sRing: cute.Tensor,
+                  mbar: cute.Pointer, j: Int32, tidx: Int32, warp: Int32, lane: Int32) -> Int32:
+        """`run` with the weights from the shared-memory ring (spec.smem_stages >= 2).
+
+        Same loop nest, prologue, x staging and epilogues; inside a (row chunk, K-chunk) the
+        rows come as the loader's tiles of `tr` rows (spec.matvec_tiles); j counts the tiles this
+        CTA consumed and is returned advanced. Accumulation order per output row: per K-chunk,
+        the chunk is cut into NW / tr contiguous K-slices (one warp each), a lane sums its
+        strided 16-byte vectors in order, the warp sums lanes by butterfly and adds the result
+        to sAcc[slice] (K-chunks in order); the epilogue adds the slices in order. The
+        global-memory path has the same structure with NW / (row groups of the chunk) slices
+        (one for full chunks), so the two differ in where K is cut, not in rounding points."""
+        f = isa.COMMON_WORDS
+        row0, nrows, k = rec[f + 2], rec[f + 3], rec[f + 4]
+        norm_off, in_off, out_off = rec[f + 5], rec[f + 6], rec[f + 7]
+        extra0, extra1 = rec[f + 8], rec[f + 9]
+        tr = self.pipe.tile_rows(cutlass.min(Int32(self.KC), k))
+        ksplit = self.NW // tr
+        for n0 in cutlass.range(0, self.N, self.NO):
+            if norm_off >= 0:
+                self.row_rstd(pF, in_off, k, n0, sRstd, warp, lane)
+            if op == Op.LMHEAD:
+                for nn in cutlass.range(tidx, self.NO, self.NT):
+                    sBest[2 * nn] = Float32(F32_NEG_INF)
+                    sBest[2 * nn + 1] = row0.to(Float32)
+            for rc0 in cutlass.range(0, nrows, self.RC):
+                nr = cutlass.min(Int32(self.RC), nrows - rc0)
+                cta_sync(self.named)  # previous epilogue done with sAcc
+                for i in cutlass.range(tidx, ksplit * self.NO * nr, self.NT):
+                    sAcc[i] = Float32(0.0)
+                for kc0 in cutlass.range(0, k, self.KC):
+                    kc = cutlass.min(Int32(self.KC), k - kc0)
+                    cta_sync(self.named)  # sX free, sAcc zeroed
+                    self.stage_x(pW, pF, pB, norm_off, in_off, k, n0, kc0, kc, sX, sRstd, tidx)
+                    cta_sync(self.named)
+                    for t0 in cutlass.range(0, nr, tr):
+                        self.pipe.wait_full(mbar, j)
+                        s, _, _ = ring_slot(j, self.pipe.S)
+                        self.gemv_tile(sRing, s * self.pipe.stage_elems, kc,
+                                       cutlass.min(tr, nr - t0), t0, ksplit, nr, sX, sAcc, warp,
+                                       lane)
+                        self.pipe.release(mbar, j, lane)
+                        j += 1
+                cta_sync(self.named)
+                if op == Op.QKV:
+                    self.epi_qkv(layer, row0, rc0, nr, n0, ksplit, nr, out_off, extra0, extra1,
+                                 pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, warp, lane)
+                elif op == Op.GATEUP:
+                    self.epi_gateup(row0, rc0, nr, n0, ksplit, nr, out_off, pB, sAcc, tidx)
+                elif op == Op.LMHEAD:
+                    self.epi_lmhead(row0, rc0, nr, n0, ksplit, nr, out_off, pF, sAcc, sBest,
+                                    tidx, warp, lane)
+                else:  # OPROJ, DOWN: residual add into h
+                    self.epi_residual(row0, rc0, nr, n0, ksplit, nr, out_off, pF, sAcc, tidx)
+            if op == Op.LMHEAD:
+                cta_sync(self.named)
+                for nn in cutlass.range(tidx, self.NO, self.NT):
+                    if n0 + nn < self.N:
+                        slot = (extra0 * self.N + n0 + nn) * 2
+                        st(pF, extra1 + slot, sBest[2 * nn])
+                        st(pF, extra1 + slot + 1, sBest[2 * nn + 1])
+            cta_sync(self.named)
+        return j
+
+    @cute.jit
+    def gemv_tile(self, sRing: cute.Tensor, sbase: Int32, kc: Int32, rows: Int32, rowl0: Int32,
+                  ksplit: Int32, nrp: Int32, sX: cute.Tensor, sAcc: cute.Tensor, warp: Int32,
+                  lane: Int32):
+        """sAcc[ks, n, rowl0 + r] += W_tile[r, slice(ks)] . x[n, slice(ks)], tile [rows][kc] at
+        sRing[sbase]; warp = (r, ks) with NW / ksplit rows and ksplit K-slices."""
+        NB = self.NB
+        nv = kc // VEC
+        vper = (nv + ksplit - 1) // ksplit
+        r = warp // ksplit
+        ks = warp - r * ksplit
+        if r < rows:
+            vb = ks * vper
+            ve = cutlass.min(nv, vb + vper)
+            wrow = sbase + r * kc
+            for nbk in cutlass.range(self.NO // NB):
+                acc = cute.make_rmem_tensor((NB,), Float32)
+                acc.fill(0.0)
+                for v in cutlass.range(vb + lane, ve, LANES, unroll=2):
+                    wv = load_smem_bf16x8(sRing, wrow + v * VEC)
+                    for jj in cutlass.range_constexpr(NB):
+                        xv = load_smem_bf16x8(sX, (nbk * NB + jj) * self.KC + v * VEC)
+                        acc[jj] = (wv * xv).reduce(cute.ReductionOp.ADD, acc[jj], 0)
+                for jj in cutlass.range_constexpr(NB):
+                    acc[jj] = cute.arch.warp_reduction_sum(acc[jj])
+                if lane == 0:
+                    for jj in cutlass.range_constexpr(NB):
+                        a = (ks * self.NO + nbk * NB + jj) * nrp + rowl0 + r
+                        sAcc[a] = sAcc[a] + acc[jj]
 
     # ---- prologue -----------------------------------------------------------------------------
     @cute.jit

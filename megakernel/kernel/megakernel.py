@@ -6,6 +6,14 @@ bytes past the start of the current one, each byte requested once; an ATTN_PARTI
 its cached keys/values), wait on the producer counter, run the handler for the opcode, signal.
 At the end of the queue the CTA counts itself out and the last one advances the epoch (sync.py).
 
+Shared-memory weight pipeline (spec.smem_stages >= 2, the default where the spec fits): the CTA
+gets one extra warp, the loader (pipeline.py), which walks the same queue and streams every matvec
+slab into a ring of shared-memory stages (cp.async.bulk + mbarriers) ahead of the consumer warps,
+across their dependency waits; the consumers (the spec's num_threads) run the loop above, read
+the weights from the ring (Matvec.run_piped) and synchronise on named barrier 1. With
+smem_stages = 0 the consumers read the weights from global memory (Matvec.run) and there is no
+loader warp.
+
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
 merge (by the last split's CTA) in attention.py. The
 host side `__call__` exists only to give `cute.compile` something to trace: launches go through
@@ -24,6 +32,7 @@ from megakernel.kernel import sync
 from megakernel.kernel.attention import Attention
 from megakernel.kernel.matvec import Matvec, warp_argmax
 from megakernel.kernel.memory import elem_ptr, join64, ld, load_bf16x8, st, store_f32x8
+from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import LANES, PREFETCH_CHUNK, VEC, KernelSpec
 from megakernel.program import isa
 from megakernel.program.isa import Op
@@ -42,6 +51,9 @@ class DecodeMegakernel:
         self.regions = spec.smem_regions()
         self.smem_bytes = spec.smem_bytes
         self.window = spec.prefetch_window
+        self.piped = spec.pipelined
+        self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
+        self.pipe = Pipeline(spec) if spec.pipelined else None
 
     @cute.jit
     def __call__(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
@@ -50,7 +62,7 @@ class DecodeMegakernel:
                  num_ctas: Int32, stream: cuda.CUstream):
         self.kernel(program, counters, weights, f32, bf16, i32, k_cache, v_cache, queue_len,
                     s_max, len_off).launch(
-            grid=[num_ctas, 1, 1], block=[self.NT, 1, 1], smem=self.smem_bytes,
+            grid=[num_ctas, 1, 1], block=[self.spec.block_threads, 1, 1], smem=self.smem_bytes,
             cooperative=True, min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -75,6 +87,35 @@ class DecodeMegakernel:
         sML = self.region(raw, "ml", Float32)  # [NW][2]
         sFlag = self.region(raw, "flag", Int32)  # [1] broadcast from thread 0
 
+        if cutlass.const_expr(self.piped):
+            sRing = self.region(raw, "ring", BFloat16)  # [S][stage] weight tiles
+            mbar = cute.recast_ptr(raw.iterator + self.regions["mbar"][0], dtype=Int64)
+            if tidx == 0:
+                self.pipe.init(mbar)
+            cute.arch.sync_threads()  # the last CTA-wide barrier: mbarriers initialised
+            if warp == self.NW:  # the loader warp
+                if lane == 0:
+                    self.pipe.load_queue(program + bidx * queue_len * isa.RECORD_WORDS, weights,
+                                         sRing.iterator, mbar)
+            else:
+                self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
+                             queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML,
+                             sFlag, sRing, mbar, tidx, bidx, num_ctas, warp, lane)
+        else:
+            self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
+                         queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML, sFlag,
+                         sX, counters, tidx, bidx, num_ctas, warp, lane)
+
+    @cute.jit
+    def consume(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
+                f32: cute.Pointer, bf16: cute.Pointer, i32: cute.Pointer, k_cache: cute.Pointer,
+                v_cache: cute.Pointer, queue_len: Int32, s_max: Int32, len_off: Int32,
+                sX: cute.Tensor, sAcc: cute.Tensor, sRstd: cute.Tensor, sBest: cute.Tensor,
+                sQ: cute.Tensor, sO: cute.Tensor, sML: cute.Tensor, sFlag: cute.Tensor,
+                sRing: cute.Tensor, mbar, tidx: Int32, bidx: Int32, num_ctas: Int32,
+                warp: Int32, lane: Int32):
+        """The consumer warps' persistent loop over this CTA's queue (module docstring)."""
+        named = self.named
         epoch = Int32(0)
         if tidx == 0:
             epoch = sync.read_epoch(counters)
@@ -87,6 +128,7 @@ class DecodeMegakernel:
         pf_off = Int64(0)
         pf_cum = Int64(0)
         cum = Int64(0)
+        j = Int32(0)  # pipeline tiles consumed (pipeline.py)
         op = cute.arch.load(queue, Int32)
         while op != Op.END:
             rec = cute.make_rmem_tensor((isa.RECORD_WORDS,), Int32)
@@ -98,7 +140,7 @@ class DecodeMegakernel:
                 self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
             pf_pc, pf_off, pf_cum = self.prefetch_ahead(weights, queue, pc, cum, pf_pc, pf_off,
                                                         pf_cum, tidx)
-            sync.wait_counter(counters, rec[1], epoch * rec[3] + rec[2], tidx)
+            sync.wait_counter(counters, rec[1], epoch * rec[3] + rec[2], tidx, named)
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
             elif op == Op.ATTN_PARTIAL:
@@ -108,14 +150,19 @@ class DecodeMegakernel:
             elif op == Op.ARGMAX:
                 self.argmax(rec, f32, i32, tidx, warp, lane)
             else:
-                self.matvec.run(op, rec, layer, weights, f32, bf16, i32, k_cache, v_cache, s_max,
-                                len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
+                if cutlass.const_expr(self.piped):
+                    j = self.matvec.run_piped(op, rec, layer, weights, f32, bf16, i32, k_cache,
+                                              v_cache, s_max, len_off, sX, sAcc, sRstd, sBest,
+                                              sRing, mbar, j, tidx, warp, lane)
+                else:
+                    self.matvec.run(op, rec, layer, weights, f32, bf16, i32, k_cache, v_cache,
+                                    s_max, len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
             if op != Op.ATTN_PARTIAL:  # the ticket above did its own signalling
-                sync.signal_counter(counters, rec[4], tidx)
+                sync.signal_counter(counters, rec[4], tidx, named)
             cum = cum + self.slab_bytes(op, rec[isa.COMMON_WORDS + 3], rec[isa.COMMON_WORDS + 4])
             pc += 1
             op = cute.arch.load(queue + pc * isa.RECORD_WORDS, Int32)
-        sync.finish_step(counters, epoch, num_ctas, tidx)
+        sync.finish_step(counters, epoch, num_ctas, tidx, named)
 
     def region(self, raw: cute.Tensor, name: str, dtype):
         off, nbytes = self.regions[name]

@@ -51,6 +51,71 @@ ARCH_SMS = {"sm_90a": 132, "sm_100a": 148}
 L2_PREFETCH_SHARE = 0.5
 
 
+# ---- shared-memory weight pipeline (pipeline.py; KernelSpec.smem_stages) ------------------------
+# smem_stages = 0: the consumer warps read weights straight from global memory (16-byte loads).
+# smem_stages = S >= 2: one extra loader warp streams every matvec slab, in queue order and tiles of
+# whole rows, into a ring of S shared-memory stages (cp.async.bulk + mbarrier complete_tx), running
+# ahead of the consumers across instruction boundaries and their dependency waits.
+# The pipeline is the default: it compiles without spills within budget for every build the
+# tests and gpu-check make (sm_90a, sm_100a). make_spec falls back to 0 for a model/batch whose
+# pipelined spec does not fit (named in SpecError), so every build the global path served builds.
+SMEM_STAGE_BYTES = 32 * 1024  # one stage: `tile_rows(kc)` rows of a K-chunk of kc bf16
+PIPELINE_STAGES = 3  # 96 KiB of ring: 3 x 32 KiB tiles in flight per SM
+DEFAULT_SMEM_STAGES = PIPELINE_STAGES
+
+
+def tile_rows(kc: int, num_warps: int, stage_bytes: int = SMEM_STAGE_BYTES) -> int:
+    """Weight rows per pipeline tile for K-chunks of `kc` inputs: the largest power of two <= the
+    warps per CTA whose rows fit one stage (0 when a single row does not fit). The kernel
+    evaluates the same rule at run time (Pipeline.tile_rows)."""
+    tr = 0
+    cand = 1
+    while cand <= num_warps and cand * kc * 2 <= stage_bytes:
+        tr = cand
+        cand *= 2
+    return tr
+
+
+def ring_slot(j, stages: int):
+    """Tile j's (stage, full-barrier parity, empty-barrier parity) in a ring of `stages`: the
+    consumers wait full[stage] for `full`, the loader waits empty[stage] for `empty` (a fresh
+    mbarrier counts as having completed the phase before phase 0, so round 0 does not block).
+    Plain arithmetic: the kernel calls it on Int32, the host mirror on int."""
+    rnd = j // stages
+    return j % stages, rnd & 1, (rnd & 1) ^ 1
+
+
+def matvec_tiles(nrows: int, k: int, passes: int, k_chunk: int, num_warps: int):
+    """The tiles of one matvec slab in the order the loader streams and the consumers read them
+    (Matvec.run_piped / Pipeline.load_queue use the same loop nest): (pass, row0, rows, col0,
+    cols), rows of `tile_rows(min(k_chunk, k))`. Loop nest: pass > ROW_CHUNK chunk > K-chunk >
+    rows of the chunk."""
+    tr = tile_rows(min(k_chunk, k), num_warps)
+    if tr == 0:
+        raise SpecError(f"a weight row chunk of {min(k_chunk, k)} inputs does not fit one "
+                        f"{SMEM_STAGE_BYTES} B pipeline stage")
+    for p in range(passes):
+        for rc0 in range(0, nrows, ROW_CHUNK):
+            nr = min(ROW_CHUNK, nrows - rc0)
+            for kc0 in range(0, k, k_chunk):
+                kc = min(k_chunk, k - kc0)
+                for t0 in range(0, nr, tr):
+                    yield p, rc0 + t0, min(tr, nr - t0), kc0, kc
+
+
+def stage_plan(slabs: list[tuple[int, int]], passes: int, k_chunk: int,
+               num_warps: int) -> list[tuple[int, int, int, int, int, int]]:
+    """Host mirror of the loader warp's schedule (Pipeline.load_queue), for tests and docs.
+
+    `slabs[i]` = (NROWS, K) of queue instruction i ((0, 0) for opcodes without a slab); each
+    matvec streams its slab once per pass over the activation rows. Returns the tiles in issue
+    order: (instruction, pass, first row, rows, first column, columns); tile j goes to stage
+    `ring_slot(j, S)[0]` once the consumers have released tile j - S.
+    """
+    return [(i, *t) for i, (nrows, k) in enumerate(slabs) if nrows
+            for t in matvec_tiles(nrows, k, passes, k_chunk, num_warps)]
+
+
 def prefetch_window(arch: str) -> int:
     """Lookahead L2 prefetch window per SM in bytes (a multiple of PREFETCH_CHUNK):
     192 KiB on sm_90a (132 x 192 KiB = 24.8 MiB of 50 MiB), 432 KiB on sm_100a (148 x 432 KiB =
@@ -138,12 +203,27 @@ class KernelSpec:
     eps: float
     batch: int  # B
     tokens: int  # T
-    num_threads: int = NUM_THREADS
+    num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
+    smem_stages: int = DEFAULT_SMEM_STAGES  # 0: weights from global; >= 2: smem ring (above)
 
     # ---- derived ----------------------------------------------------------------------------
     @property
     def prefetch_window(self) -> int:
         return prefetch_window(self.arch)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.smem_stages > 0
+
+    @property
+    def block_threads(self) -> int:
+        """Threads per CTA: the consumer warps, plus one loader warp when pipelined."""
+        return self.num_threads + (LANES if self.pipelined else 0)
+
+    @property
+    def passes(self) -> int:
+        """Outer passes over the activation rows per matvec (each streams the slab once)."""
+        return -(-self.rows // self.no)
 
     @property
     def rows(self) -> int:  # N = B * T
@@ -190,6 +270,8 @@ class KernelSpec:
     def k_chunk(self) -> int:
         """KC: input features staged per pass (a multiple of 256 = one warp-wide sweep)."""
         cap = X_SMEM_BYTES // (2 * self.no) // 256 * 256
+        if self.pipelined:  # a pipeline tile holds at least one row of a K-chunk
+            cap = min(cap, SMEM_STAGE_BYTES // 2 // 256 * 256)
         need = -(-self.k_max // 256) * 256
         return max(256, min(cap, need))
 
@@ -199,6 +281,9 @@ class KernelSpec:
 
     @property
     def acc_words(self) -> int:
+        if self.pipelined:  # [ks][n][row], NW / tile_rows K-slices at most
+            tr = max(1, tile_rows(min(self.k_chunk, self.k_max), self.num_warps))
+            return self.num_warps // tr * self.no * ROW_CHUNK
         return self.no * max(ROW_CHUNK, self.num_warps * self.rows_per_group)
 
     @property
@@ -219,6 +304,11 @@ class KernelSpec:
             ("ml", 4 * 2 * nw),  # fp32 per warp: (m, l)
             ("flag", 16),  # int32 broadcast word
         ]
+        if self.pipelined:
+            sizes += [
+                ("ring", self.smem_stages * SMEM_STAGE_BYTES),  # bf16 weight tiles
+                ("mbar", 8 * 2 * self.smem_stages),  # full[S], empty[S] mbarriers
+            ]
         out, off = {}, 0
         for name, n in sizes:
             out[name] = (off, n)
@@ -255,6 +345,11 @@ class KernelSpec:
         if 4 * self.acc_words > ACC_SMEM_BYTES:
             raise SpecError(f"matvec accumulators need {4 * self.acc_words} B of shared memory "
                             f"> {ACC_SMEM_BYTES}")
+        if self.smem_stages < 0 or self.smem_stages == 1:
+            raise SpecError(f"smem_stages must be 0 (no pipeline) or >= 2, got {self.smem_stages}")
+        if self.pipelined and self.num_warps & (self.num_warps - 1):
+            raise SpecError(f"the pipeline needs a power-of-two number of consumer warps, "
+                            f"got {self.num_warps}")
         if self.smem_bytes > SMEM_BUDGET:
             raise SpecError(f"the kernel needs {self.smem_bytes} B of shared memory > budget "
                             f"{SMEM_BUDGET}")
@@ -275,21 +370,32 @@ class KernelSpec:
 
 
 def make_spec(cfg: ModelConfig, batch: int, tokens: int, arch: str,
-              num_threads: int = NUM_THREADS) -> KernelSpec:
-    """The build's static config for a model, batch and tokens per step."""
+              num_threads: int = NUM_THREADS, smem_stages: int | None = None) -> KernelSpec:
+    """The build's static config for a model, batch and tokens per step. `smem_stages` None:
+    DEFAULT_SMEM_STAGES when that spec is valid, else 0 (the global-memory weight path); an int
+    is taken as given (SpecError when it cannot serve the model/batch)."""
     if batch < 1 or tokens < 1:
         raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
+    if smem_stages is None:
+        if DEFAULT_SMEM_STAGES:
+            try:
+                return make_spec(cfg, batch, tokens, arch, num_threads, DEFAULT_SMEM_STAGES)
+            except SpecError:
+                pass
+        return make_spec(cfg, batch, tokens, arch, num_threads, 0)
     spec = KernelSpec(
         arch=arch, family=cfg.family, hidden=cfg.hidden_size, inter=cfg.intermediate_size,
         vocab=cfg.vocab_size, layers=cfg.num_layers, heads=cfg.num_heads,
         kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
-        eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens, num_threads=num_threads)
+        eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens, num_threads=num_threads,
+        smem_stages=smem_stages)
     spec.validate()
     return spec
 
 
 # ---- fingerprint --------------------------------------------------------------------------------
-KERNEL_SOURCES = ("spec.py", "megakernel.py", "matvec.py", "attention.py", "sync.py", "memory.py")
+KERNEL_SOURCES = ("spec.py", "megakernel.py", "matvec.py", "attention.py", "sync.py", "memory.py",
+                  "pipeline.py")
 
 
 def source_digest() -> str:

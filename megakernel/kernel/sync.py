@@ -12,6 +12,9 @@ Counters are never reset: targets grow with the epoch, which the last CTA to fin
 Watchdog: a wait that has not been met after `WAIT_TIMEOUT_NS` of `%globaltimer` executes `trap`,
 so a deadlock (a counter that never reaches its target) ends the launch with CUDA's "illegal
 instruction" error instead of hanging the GPU. No correct step waits anywhere near that long.
+
+`named`: the consumer thread count when a loader warp is present (pipeline.py): the CTA barriers
+are then named barrier 1 over the consumer warps; 0 = `__syncthreads`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,16 @@ from megakernel.program import isa
 SLEEP_MIN_NS = 32
 SLEEP_MAX_NS = 512
 WAIT_TIMEOUT_NS = 10_000_000_000  # 10 s: a decode step takes milliseconds
+CONSUMER_BARRIER_ID = 1  # named barrier of the consumer warps (0 = __syncthreads)
+
+
+def cta_sync(named_threads: int) -> None:
+    """Barrier over the consumer threads: `__syncthreads` without a loader warp (0), else named
+    barrier 1 over `named_threads` (plain Python: chosen when the kernel is traced)."""
+    if named_threads:
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER_ID, number_of_threads=named_threads)
+    else:
+        cute.arch.sync_threads()
 
 
 @cute.jit
@@ -39,7 +52,8 @@ def read_epoch(counters: cute.Pointer) -> Int32:
 
 
 @cute.jit
-def wait_counter(counters: cute.Pointer, cid: Int32, target: Int32, tidx: Int32):
+def wait_counter(counters: cute.Pointer, cid: Int32, target: Int32, tidx: Int32,
+                 named: cutlass.Constexpr[int] = 0):
     """Block the CTA until counters[COUNTER_BASE + cid] has reached `target` (cid < 0: no wait)."""
     if tidx == 0:
         if cid >= 0:
@@ -54,13 +68,14 @@ def wait_counter(counters: cute.Pointer, cid: Int32, target: Int32, tidx: Int32)
                     v = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                     if cute.arch.globaltimer() - t0 > Int64(WAIT_TIMEOUT_NS):
                         cute.arch.inline_ptx("trap;")  # deadlock: fail the launch, do not hang
-    cute.arch.sync_threads()
+    cta_sync(named)
 
 
 @cute.jit
-def signal_counter(counters: cute.Pointer, cid: Int32, tidx: Int32):
+def signal_counter(counters: cute.Pointer, cid: Int32, tidx: Int32,
+                   named: cutlass.Constexpr[int] = 0):
     """After every thread's stores: counters[COUNTER_BASE + cid] += 1, release (cid < 0: none)."""
-    cute.arch.sync_threads()
+    cta_sync(named)
     if tidx == 0:
         if cid >= 0:
             cute.arch.fence_acq_rel_gpu()
@@ -69,9 +84,10 @@ def signal_counter(counters: cute.Pointer, cid: Int32, tidx: Int32):
 
 
 @cute.jit
-def finish_step(counters: cute.Pointer, epoch: Int32, num_ctas: Int32, tidx: Int32):
+def finish_step(counters: cute.Pointer, epoch: Int32, num_ctas: Int32, tidx: Int32,
+                named: cutlass.Constexpr[int] = 0):
     """Count this CTA out; the last one of the step publishes epoch + 1 for the next launch."""
-    cute.arch.sync_threads()
+    cta_sync(named)
     if tidx == 0:
         old = cute.arch.atomic_add(counters + isa.EXIT, Int32(1), sem="acq_rel", scope="gpu")
         if old == epoch * num_ctas + (num_ctas - 1):

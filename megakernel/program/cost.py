@@ -1,11 +1,13 @@
 """Cost model of one decode step: per-instruction bytes, latencies and fixed costs, per SM.
 
-It models the kernel that exists (megakernel/kernel/megakernel.py), whose only weight staging is
-an L2 lookahead: when a CTA reaches instruction i (before its dependency wait) it issues
+It models the kernel that exists (megakernel/kernel/megakernel.py). Weight staging: an L2
+lookahead (when a CTA reaches instruction i, before its dependency wait, it issues
 cp.async.bulk.prefetch.L2 for the weight slabs of its own queue up to `window` bytes past the
-start of slab i, each byte once (kernel.spec.lookahead_plan); an ATTN_PARTIAL also prefetches its
-own cached keys/values. There is no shared-memory weight pipeline: earlier versions of this model
-assumed a 195 KB shared-memory lookahead window, which the kernel does not have.
+start of slab i, each byte once: kernel.spec.lookahead_plan; an ATTN_PARTIAL also prefetches its
+own cached keys/values), and in the default build a shared-memory weight pipeline
+(kernel/pipeline.py): a loader warp keeps the next `smem_window` bytes of the CTA's weight stream
+(kernel.spec.DEFAULT_SMEM_STAGES x SMEM_STAGE_BYTES = 96 KiB) in a ring of shared-memory stages,
+across the dependency wait.
 
 Parameters (`CostParams`), each from a published figure or stated as an assumption:
 - `mem_latency` 500 ns: one global load or store on a dependency path. Hazy Research, "Look Ma,
@@ -22,9 +24,14 @@ Parameters (`CostParams`), each from a published figure or stated as an assumpti
 - `prefetch_window` None: the kernel's lookahead window for the GPU's arch
   (kernel.spec.prefetch_window: 192 KiB on sm_90a, 432 KiB on sm_100a, sized so that all SMs'
   windows fill at most half of L2); an int overrides it for what-ifs.
-- `prefetch_to_smem` False: a what-if switch for a kernel that would stage the prefetched bytes
-  in shared memory before the wait (reading them then costs nothing after it). The kernel does
-  not do this; plan always reports False.
+- `smem_window` None: bytes of the weight stream the loader warp stages in shared memory ahead
+  of the consumers (kernel.spec: DEFAULT_SMEM_STAGES x SMEM_STAGE_BYTES; 0 for a build without
+  the pipeline); an int overrides it. The ring is freed when the CTA reaches an instruction and
+  refills from L2 at the SM's L2 share, so the staged head of slab i is
+  min(bytes prefetched into L2 by then, smem_window, (t_act - reach) x L2 share); reading it
+  after the wait costs nothing, the rest of the slab passes the SM's L2 port after the wait.
+- `prefetch_to_smem` False: a what-if switch for a kernel that would stage every prefetched byte
+  (the whole L2 window) in shared memory before the wait; plan always reports False.
 - `mma_efficiency` 0.5: fraction of dense BF16 tensor peak that warp-level mma.sync matvecs reach
   (assumption; compute only matters at large batch).
 - bandwidth per SM = the GPU's copy bandwidth / SMs (every SM streams at once in the steady state);
@@ -64,7 +71,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megakernel.kernel.spec import prefetch_window
+from megakernel.kernel.spec import DEFAULT_SMEM_STAGES, SMEM_STAGE_BYTES, prefetch_window
 from megakernel.program.gpus import GPU
 from megakernel.program.isa import NO_COUNTER, Op
 
@@ -74,7 +81,8 @@ CITATIONS = {
     "launch": "same post: CUDA-graph launch ~1.3 us on H100",
     "l2_latency": "assumption near Chips and Cheese's ~150 ns B200 L2 hit (2025)",
     "prefetch_window": "kernel.spec.prefetch_window: half of L2 over the arch's SMs",
-    "prefetch_to_smem": "what-if only: the kernel has no shared-memory weight stage",
+    "smem_window": "kernel.spec: DEFAULT_SMEM_STAGES x SMEM_STAGE_BYTES (the loader's ring)",
+    "prefetch_to_smem": "what-if only: the whole L2 window staged in shared memory",
     "mma_efficiency": "assumption: mma.sync matvec at 50% of dense BF16 peak",
 }
 
@@ -87,8 +95,9 @@ class CostParams:
     l2_latency: float = 200e-9
     prefetch_window: int | None = None  # None: the kernel's window for the GPU's arch
     mma_efficiency: float = 0.5
-    # what-if only (the kernel does not do this): prefetched bytes staged in shared memory
-    # before the wait, so reading them costs nothing on the path after it
+    smem_window: int | None = None  # None: the default build's shared-memory ring
+    # what-if only: every prefetched byte staged in shared memory before the wait, so reading
+    # them costs nothing on the path after it
     prefetch_to_smem: bool = False
 
 
@@ -101,6 +110,7 @@ class Rates:
     tensor: float  # flop/s per SM
     fp32: float
     window: int  # L2 lookahead window bytes (past the start of the current slab)
+    smem_window: float  # weight-stream bytes staged in shared memory ahead (inf: what-if)
     lat: float
     fixed: float
     l2_lat: float
@@ -109,9 +119,26 @@ class Rates:
     def of(cls, gpu: GPU, p: CostParams) -> Rates:
         n = gpu.num_sms
         window = prefetch_window(gpu.arch) if p.prefetch_window is None else p.prefetch_window
+        smem = float(default_smem_window() if p.smem_window is None else p.smem_window)
+        if p.prefetch_to_smem:
+            smem = float("inf")
         return cls(gpu.copy_bw / n, gpu.l2_bw / n, gpu.bf16_tensor_flops * p.mma_efficiency / n,
-                   gpu.fp32_flops / n, int(window), p.mem_latency, p.fixed_per_instr,
+                   gpu.fp32_flops / n, int(window), smem, p.mem_latency, p.fixed_per_instr,
                    p.l2_latency)
+
+
+def default_smem_window() -> int:
+    """The default build's shared-memory weight ring in bytes (0 without the pipeline)."""
+    return DEFAULT_SMEM_STAGES * SMEM_STAGE_BYTES
+
+
+def staged_bytes(pre, smem_window: float, fill_time, l2_rate: float):  # noqa: ANN001, ANN201
+    """Head of the slab in shared memory when the consumers start (cost.py docstring): the
+    prefetched bytes, capped by the ring and by what the loader copied from L2 since the CTA
+    reached the instruction. Works on floats and numpy arrays."""
+    if smem_window == float("inf"):
+        return pre
+    return np.minimum(np.minimum(pre, smem_window), np.maximum(fill_time, 0.0) * l2_rate)
 
 
 class SimState:
@@ -156,8 +183,9 @@ class SimState:
             pre = np.clip((t_act - ls) * r.bw, 0.0, w if kv else min(w, r.window))
             t_w = np.where(pre < w, t_act + (w - pre) / r.bw, ls + w / r.bw)
             new_load_end = np.maximum(t_w, ls + w / r.bw)
-            if not self.params.prefetch_to_smem:
-                t_w = np.maximum(t_w, np.where(pre > 0, t_act + r.l2_lat + w / r.l2, t_act))
+            staged = 0.0 if kv else staged_bytes(pre, r.smem_window, t_act - free, r.l2)
+            t_w = np.maximum(t_w, np.where(pre > staged, t_act + r.l2_lat + (w - staged) / r.l2,
+                                           t_act))
         else:
             t_w = t_act
             new_load_end = load_end
@@ -199,9 +227,11 @@ class SimState:
             else:
                 t_w = t1
             le = t_w
-            if got > 0 and not self.params.prefetch_to_smem:
-                # the prefetched head is in L2: the whole slab passes the SM's L2 port
-                t_w = max(t_w, t_act + r.l2_lat + w / r.l2)
+            staged = 0.0 if kv else float(staged_bytes(got, r.smem_window, t_act - reach, r.l2))
+            if got > staged:
+                # the prefetched head is in L2 (beyond the ring): the rest of the slab passes
+                # the SM's L2 port after the wait
+                t_w = max(t_w, t_act + r.l2_lat + (w - staged) / r.l2)
         compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
         t_c1 = max(t_w, t_act + compute) + ins.store_bytes / r.bw
         self.free[s] = t_c1 + r.lat  # fence before the signal

@@ -14,9 +14,10 @@ event-driven fluid model instead, with the same parameters (cost.CostParams, gpu
   cost and the activation load (one latency + bytes / L2 share), then consume the slab: when part
   of it is already in L2, reading starts one L2 latency later and the whole slab passes the SM's
   L2 share (prefetched and demand bytes use the same port), the rest arriving from HBM as it
-  comes (at least the compute time); then store (bytes / bandwidth share) and
-  fence (one latency); the release add lands one latency later and a waiter sees it one poll
-  latency after;
+  comes (at least the compute time); the head held in the shared-memory ring (cost.staged_bytes)
+  costs nothing after the wait and is left out of the L2 pass; then store (bytes / bandwidth
+  share) and fence (one latency); the release add lands one latency later and a waiter sees it
+  one poll latency after;
 - the last split of each (sequence, kv head) merges: its ticket returns one latency after its
   add, then the merge reads the partials, computes and stores, and the done counter's add lands.
 
@@ -30,7 +31,14 @@ import heapq
 
 import numpy as np
 
-from megakernel.program.cost import CostParams, CostReport, Rates, kv_written_bytes, step_bytes
+from megakernel.program.cost import (
+    CostParams,
+    CostReport,
+    Rates,
+    kv_written_bytes,
+    staged_bytes,
+    step_bytes,
+)
 from megakernel.program.isa import NO_COUNTER, Op
 
 _WAIT, _SETUP, _CONSUME, _STORE, _DONE = range(5)
@@ -65,6 +73,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
     phase = np.full(n, _WAIT)
     phase_end = np.full(n, np.inf)
     consume_min = np.zeros(n)
+    reached = np.zeros(n)  # when the compute side reached its instruction (ring freed)
     streamed = np.zeros(n)
     t = 0.0
 
@@ -80,6 +89,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
         i = ci[s]
         ins = queues[s][i]
         limit[s] = max(limit[s], wstart[s][i] + r.window)  # the lookahead, before the wait
+        reached[s] = t
         kvrem[s] = kvb[s][i]
         phase[s], phase_end[s] = _WAIT, np.inf
         if ins.wait == NO_COUNTER or visible[ins.wait] <= t:
@@ -118,8 +128,10 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
             limit[s] = max(limit[s], wstart[s][i] + wbytes[s][i])  # demand loads: whole slab
             phase[s] = _CONSUME
             consume_min[s] = t + ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
-            if pre > _EPS and not params.prefetch_to_smem:  # the slab passes the SM's L2 port
-                consume_min[s] = max(consume_min[s], t + r.l2_lat + total / r.l2)
+            staged = 0.0 if kvb[s][i] else float(staged_bytes(pre, r.smem_window,
+                                                                   t - reached[s], r.l2))
+            if pre - staged > _EPS:  # the slab beyond the smem ring passes the SM's L2 port
+                consume_min[s] = max(consume_min[s], t + r.l2_lat + (total - staged) / r.l2)
             phase_end[s] = consume_min[s] if left <= _EPS else np.inf
         elif phase[s] == _CONSUME:
             phase[s] = _STORE

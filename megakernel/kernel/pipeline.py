@@ -1,0 +1,153 @@
+"""Shared-memory weight pipeline: a loader warp streams matvec slabs into a ring of stages.
+
+Used when `KernelSpec.smem_stages` = S >= 2. The CTA has the spec's consumer warps plus one loader
+warp (the last). The loader walks the CTA's queue exactly like the consumers do (same records, same
+END), and for every matvec record streams its slab `spec.passes` times (once per pass over the
+activation rows), in tiles of `tile_rows(KC)` rows of one K-chunk (spec.matvec_tiles: the loop
+nest of Matvec.run_piped). Tile j goes to stage j % S (spec.ring_slot):
+
+    loader (lane 0)                          consumers (every consumer thread)
+    wait empty[s] parity ((j / S) & 1) ^ 1   wait full[s] parity (j / S) & 1
+    arrive.expect_tx(full[s], bytes)         read the tile from shared memory, compute
+    cp.async.bulk G2S -> stage s, full[s]    __syncwarp; lane 0 of each warp arrives on empty[s]
+
+full[s] counts 1 arrival (the loader's expect_tx) plus the transaction bytes; empty[s] counts one
+arrival per consumer warp. Weights never depend on activations, so the loader runs up to S tiles
+ahead of the consumers, across instruction boundaries and across their dependency waits; it never
+touches the counters. `spec.stage_plan` is the host mirror of its schedule.
+
+Barriers: the loader warp leaves the CTA-wide barrier after the mbarrier set-up, so the consumers
+synchronise among themselves with named barrier 1 over `spec.num_threads` threads
+(`sync.cta_sync`). Every mbarrier wait has the counter waits' watchdog: a wait unmet after
+`sync.WAIT_TIMEOUT_NS` traps (a broken schedule fails the launch instead of hanging the GPU).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from megakernel.kernel.memory import join64, ld
+from megakernel.kernel.spec import SMEM_STAGE_BYTES, KernelSpec, ring_slot
+from megakernel.kernel.sync import WAIT_TIMEOUT_NS
+from megakernel.program import isa
+from megakernel.program.isa import Op
+
+
+@cute.jit
+def is_matvec(op: Int32):
+    """QKV, OPROJ, GATEUP, DOWN, LMHEAD: the opcodes with a weight slab."""
+    return (op >= Op.QKV) & (op != Op.ATTN_PARTIAL) & (op != Op.ARGMAX)
+
+
+class Pipeline:
+    """The ring (stages of SMEM_STAGE_BYTES), its mbarriers, the loader and the consumer steps."""
+
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.S = spec.smem_stages
+        self.NW = spec.num_warps
+        self.stage_elems = SMEM_STAGE_BYTES // 2  # bf16 per stage
+
+    @cute.jit
+    def tile_rows(self, kc: Int32) -> Int32:
+        """Device twin of spec.tile_rows: the largest power of two <= NW rows of `kc` bf16 that
+        fit one stage (the spec guarantees that one row of a K-chunk fits)."""
+        tr = Int32(1)
+        for c in cutlass.range_constexpr(1, 8):
+            if cutlass.const_expr((1 << c) <= self.NW):
+                if Int32(1 << c) * kc * 2 <= SMEM_STAGE_BYTES:
+                    tr = Int32(1 << c)
+        return tr
+
+    # ---- set-up (one thread, before the CTA-wide barrier) -------------------------------------
+    @cute.jit
+    def init(self, mbar: cute.Pointer):
+        for s in cutlass.range_constexpr(self.S):
+            cute.arch.mbarrier_init(mbar + s, 1)  # full[s]: the loader's expect_tx
+            cute.arch.mbarrier_init(mbar + self.S + s, self.NW)  # empty[s]: one per warp
+        cute.arch.mbarrier_init_fence()
+
+    # ---- loader warp --------------------------------------------------------------------------
+    @cute.jit
+    def load_queue(self, queue: cute.Pointer, weights: cute.Pointer, ring: cute.Pointer,
+                   mbar: cute.Pointer):
+        """Stream every matvec slab of this CTA's queue into the ring (run by one thread), tile
+        by tile in the consumers' loop nest (spec.matvec_tiles): pass > ROW_CHUNK rows > K-chunk
+        > `tile_rows` rows. A tile of whole rows (K-chunk = K) is one bulk copy, else one per
+        row (the slab is row-major [NROWS, K]); the stage holds the tile as [rows][kc]."""
+        f = isa.COMMON_WORDS
+        KC, RC = self.spec.k_chunk, self.spec.row_chunk
+        j = Int32(0)  # tiles issued
+        pc = Int32(0)
+        op = ld(queue, 0)
+        while op != Op.END:
+            if is_matvec(op):
+                base = pc * isa.RECORD_WORDS
+                w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
+                nrows = ld(queue, base + f + 3)
+                k = ld(queue, base + f + 4)
+                tr = self.tile_rows(cutlass.min(Int32(KC), k))
+                src0 = weights.toint() + w_base * Int64(2)
+                for _p in cutlass.range(self.spec.passes):
+                    for rc0 in cutlass.range(0, nrows, RC):
+                        nr = cutlass.min(Int32(RC), nrows - rc0)
+                        for kc0 in cutlass.range(0, k, KC):
+                            kc = cutlass.min(Int32(KC), k - kc0)
+                            for t0 in cutlass.range(0, nr, tr):
+                                rows = cutlass.min(tr, nr - t0)
+                                s, _, empty_parity = ring_slot(j, self.S)
+                                mbar_wait(mbar + self.S + s, empty_parity)
+                                cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, rows * kc * 2)
+                                dst = ring + s * self.stage_elems
+                                src = src0 + (Int64(rc0 + t0) * Int64(k) + Int64(kc0)) * Int64(2)
+                                if kc == k:  # whole rows: the tile is contiguous
+                                    bulk_g2s(dst, src, rows * kc * 2, mbar + s)
+                                else:
+                                    for r in cutlass.range(rows):
+                                        bulk_g2s(dst + r * kc, src + Int64(r) * Int64(k) * Int64(2),
+                                                 kc * 2, mbar + s)
+                                j += 1
+            pc += 1
+            op = ld(queue, pc * isa.RECORD_WORDS)
+
+    # ---- consumer side ------------------------------------------------------------------------
+    @cute.jit
+    def wait_full(self, mbar: cute.Pointer, j: Int32):
+        """Block until tile j is in its stage."""
+        s, full_parity, _ = ring_slot(j, self.S)
+        mbar_wait(mbar + s, full_parity)
+
+    @cute.jit
+    def release(self, mbar: cute.Pointer, j: Int32, lane: Int32):
+        """This warp is done reading tile j's stage."""
+        s, _, _ = ring_slot(j, self.S)
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(mbar + self.S + s)
+
+
+@cute.jit
+def bulk_g2s(dst: cute.Pointer, src: Int64, nbytes: Int32, bar: cute.Pointer):
+    """cp.async.bulk global -> shared of `nbytes` (a multiple of 16, both ends 16-byte aligned),
+    completing as transaction bytes on mbarrier `bar`."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+        "[{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[dst.toint(), src, nbytes, bar.toint()])
+
+
+@cute.jit
+def mbar_wait(bar: cute.Pointer, parity: Int32):
+    """mbarrier wait for the phase of `parity`, with the %globaltimer watchdog (module doc)."""
+    pending = Int32(1)
+    if cute.arch.mbarrier_try_wait(bar, parity):
+        pending = Int32(0)
+    if pending != 0:
+        t0 = cute.arch.globaltimer()
+        while pending != 0:
+            if cute.arch.mbarrier_try_wait(bar, parity):
+                pending = Int32(0)
+            elif cute.arch.globaltimer() - t0 > Int64(WAIT_TIMEOUT_NS):
+                cute.arch.inline_ptx("trap;")  # a broken ring schedule: fail, do not hang

@@ -1,0 +1,252 @@
+"""The shared-memory weight pipeline (spec.smem_stages >= 2): the host mirror of the loader's
+schedule and ring protocol (no DSL), and the compiled variant for both archs (DSL, CPU only):
+resources within budget, the bulk copies / mbarrier waits / consumer named barrier in the PTX
+and SASS, the memory protocol kept.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from megakernel.config import preset
+from megakernel.kernel import spec as spec_mod
+from megakernel.kernel.spec import (
+    ROW_CHUNK,
+    SMEM_STAGE_BYTES,
+    SpecError,
+    make_spec,
+    matvec_tiles,
+    ring_slot,
+    stage_plan,
+    tile_rows,
+)
+
+STAGES = spec_mod.PIPELINE_STAGES
+
+
+# ---- host mirror (no DSL) -----------------------------------------------------------------------
+def test_tile_rows_rule():
+    assert tile_rows(2048, 8) == 8  # 8 x 4 KB = one 32 KB stage
+    assert tile_rows(8192, 8) == 2
+    assert tile_rows(16384, 8) == 1
+    assert tile_rows(16384 + 8, 8) == 0  # one row does not fit
+    assert tile_rows(64, 8) == 8  # never more rows than warps
+    assert tile_rows(64, 4) == 4
+
+
+def _slabs(rng: random.Random) -> list[tuple[int, int]]:
+    ks = [256, 512, 2048, 3072, 8192, 14336]
+    out = []
+    for _ in range(rng.randint(1, 8)):
+        if rng.random() < 0.3:
+            out.append((0, 0))  # embed / attention / argmax: no slab
+        else:
+            out.append((16 * rng.randint(1, 40), rng.choice(ks)))
+    return out
+
+
+def _check_plan(slabs, passes, k_chunk, nw):
+    plan = stage_plan(slabs, passes, k_chunk, nw)
+    # in queue order, passes in order, and within a slab the consumers' loop nest
+    keys = [(i, p) for i, p, *_ in plan]
+    assert keys == sorted(keys)
+    for i, (nrows, k) in enumerate(slabs):
+        for p in range(passes):
+            tiles = [t for t in plan if t[0] == i and t[1] == p]
+            if nrows == 0:
+                assert not tiles
+                continue
+            covered = [[0] * (k // 8) for _ in range(nrows)]  # 16-byte vectors
+            for _, _, r0, rows, c0, cols in tiles:
+                assert 0 < rows and rows * cols * 2 <= SMEM_STAGE_BYTES
+                assert cols % 8 == 0 and c0 % 8 == 0  # 16-byte bulk copies, aligned
+                assert r0 // ROW_CHUNK == (r0 + rows - 1) // ROW_CHUNK  # never across a chunk
+                for r in range(r0, r0 + rows):
+                    for v in range(c0 // 8, (c0 + cols) // 8):
+                        covered[r][v] += 1
+            assert all(c == 1 for row in covered for c in row), (i, p)  # every byte exactly once
+
+
+def test_stage_plan_covers_every_slab_byte_once_per_pass_in_queue_order():
+    rng = random.Random(11)
+    for _ in range(60):
+        _check_plan(_slabs(rng), rng.choice([1, 2]), rng.choice([512, 2048, 8192, 16384]),
+                    rng.choice([4, 8]))
+
+
+def test_stage_plan_follows_the_consumer_loop_nest():
+    # 40 rows of K = 8192 with 2048-wide K-chunks: 8-row tiles (8 x 2048 x 2 B = one stage)
+    tiles = list(matvec_tiles(40, 8192, 1, 2048, 8))
+    tr = tile_rows(2048, 8)
+    assert tr == 8
+    # chunk 0 (rows 0..39 < ROW_CHUNK): K-chunk 0 over all row tiles, then K-chunk 1, ...
+    want = [(0, r0, min(tr, 40 - r0), kc0, 2048) for kc0 in range(0, 8192, 2048)
+            for r0 in range(0, 40, tr)]
+    assert tiles == want
+    # a slab longer than a row chunk restarts the K-chunks per chunk
+    t2 = list(matvec_tiles(ROW_CHUNK + 16, 512, 2, 512, 8))
+    assert [t[1] for t in t2[:3]] == [0, 8, 16]
+    assert t2[len(t2) // 2][0] == 1  # second pass streams the slab again
+    with pytest.raises(SpecError, match="does not fit one"):
+        list(matvec_tiles(16, 20000, 1, 20000, 8))
+
+
+def _simulate_ring(n_tiles: int, stages: int, rng: random.Random) -> int:
+    """Loader and consumers as two agents over mbarriers with parity waits (ring_slot), in a
+    random interleaving. Checks: the consumers read tile j from stage j % S after it landed and
+    before it is overwritten; never more than S tiles loaded but not released. Returns the
+    largest number in flight."""
+    full_phase = [0] * stages  # completed phases per mbarrier
+    empty_phase = [0] * stages
+    stage_tile = [None] * stages
+    pj = cj = 0
+    in_flight, worst = 0, 0
+
+    def passes(completed: int, parity: int) -> bool:
+        # try_wait.parity(P) succeeds once the phase with parity P before the current one is
+        # complete; a fresh barrier (0 completed) counts the phase "before 0" (parity 1) done
+        return (completed & 1) != parity
+
+    for _ in range(100 * n_tiles):
+        if cj == n_tiles:
+            break
+        if pj < n_tiles and rng.random() < 0.5:
+            s, _, pe = ring_slot(pj, stages)
+            if passes(empty_phase[s], pe):
+                assert stage_tile[s] is None, "overwrote a stage not yet released"
+                stage_tile[s] = pj
+                full_phase[s] += 1  # expect_tx arrive + bytes: the phase completes
+                pj += 1
+                in_flight += 1
+                worst = max(worst, in_flight)
+                assert in_flight <= stages
+        else:
+            s, pf, _ = ring_slot(cj, stages)
+            if passes(full_phase[s], pf):
+                assert stage_tile[s] == cj, (stage_tile[s], cj)
+                stage_tile[s] = None
+                empty_phase[s] += 1  # all consumer warps arrived
+                cj += 1
+                in_flight -= 1
+    assert cj == n_tiles, f"deadlock: {pj} tiles loaded, {cj} consumed"
+    return worst
+
+
+def test_ring_protocol_never_more_than_s_in_flight():
+    rng = random.Random(5)
+    for stages in (2, 3, 4):
+        worst = max(_simulate_ring(50, stages, rng) for _ in range(20))
+        assert worst == stages  # the loader does run S tiles ahead, and never more
+
+
+def test_ring_slot_parities():
+    assert [ring_slot(j, 3) for j in range(7)] == [
+        (0, 0, 1), (1, 0, 1), (2, 0, 1), (0, 1, 0), (1, 1, 0), (2, 1, 0), (0, 0, 1)]
+
+
+def test_pipeline_spec_limits_and_messages():
+    cfg = preset("llama-3.2-1b")
+    s = make_spec(cfg, 1, 1, "sm_90a", smem_stages=STAGES)
+    assert s.pipelined and s.block_threads == s.num_threads + 32
+    assert "ring" in s.smem_regions() and "mbar" in s.smem_regions()
+    assert s.smem_bytes <= spec_mod.SMEM_BUDGET
+    assert s.k_chunk * 2 <= SMEM_STAGE_BYTES
+    d = make_spec(cfg, 1, 1, "sm_90a", smem_stages=0)
+    assert not d.pipelined and d.block_threads == d.num_threads and "ring" not in d.smem_regions()
+    assert s.tag == d.tag  # variants share the build-set tag (gpu-check keeps them apart)
+    assert spec_mod.fingerprint(s, "4.8.1") != spec_mod.fingerprint(d, "4.8.1")
+    with pytest.raises(SpecError, match="smem_stages must be 0"):
+        make_spec(cfg, 1, 1, "sm_90a", smem_stages=1)
+    with pytest.raises(SpecError, match="shared memory > budget"):
+        make_spec(cfg, 1, 1, "sm_90a", smem_stages=8)
+    with pytest.raises(SpecError, match="power-of-two number of consumer warps"):
+        make_spec(cfg, 1, 1, "sm_90a", num_threads=192, smem_stages=STAGES)
+    # the default: pipelined where the pipelined spec fits, else the global path
+    assert spec_mod.DEFAULT_SMEM_STAGES == STAGES
+    assert make_spec(cfg, 1, 1, "sm_100a").smem_stages == STAGES
+    big = make_spec(preset("qwen3-0.6b"), 32, 1, "sm_90a")  # ring + x + acc > budget
+    assert big.smem_stages == 0 and not big.pipelined
+    with pytest.raises(SpecError, match="shared memory > budget"):
+        make_spec(preset("qwen3-0.6b"), 32, 1, "sm_90a", smem_stages=STAGES)
+    # every gpu-check case can be served by the pipelined variant
+    from megakernel.gpu_check import CASES
+
+    for c in CASES:
+        for arch in spec_mod.ARCHS:
+            assert make_spec(preset(c.model), c.batch, c.tokens, arch).smem_stages == STAGES
+
+
+# ---- compiled variant (DSL) ---------------------------------------------------------------------
+CASES = [("llama-tiny", 1, 1), ("qwen3-tiny", 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, dict]]:
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
+    from megakernel.kernel.build import build_arch
+
+    out = {}
+    for name, b, t in CASES:
+        root = tmp_path_factory.mktemp(f"pipe-{name}")
+        for arch in spec_mod.ARCHS:
+            m = build_arch(preset(name), arch, root, batch=b, tokens=t, smem_stages=STAGES)
+            out[(name, arch)] = (root / arch, m)
+    return out
+
+
+def test_pipeline_builds_within_budgets(builds):
+    for (name, arch), (_, m) in sorted(builds.items()):
+        r = m["resources"]
+        spec = spec_mod.KernelSpec.from_dict(m["spec"])
+        assert spec.smem_stages == STAGES and m["smem_stages"] == STAGES
+        assert m["block"] == [spec.num_threads + 32, 1, 1]
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, arch, r)
+        assert r["local_bytes"] == 0 and r["local_stores"] == 0 and r["local_loads"] == 0, r
+        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET
+        assert r["registers"] * m["block"][0] <= 65536
+        assert m["dynamic_smem_bytes"] == spec.smem_bytes <= spec_mod.SMEM_BUDGET
+        print(f"pipelined {name} {arch}: {r['registers']} regs, smem "
+              f"{m['dynamic_smem_bytes']} B, compile {m['compile_seconds']} s")
+
+
+def test_ptx_has_the_pipeline(builds):
+    """One loader (bulk copies completing on an mbarrier with expect_tx, waiting for a free
+    stage), consumers waiting for a full stage and releasing it, S full + S empty barriers set
+    up, watchdogs on the waits, and the consumers' CTA barriers on named barrier 1 (only the
+    set-up uses barrier 0)."""
+    for (name, arch), (d, m) in sorted(builds.items()):
+        ptx = (d / "megakernel.ptx").read_text()
+        nt = m["block"][0] - 32
+        assert re.search(rf"\.reqntid {nt + 32}, 1, 1", ptx), (name, arch)
+        assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") >= 2
+        assert ptx.count("mbarrier.arrive.expect_tx.shared.b64") == 1, (name, arch)
+        # full and empty waits, each a first try plus the watchdog loop (pipeline.mbar_wait)
+        assert ptx.count("mbarrier.try_wait.parity.acquire.cta.shared::cta.b64") == 4, name
+        assert ptx.count("trap;") >= 3, (name, arch)  # counter wait + the two mbarrier waits
+        assert ptx.count("mbarrier.arrive.shared.b64") == 1, (name, arch)  # release
+        assert ptx.count("mbarrier.init.shared.b64") == 2 * STAGES, (name, arch)
+        assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1, (name, arch)
+        assert len(re.findall(rf"bar\.sync\s+1, {nt};", ptx)) >= 8, (name, arch)
+        # the L2 lookahead stays (weights and K/V)
+        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2, (name, arch)
+        # the GEMV reads its weights from shared memory, not with 16-byte global loads
+        assert "ld.global.L1::no_allocate.L2::256B.v4" not in ptx, (name, arch)
+
+
+def test_sass_has_the_pipeline_and_keeps_the_memory_protocol(builds):
+    from megakernel.kernel.tools import sass_text
+
+    for (name, arch), (d, _) in sorted(builds.items()):
+        sass = sass_text(str(d / "megakernel.cubin"))
+        ops = [m.strip() for m in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+        assert any("UBLKCP.S.G" in o for o in ops), (name, arch)  # the bulk copy
+        assert any("SYNCS.PHASECHK" in o for o in ops), (name, arch)  # mbarrier waits
+        assert any("SYNCS.ARRIVE.TRANS64" in o for o in ops), (name, arch)
+        for i, o in enumerate(ops):  # acquires still invalidate L1
+            if re.search(r"\bLDG\.E\.STRONG\.GPU\b", o) or "ATOMG.E.ADD.STRONG.GPU" in o:
+                assert any("CCTL.IVALL" in x for x in ops[i + 1:i + 3]), (name, arch, o)
+        assert any("BPT.TRAP" in o for o in ops), (name, arch)
