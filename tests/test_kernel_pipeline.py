@@ -224,11 +224,12 @@ def test_ptx_has_the_pipeline(builds):
         assert re.search(rf"\.reqntid {nt + 32}, 1, 1", ptx), (name, arch)
         assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") >= 2
         assert ptx.count("mbarrier.arrive.expect_tx.shared.b64") == 1, (name, arch)
-        # full and empty waits, each a first try plus the watchdog loop (pipeline.mbar_wait)
-        assert ptx.count("mbarrier.try_wait.parity.acquire.cta.shared::cta.b64") == 4, name
-        assert ptx.count("trap;") >= 3, (name, arch)  # counter wait + the two mbarrier waits
-        assert ptx.count("mbarrier.arrive.shared.b64") == 1, (name, arch)  # release
-        assert ptx.count("mbarrier.init.shared.b64") == 2 * STAGES, (name, arch)
+        # full, empty and done waits, each a first try plus the watchdog loop (pipeline.mbar_wait)
+        assert ptx.count("mbarrier.try_wait.parity.acquire.cta.shared::cta.b64") == 6, name
+        # counter wait, the three mbarrier waits, the tile-count check at END
+        assert ptx.count("trap;") >= 5, (name, arch)
+        assert ptx.count("mbarrier.arrive.shared.b64") == 2, (name, arch)  # release, done
+        assert ptx.count("mbarrier.init.shared.b64") == 2 * STAGES + 1, (name, arch)
         assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1, (name, arch)
         assert len(re.findall(rf"bar\.sync\s+1, {nt};", ptx)) >= 8, (name, arch)
         # the L2 lookahead stays (weights and K/V)
@@ -250,3 +251,223 @@ def test_sass_has_the_pipeline_and_keeps_the_memory_protocol(builds):
             if re.search(r"\bLDG\.E\.STRONG\.GPU\b", o) or "ATOMG.E.ADD.STRONG.GPU" in o:
                 assert any("CCTL.IVALL" in x for x in ops[i + 1:i + 3]), (name, arch, o)
         assert any("BPT.TRAP" in o for o in ops), (name, arch)
+
+
+# ---- the host mirror and the device loops stay in lockstep (no DSL) ----------------------------
+def _loops(fn_src: str) -> list[tuple[int, str, str]]:
+    """(depth, loop variable, normalised iterator) of every `for` in a function, in source order;
+    `self.`, `self.pipe.` and `self.spec.` prefixes dropped, `Int32(x)` -> `x`."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(fn_src))
+    out: list[tuple[int, str, str]] = []
+
+    def norm(node) -> str:  # noqa: ANN001
+        s = ast.unparse(node)
+        for p in ("self.pipe.", "self.spec.", "self."):
+            s = s.replace(p, "")
+        return re.sub(r"Int32\(([^()]*)\)", r"\1", s)
+
+    def walk(node, depth: int) -> None:  # noqa: ANN001
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.For):
+                out.append((depth, norm(child.target), norm(child.iter)))
+                walk(child, depth + 1)
+            else:
+                walk(child, depth)
+
+    walk(tree, 0)
+    return out
+
+
+def _assigns(fn_src: str) -> dict[str, str]:
+    import ast
+    import textwrap
+
+    out = {}
+    for node in ast.walk(ast.parse(textwrap.dedent(fn_src))):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            t = node.targets[0]
+            if isinstance(t, ast.Name):
+                s = ast.unparse(node.value)
+                for p in ("self.pipe.", "self.spec.", "self."):
+                    s = s.replace(p, "")
+                out[t.id] = re.sub(r"Int32\(([^()]*)\)", r"\1", s)
+    return out
+
+
+def test_loader_consumer_and_mirror_share_the_tile_loop_nest():
+    """The loader (Pipeline.load_queue), the consumers (Matvec.run_piped) and the host mirror
+    (spec.matvec_tiles) must walk the same tiles: same loop nest (passes > ROW_CHUNK rows >
+    K-chunks > tile rows), same bounds and the same tile-size rule. Read from the sources, so an
+    edit to one of them that the others do not follow fails here, before a GPU hangs on it."""
+    import inspect
+
+    pytest.importorskip("cutlass", reason="the device modules import the DSL")
+    from megakernel.kernel import matvec as mv
+    from megakernel.kernel import pipeline as pl
+
+    load = inspect.getsource(pl.Pipeline.load_queue)
+    cons = inspect.getsource(mv.Matvec.run_piped)
+    mirror = inspect.getsource(spec_mod.matvec_tiles)
+    # tile-walking loops only (the tidx-strided ones are per-thread work, not tiles)
+    lt = [(v, it) for _, v, it in _loops(load)]
+    ct = [(v, it) for _, v, it in _loops(cons) if "tidx" not in it]
+    mt = [(v, it) for _, v, it in _loops(mirror)]
+    assert lt[:4] == [("_p", "cutlass.range(passes)"), ("rc0", "cutlass.range(0, nrows, RC)"),
+                      ("kc0", "cutlass.range(0, k, KC)"), ("t0", "cutlass.range(0, nr, tr)")]
+    assert lt[4:] == [("r", "cutlass.range(rows)")]  # per-row copies of a partial-K tile
+    assert ct == [("n0", "cutlass.range(0, N, NO)"), ("rc0", "cutlass.range(0, nrows, RC)"),
+                  ("kc0", "cutlass.range(0, k, KC)"), ("t0", "cutlass.range(0, nr, tr)")]
+    assert mt == [("p", "range(passes)"), ("rc0", "range(0, nrows, ROW_CHUNK)"),
+                  ("kc0", "range(0, k, k_chunk)"), ("t0", "range(0, nr, tr)")]
+    # the four loops are nested, one inside the other, in both device functions
+    assert [d for d, _, it in _loops(load)][:4] == [0, 1, 2, 3]
+    cdepth = [d for d, _, it in _loops(cons) if "tidx" not in it]
+    assert cdepth == sorted(cdepth) and len(set(cdepth)) == 4
+    # same bounds and tile-size rule
+    la, ca, ma = _assigns(load), _assigns(cons), _assigns(mirror)
+    assert la["nr"] == ca["nr"] == "cutlass.min(RC, nrows - rc0)"
+    assert ma["nr"] == "min(ROW_CHUNK, nrows - rc0)"
+    assert la["kc"] == ca["kc"] == "cutlass.min(KC, k - kc0)"
+    assert ma["kc"] == "min(k_chunk, k - kc0)"
+    assert la["tr"] == ca["tr"] == "tile_rows(cutlass.min(KC, k))"
+    assert ma["tr"] == "tile_rows(min(k_chunk, k), num_warps)"
+    assert la["rows"] == "cutlass.min(tr, nr - t0)" and "min(tr, nr - t0)" in mirror
+    assert "cutlass.min(tr, nr - t0)" in cons
+    # one wait, one expect_tx and one j += 1 per loader tile; one wait + one release per consumer
+    assert load.count("mbar_wait(") == 1 and load.count("arrive_and_expect_tx(") == 1
+    assert load.count("j += 1") == 1 and cons.count("j += 1") == 1
+    assert cons.count("wait_full(") == 1 and cons.count(".release(") == 1
+    # the loader's K and passes are the consumers': KC = spec.k_chunk, RC = ROW_CHUNK
+    assert "KC, RC = self.spec.k_chunk, self.spec.row_chunk" in load
+
+
+def test_passes_match_the_consumer_outer_loop():
+    cfg = preset("qwen3-0.6b")
+    for b in range(1, 17):
+        for t in (1, 2, 3, 5):
+            if b * t > 256:
+                continue
+            s = make_spec(cfg, b, t, "sm_90a", smem_stages=0)
+            assert s.passes == len(range(0, s.rows, s.no)), (b, t)
+
+
+PROGRAM_CASES = [("llama-tiny", 1, 1), ("qwen3-tiny", 2, 2), ("qwen3-tiny", 9, 1),
+                 ("llama-3.2-1b", 1, 1), ("llama-3.2-1b", 3, 3), ("qwen3-0.6b", 4, 1),
+                 ("qwen3-1.7b", 9, 1)]
+
+
+@pytest.mark.parametrize("name,batch,tokens", PROGRAM_CASES)
+def test_real_programs_fit_the_ring(name, batch, tokens):
+    """On compiled programs (real slab offsets, K and row counts): every bulk copy of the
+    loader's plan has a 16-byte aligned global source, a 16-byte aligned stage offset and a
+    size that is a multiple of 16; the tile (= expect_tx bytes) fits its stage; the consumers'
+    K-split accumulators fit the acc region; the plan has one tile sequence per CTA."""
+    from megakernel.program.compiler import compile_program
+    from megakernel.program.gpus import gpu
+    from megakernel.program.isa import MATVEC_OPS, Op, decode
+
+    cfg = preset(name)
+    prog = compile_program(cfg, batch, gpu("h200"), tokens=tokens)
+    spec = make_spec(cfg, batch, tokens, "sm_90a", smem_stages=STAGES)
+    nw, kc_max = spec.num_warps, spec.k_chunk
+    regions = spec.smem_regions()
+    assert regions["ring"][0] % 128 == 0 and regions["mbar"][0] % 8 == 0
+    assert regions["ring"][0] + STAGES * SMEM_STAGE_BYTES <= regions["mbar"][0]
+    n_tiles = 0
+    for q in prog.records().tolist():
+        slabs, bases = [], []
+        for rec in q:
+            if rec[0] == Op.END:
+                break
+            d = decode(rec)
+            if d["OPCODE"] in MATVEC_OPS:
+                assert d["K"] % 8 == 0 and d["W"] % 8 == 0, d
+                slabs.append((d["NROWS"], d["K"]))
+                bases.append(d["W"])
+                tr = tile_rows(min(kc_max, d["K"]), nw)
+                assert (nw // tr) * spec.no * min(ROW_CHUNK, d["NROWS"]) <= spec.acc_words
+            else:
+                slabs.append((0, 0))
+                bases.append(0)
+        plan = stage_plan(slabs, spec.passes, kc_max, nw)
+        n_tiles += len(plan)
+        for i, _, r0, rows, c0, cols in plan:
+            k = slabs[i][1]
+            nbytes = rows * cols * 2  # expect_tx
+            assert 0 < nbytes <= SMEM_STAGE_BYTES
+            copies = [(r0, rows * cols * 2)] if cols == k else [(r0 + r, cols * 2)
+                                                                for r in range(rows)]
+            assert sum(n for _, n in copies) == nbytes
+            for j, (row, n) in enumerate(copies):
+                src = 2 * (bases[i] + row * k + c0)
+                dst = j * cols * 2  # inside the stage
+                assert src % 16 == 0 and dst % 16 == 0 and n % 16 == 0, (i, row, c0, n)
+    assert n_tiles > 0
+
+
+def _loader_ptx(ptx: str, nw: int) -> str:
+    """The PTX of the loader warp's branch: from the warp test after the set-up barrier
+    (`warp == NW`) to the label the consumers branch to."""
+    m = re.search(r"bar\.sync\s+0;\s*\n\s*setp\.ne\.b32\s+(%p\d+), %r\d+, " + str(nw)
+                  + r";\s*\n\s*@\1 bra\s+(\$L__BB\d+_\d+);", ptx)
+    assert m, "loader branch (warp == NW right after the set-up barrier) not found"
+    end = ptx.index("\n" + m.group(2) + ":", m.end())
+    return ptx[m.end():end]
+
+
+def test_loader_path_has_no_warp_collectives(builds):
+    """Only lane 0 of the loader warp runs the loader (the other lanes have exited): a
+    warp-collective or CTA-wide instruction there would hang or be undefined."""
+    for (name, arch), (d, m) in sorted(builds.items()):
+        ptx = (d / "megakernel.ptx").read_text()
+        body = _loader_ptx(ptx, (m["block"][0] - 32) // 32)
+        assert "cp.async.bulk.shared::cluster" in body and "mbarrier.try_wait" in body
+        ops = [ln.split()[0] for ln in body.splitlines()
+               if ln.strip() and not ln.strip().startswith(("//", "$", "@"))]
+        ops += [ln.split()[1] for ln in body.splitlines() if ln.strip().startswith("@")]
+        bad = [o for o in ops if o.split(".")[0] in (
+            "shfl", "vote", "bar", "barrier", "elect", "redux", "match", "activemask")
+            or ".aligned" in o]
+        assert not bad, (name, arch, bad)
+
+
+def test_every_cta_barrier_after_set_up_is_the_consumers_named_barrier(builds):
+    """Any barrier form (bar/barrier, sync/arrive/red, with or without a count): exactly one
+    barrier 0 (the set-up, before the loader starts); every other one is barrier 1 over the
+    consumer threads, so the loader warp (and its exited lanes) never block a CTA barrier."""
+    for (name, arch), (d, m) in sorted(builds.items()):
+        ptx = (d / "megakernel.ptx").read_text()
+        nt = m["block"][0] - 32
+        bars = [re.sub(r"\s+", " ", b) for b in re.findall(
+            r"\b(?:bar|barrier)(?:\.cta)?\.(?:sync|arrive|red)[^;]*;", ptx)]
+        zero = [b for b in bars if re.search(r"\s0\s*[;,]", b)]
+        assert zero == ["bar.sync 0;"], (name, arch, zero)
+        rest = [b for b in bars if b not in zero]
+        assert rest and all(b == f"bar.sync 1, {nt};" for b in rest), (name, arch, set(rest))
+        first_named = re.search(rf"bar\.sync\s+1, {nt};", ptx).start()
+        assert re.search(r"bar\.sync\s+0;", ptx).start() < first_named
+
+
+def test_loader_and_consumers_compare_tile_counts_at_end():
+    """At END the loader publishes its tile count (an int64 slot after the done mbarrier) and
+    arrives on `done`; consumer thread 0 waits for it and traps on a mismatch, before the CTA is
+    counted out (megakernel.consume)."""
+    import inspect
+
+    pytest.importorskip("cutlass", reason="the device modules import the DSL")
+    from megakernel.kernel import megakernel as mk
+    from megakernel.kernel import pipeline as pl
+
+    spec = make_spec(preset("llama-3.2-1b"), 1, 1, "sm_90a", smem_stages=STAGES)
+    off, n = spec.smem_regions()["mbar"]
+    assert n == 8 * (2 * STAGES + 2) and off % 8 == 0  # full[S], empty[S], done, count
+    load = inspect.getsource(pl.Pipeline.load_queue)
+    tail = load[load.index("while op != Op.END"):]
+    assert "mbar + 2 * self.S + 1" in tail and "mbarrier_arrive(mbar + 2 * self.S)" in tail
+    init = inspect.getsource(pl.Pipeline.init)
+    assert "mbarrier_init(mbar + 2 * self.S, 1)" in init
+    cons = inspect.getsource(mk.DecodeMegakernel.consume)
+    assert cons.index("check_done(mbar, j)") < cons.index("finish_step(")

@@ -162,6 +162,9 @@ class DecodeMegakernel:
             cum = cum + self.slab_bytes(op, rec[isa.COMMON_WORDS + 3], rec[isa.COMMON_WORDS + 4])
             pc += 1
             op = cute.arch.load(queue + pc * isa.RECORD_WORDS, Int32)
+        if cutlass.const_expr(self.piped):
+            if tidx == 0:
+                self.pipe.check_done(mbar, j)
         sync.finish_step(counters, epoch, num_ctas, tidx, named)
 
     def region(self, raw: cute.Tensor, name: str, dtype):

@@ -12,9 +12,13 @@ nest of Matvec.run_piped). Tile j goes to stage j % S (spec.ring_slot):
     cp.async.bulk G2S -> stage s, full[s]    __syncwarp; lane 0 of each warp arrives on empty[s]
 
 full[s] counts 1 arrival (the loader's expect_tx) plus the transaction bytes; empty[s] counts one
-arrival per consumer warp. Weights never depend on activations, so the loader runs up to S tiles
-ahead of the consumers, across instruction boundaries and across their dependency waits; it never
-touches the counters. `spec.stage_plan` is the host mirror of its schedule.
+arrival per consumer warp. At END the loader stores its tile count and arrives on `done`; before
+counting the CTA out, consumer thread 0 waits for `done` and traps unless the count equals its own
+(a loader/consumer disagreement on the tile sequence fails the launch at once).
+
+Weights never depend on activations, so the loader runs up to S tiles ahead of the consumers,
+across instruction boundaries and across their dependency waits; it never touches the counters.
+`spec.stage_plan` is the host mirror of its schedule.
 
 Barriers: the loader warp leaves the CTA-wide barrier after the mbarrier set-up, so the consumers
 synchronise among themselves with named barrier 1 over `spec.num_threads` threads
@@ -67,6 +71,7 @@ class Pipeline:
         for s in cutlass.range_constexpr(self.S):
             cute.arch.mbarrier_init(mbar + s, 1)  # full[s]: the loader's expect_tx
             cute.arch.mbarrier_init(mbar + self.S + s, self.NW)  # empty[s]: one per warp
+        cute.arch.mbarrier_init(mbar + 2 * self.S, 1)  # done: the loader reached END
         cute.arch.mbarrier_init_fence()
 
     # ---- loader warp --------------------------------------------------------------------------
@@ -111,6 +116,9 @@ class Pipeline:
                                 j += 1
             pc += 1
             op = ld(queue, pc * isa.RECORD_WORDS)
+        # END: publish the tile count (the consumers check it against theirs, check_done)
+        cute.make_tensor(mbar + 2 * self.S + 1, cute.make_layout(1))[0] = Int64(j)
+        cute.arch.mbarrier_arrive(mbar + 2 * self.S)
 
     # ---- consumer side ------------------------------------------------------------------------
     @cute.jit
@@ -118,6 +126,16 @@ class Pipeline:
         """Block until tile j is in its stage."""
         s, full_parity, _ = ring_slot(j, self.S)
         mbar_wait(mbar + s, full_parity)
+
+    @cute.jit
+    def check_done(self, mbar: cute.Pointer, j: Int32):
+        """End of the queue (one consumer thread): wait until the loader has reached END and
+        trap unless it issued exactly the `j` tiles the consumers read. A mismatch would
+        otherwise read wrong tiles silently or leave bulk copies in flight at CTA exit."""
+        mbar_wait(mbar + 2 * self.S, Int32(0))
+        loaded = cute.make_tensor(mbar + 2 * self.S + 1, cute.make_layout(1))[0]
+        if loaded != Int64(j):
+            cute.arch.inline_ptx("trap;")  # loader and consumers disagree on the tile sequence
 
     @cute.jit
     def release(self, mbar: cute.Pointer, j: Int32, lane: Int32):

@@ -307,7 +307,8 @@ class KernelSpec:
         if self.pipelined:
             sizes += [
                 ("ring", self.smem_stages * SMEM_STAGE_BYTES),  # bf16 weight tiles
-                ("mbar", 8 * 2 * self.smem_stages),  # full[S], empty[S] mbarriers
+                # full[S], empty[S], done mbarriers, then the loader's tile count (int64 slot)
+                ("mbar", 8 * (2 * self.smem_stages + 2)),
             ]
         out, off = {}, 0
         for name, n in sizes:
