@@ -86,6 +86,8 @@ class _Track:
 class Executor:
     """Holds the program's buffers and runs steps on them."""
 
+    f32_constants: tuple[str, ...] = tuple(F32_CONSTANTS)  # fp32 regions kept when poisoning
+
     def __init__(self, prog: Program, packed: PackedWeights, check: bool = True) -> None:
         if packed.layout != prog.layout:
             raise ExecutorError("packed weights do not match the program's weight layout")
@@ -223,7 +225,7 @@ class Executor:
     # ---- a step -------------------------------------------------------------------------------
     def poison(self) -> None:
         b = self.prog.buffers
-        keep = [b.f32[n] for n in F32_CONSTANTS]
+        keep = [b.f32[n] for n in self.f32_constants]
         saved = [self.f32[r.offset : r.offset + r.numel].clone() for r in keep]
         self.f32.fill_(float("nan"))
         for r, s in zip(keep, saved, strict=True):

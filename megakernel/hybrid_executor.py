@@ -42,6 +42,8 @@ __all__ = ["HybridExecutor", "generate", "SUPPORTED_FAMILIES"]
 class HybridExecutor(Executor):
     """Holds a hybrid program's buffers (arenas, state arena, KV cache) and runs steps."""
 
+    f32_constants = tuple(F32_CONSTANTS)  # the hybrid plan's constant fp32 regions
+
     def __init__(self, prog: HybridProgram, packed: HybridPacked, check: bool = True) -> None:
         if packed.layout != prog.layout:
             raise ExecutorError("packed weights do not match the program's weight layout")
@@ -88,16 +90,6 @@ class HybridExecutor(Executor):
         if buf in ("k", "v"):
             return getattr(self, buf).view(-1), 0
         return self._arena(buf), 0
-
-    def poison(self) -> None:
-        b = self.prog.buffers
-        keep = [b.f32[n] for n in F32_CONSTANTS]
-        saved = [self.f32[r.offset : r.offset + r.numel].clone() for r in keep]
-        self.f32.fill_(float("nan"))
-        for r, s in zip(keep, saved, strict=True):
-            self.f32[r.offset : r.offset + r.numel] = s
-        self.bf16.fill_(float("nan"))
-        self._region("i32", "tokens_out").fill_(-1)
 
     def _exec(self, d: dict, epoch: int) -> None:
         op = d["OPCODE"]
