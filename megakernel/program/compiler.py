@@ -110,8 +110,47 @@ class Stage:
     unit_rows: int = 0  # rows per unit (divisible stages)
 
 
+class QueueProgram:
+    """What every compiled program (dense or hybrid) derives from its instructions and queues.
+
+    A subclass is a dataclass with `batch`, `tokens`, `instrs`, `queues` and `counters`; `encode`
+    is its instruction set's record encoder.
+    """
+
+    encode = staticmethod(isa.encode)
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens
+
+    @property
+    def num_sms(self) -> int:
+        return len(self.queues)
+
+    def record(self, i: int) -> list[int]:
+        ins = self.instrs[i]
+        wait = None
+        if ins.wait != isa.NO_COUNTER:
+            total = self.counters[ins.wait].total
+            wait = (ins.wait, total, total)
+        return self.encode(ins.op, wait=wait, signal=ins.signal, layer=ins.layer, **ins.operands)
+
+    def records(self) -> torch.Tensor:
+        """int32 [num_sms, max_queue + 1, RECORD_WORDS], END-padded (the kernel's input)."""
+        return isa.as_tensor([[self.record(i) for i in q] for q in self.queues])
+
+    def counter_words(self) -> int:
+        return isa.COUNTER_BASE + len(self.counters)
+
+    def ops_histogram(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ins in self.instrs:
+            out[ins.op.name] = out.get(ins.op.name, 0) + 1
+        return out
+
+
 @dataclass
-class Program:
+class Program(QueueProgram):
     cfg: ModelConfig
     batch: int
     tokens: int
@@ -129,34 +168,6 @@ class Program:
     cost: object | None = None  # cost.CostReport of the fluid replay (replay.py)
     placement_cost: object | None = None  # the scheduler's own estimate (cost.SimState)
 
-    @property
-    def rows(self) -> int:
-        return self.batch * self.tokens
-
-    @property
-    def num_sms(self) -> int:
-        return len(self.queues)
-
-    def record(self, i: int) -> list[int]:
-        ins = self.instrs[i]
-        wait = None
-        if ins.wait != isa.NO_COUNTER:
-            total = self.counters[ins.wait].total
-            wait = (ins.wait, total, total)
-        return isa.encode(ins.op, wait=wait, signal=ins.signal, layer=ins.layer, **ins.operands)
-
-    def records(self) -> torch.Tensor:
-        """int32 [num_sms, max_queue + 1, RECORD_WORDS], END-padded (the kernel's input)."""
-        return isa.as_tensor([[self.record(i) for i in q] for q in self.queues])
-
-    def counter_words(self) -> int:
-        return isa.COUNTER_BASE + len(self.counters)
-
-    def ops_histogram(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for ins in self.instrs:
-            out[ins.op.name] = out.get(ins.op.name, 0) + 1
-        return out
 
 
 # ---- validation ---------------------------------------------------------------------------------

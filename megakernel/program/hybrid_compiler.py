@@ -37,7 +37,15 @@ import torch
 
 from megakernel.hybrid.config import HybridConfig, KimiLinearConfig, NemotronHConfig, Qwen35Config
 from megakernel.program import hybrid_isa, isa
-from megakernel.program.compiler import Counter, Instr, PlanError, Region, Stage, _Counters
+from megakernel.program.compiler import (
+    Counter,
+    Instr,
+    PlanError,
+    QueueProgram,
+    Region,
+    Stage,
+    _Counters,
+)
 from megakernel.program.gpus import GPU
 from megakernel.program.hybrid_isa import HOp
 from megakernel.program.hybrid_pack import gdn_proj_width, hybrid_layout, require_supported
@@ -79,7 +87,7 @@ class HybridBufferPlan:
 
 
 @dataclass
-class HybridProgram:
+class HybridProgram(QueueProgram):
     cfg: HybridConfig
     batch: int
     tokens: int
@@ -96,34 +104,7 @@ class HybridProgram:
     header: dict[str, int] = field(default_factory=dict)
     placement_cost: object | None = None  # cost.SimState of the chosen schedule
 
-    @property
-    def rows(self) -> int:
-        return self.batch * self.tokens
-
-    @property
-    def num_sms(self) -> int:
-        return len(self.queues)
-
-    def record(self, i: int) -> list[int]:
-        ins = self.instrs[i]
-        wait = None
-        if ins.wait != isa.NO_COUNTER:
-            total = self.counters[ins.wait].total
-            wait = (ins.wait, total, total)
-        return hybrid_isa.encode(ins.op, wait=wait, signal=ins.signal, layer=ins.layer,
-                                 **ins.operands)
-
-    def records(self) -> torch.Tensor:
-        return isa.as_tensor([[self.record(i) for i in q] for q in self.queues])
-
-    def counter_words(self) -> int:
-        return isa.COUNTER_BASE + len(self.counters)
-
-    def ops_histogram(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for ins in self.instrs:
-            out[ins.op.name] = out.get(ins.op.name, 0) + 1
-        return out
+    encode = staticmethod(hybrid_isa.encode)
 
 
 # ---- validation and buffers ---------------------------------------------------------------------
