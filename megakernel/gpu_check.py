@@ -65,7 +65,7 @@ CASES = (
     Case("qwen3-tiny", 4, 4, 64, 1),
     Case("llama-3.2-1b", 1, 1, 64, 0, bench=True),
     Case("llama-3.2-1b", 4, 1, 64),
-    Case("llama-3.2-1b", 16, 1, 64),
+    Case("llama-3.2-1b", 16, 1, 64, bench=True),  # a second batch size: the refit needs it
     Case("llama-3.2-1b", 1, 4, 64),
     Case("qwen3-0.6b", 1, 1, 64, 0, bench=True),
     Case("qwen3-0.6b", 4, 4, 64),
@@ -386,7 +386,8 @@ def bench_case(c: Case, build_dir: Path, copy_bw: float, replays: int = 50) -> d
     step_s = e0.elapsed_time(e1) / 1e3 / replays
     cost = mk.prog.cost
     nbytes = cost.bytes_per_step if cost is not None else 0
-    return {"model": c.model, "batch": c.batch, "context": 1024, "timed": how,
+    return {"model": c.model, "batch": c.batch, "tokens": 1, "context": 1024,
+            "max_seq_len": mk.max_seq_len, "timed": how,
             "step_ms": step_s * 1e3,
             "tokens_per_s": c.batch / step_s, "bytes_per_step": nbytes,
             "bandwidth_fraction_of_copy": nbytes / step_s / copy_bw if nbytes else None,
@@ -457,6 +458,7 @@ def gpu_check(out: Path, build_dir: Path, quick: bool = False, variant: str | No
     report["ok"] = bool(report["cases"]) and all(c.get("ok") for c in report["cases"])
     report["ok_by_variant"] = {v: all(c.get("ok") for c in report["cases"] if c["variant"] == v)
                                for v in {c["variant"] for c in report["cases"]}}
+    report["measurements"] = measurements(report)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "gpu_check.md").write_text(markdown(report))
@@ -511,10 +513,25 @@ def _run_variants(out: Path, build_dir: Path, quick: bool) -> dict[str, Any]:
     merged["ok_by_variant"] = {n: any(c["variant"] == n for c in merged["cases"])
                                and all(c.get("ok") for c in merged["cases"]
                                        if c["variant"] == n) for n in names}
+    merged["measurements"] = measurements(merged)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(merged, indent=2) + "\n")
     (out / "gpu_check.md").write_text(markdown(merged))
     return merged
+
+
+def measurements(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The benchmark rows as cost-model measurements (program/refit.py's input format:
+    `python -m megakernel plan --refit gpu_check.json`); a device without a GPU description
+    gives none and a note in `skipped`. Never raises: the run's report must be written."""
+    try:
+        from megakernel.program.refit import from_gpu_check
+
+        return from_gpu_check(report)
+    except Exception as e:  # RefitError (unknown device), or anything else: keep the report
+        report["skipped"].append(f"measurements for the cost-model refit: "
+                                 f"{type(e).__name__}: {e}")
+        return []
 
 
 def markdown(r: dict[str, Any]) -> str:

@@ -3,6 +3,10 @@
 Prints instructions per opcode, bytes moved per step, the predicted step time, the floor (bytes /
 copy bandwidth, and bytes / HBM spec), the predicted efficiency (floor / predicted), the worst
 SM's idle fraction, and the assumptions. `--json` adds one JSON object as the last line.
+
+`--refit gpu_check.json` fits cost parameters to a GPU run's measured step times
+(program/refit.py) and prints them with the predicted/measured table before and after;
+`--save-params OUT.json` keeps them and `--params OUT.json` plans with them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from megakernel.program.gpus import GPUS, SOURCES, from_device, gpu
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint dir")
+    p.add_argument("--model", default=None,
+                   help="preset name or Hugging Face checkpoint dir (required unless --refit)")
     p.add_argument("--gpu", default="h200",
                    help=f"{', '.join(GPUS)}, or 'device' for the live CUDA device (default h200)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step B (default 1)")
@@ -36,12 +41,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a measured step time to report against the prediction")
     p.add_argument("--isa", action="store_true", help="also print the instruction set table")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--refit", default=None, metavar="FILE.json",
+                   help="fit cost parameters to measured step times: a gpu-check report "
+                        "(gpu_check.json) or a list of measurements (program/refit.py)")
+    p.add_argument("--fit", default="mem_latency,fixed_per_instr",
+                   help="comma list of parameters --refit fits (default mem_latency,"
+                        "fixed_per_instr; also launch, l2_latency)")
+    p.add_argument("--save-params", default=None, metavar="OUT.json",
+                   help="with --refit: write the fitted parameters here (for --params)")
+    p.add_argument("--params", default=None, metavar="FILE.json",
+                   help="plan with cost parameters saved by --refit --save-params")
 
 
 def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
          context: int | None = None, max_seq_len: int | None = None, splits: int | None = None,
-         policy: str = "cost", copy_bw_gbs: float | None = None) -> dict[str, Any]:
-    """Compile, verify and summarise one program (the JSON-ready result of `plan`)."""
+         policy: str = "cost", copy_bw_gbs: float | None = None,
+         params: cost.CostParams | None = None) -> dict[str, Any]:
+    """Compile, verify and summarise one program (the JSON-ready result of `plan`).
+
+    `params`: cost parameters (e.g. refitted ones, refit.load_params); default the cited ones."""
     from megakernel.config import resolve_model
     from megakernel.program.compiler import compile_program
     from megakernel.program.verify import check_program
@@ -52,7 +70,7 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
         g = g.with_copy_bandwidth(copy_bw_gbs * 1e9)
     t0 = time.perf_counter()
     prog = compile_program(cfg, batch, g, tokens=tokens, max_seq_len=max_seq_len,
-                           context=context, n_splits=splits, policy=policy)
+                           context=context, n_splits=splits, policy=policy, params=params)
     plan_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     check_program(prog)
@@ -78,8 +96,8 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
         "worst_sm_idle": round(r.worst_idle, 4), "mean_sm_idle": round(r.mean_idle, 4),
         "plan_s": round(plan_s, 3), "verify_s": round(verify_s, 3),
         "format_version": prog.header["FORMAT_VERSION"],
-        "cost_params": dataclasses.asdict(cost.CostParams()),
-        "l2_prefetch_window_bytes": cost.Rates.of(g, cost.CostParams()).window,
+        "cost_params": dataclasses.asdict(params or cost.CostParams()),
+        "l2_prefetch_window_bytes": cost.Rates.of(g, params or cost.CostParams()).window,
         "smem_window_bytes": cost.default_smem_window(),
     }
 
@@ -118,12 +136,42 @@ def describe(r: dict[str, Any]) -> list[str]:
         f"({cost.CITATIONS['l2_latency']}); a loader warp stages the next "
         f"{r['smem_window_bytes'] // 1024} KiB of weights in shared memory "
         f"({cost.CITATIONS['smem_window']}); {SOURCES['COPY']}; {SOURCES['L2']}")
+    if r.get("cost_params_file"):
+        lines.append(f"cost parameters refitted to measurements: {r['cost_params_file']} "
+                     "(replaces the cited values above where they differ)")
     return lines
 
 
+def run_refit(args: argparse.Namespace) -> int:
+    """`plan --refit FILE`: fit, print the fitted parameters and the before/after table."""
+    from megakernel.program import refit
+
+    start = refit.load_params(args.params) if args.params else None
+    fit = tuple(f.strip() for f in args.fit.split(",") if f.strip())
+    result = refit.refit(refit.load_measurements(args.refit), fit, start=start)
+    print("\n".join(refit.describe(result)))
+    if args.save_params:
+        refit.save_params(result, args.save_params)
+        print(f"fitted parameters written to {args.save_params} (plan with --params)")
+    if args.json:
+        print(json.dumps(result.to_json()))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    from megakernel.program.refit import RefitError, load_params
+
+    if args.save_params and not args.refit:
+        raise RefitError("--save-params needs --refit FILE.json")
+    if args.refit:
+        return run_refit(args)
+    if args.model is None:
+        raise RefitError("plan needs --model (or --refit FILE.json)")
+    params = load_params(args.params) if args.params else None
     r = plan(args.model, args.gpu, args.batch, args.tokens, args.context, args.max_seq_len,
-             args.splits, args.policy, args.copy_bw)
+             args.splits, args.policy, args.copy_bw, params)
+    if args.params:
+        r["cost_params_file"] = args.params
     if args.measured_step_us is not None:
         r["measured_step_us"] = args.measured_step_us
     if args.isa:
