@@ -101,23 +101,11 @@ class Matvec:
                     cta_sync(self.named)
                     self.gemv(pW, w_base, k, rc0, kc0, kc, ng, ksplit, nrp, sX, sAcc, warp, lane)
                 cta_sync(self.named)
-                if op == Op.QKV:
-                    self.epi_qkv(layer, row0, rc0, nr, n0, ksplit, nrp, out_off, extra0, extra1,
-                                 pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, warp, lane)
-                elif op == Op.GATEUP:
-                    self.epi_gateup(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
-                elif op == Op.LMHEAD:
-                    self.epi_lmhead(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, sBest,
-                                    tidx, warp, lane)
-                else:  # OPROJ, DOWN: residual add into h
-                    self.epi_residual(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
+                self.epilogue(op, layer, row0, rc0, nr, n0, ksplit, nrp, out_off, extra0, extra1,
+                              pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, sBest, tidx, warp,
+                              lane)
             if op == Op.LMHEAD:
-                cta_sync(self.named)
-                for nn in cutlass.range(tidx, self.NO, self.NT):
-                    if n0 + nn < self.N:
-                        slot = (extra0 * self.N + n0 + nn) * 2
-                        st(pF, extra1 + slot, sBest[2 * nn])
-                        st(pF, extra1 + slot + 1, sBest[2 * nn + 1])
+                self.store_partial_argmax(n0, extra0, extra1, pF, sBest, tidx)
             cta_sync(self.named)
 
     @cute.jit
@@ -168,25 +156,42 @@ class Matvec:
                         self.pipe.release(mbar, j, lane)
                         j += 1
                 cta_sync(self.named)
-                if op == Op.QKV:
-                    self.epi_qkv(layer, row0, rc0, nr, n0, ksplit, nr, out_off, extra0, extra1,
-                                 pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, warp, lane)
-                elif op == Op.GATEUP:
-                    self.epi_gateup(row0, rc0, nr, n0, ksplit, nr, out_off, pB, sAcc, tidx)
-                elif op == Op.LMHEAD:
-                    self.epi_lmhead(row0, rc0, nr, n0, ksplit, nr, out_off, pF, sAcc, sBest,
-                                    tidx, warp, lane)
-                else:  # OPROJ, DOWN: residual add into h
-                    self.epi_residual(row0, rc0, nr, n0, ksplit, nr, out_off, pF, sAcc, tidx)
+                self.epilogue(op, layer, row0, rc0, nr, n0, ksplit, nr, out_off, extra0, extra1,
+                              pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, sBest, tidx, warp,
+                              lane)
             if op == Op.LMHEAD:
-                cta_sync(self.named)
-                for nn in cutlass.range(tidx, self.NO, self.NT):
-                    if n0 + nn < self.N:
-                        slot = (extra0 * self.N + n0 + nn) * 2
-                        st(pF, extra1 + slot, sBest[2 * nn])
-                        st(pF, extra1 + slot + 1, sBest[2 * nn + 1])
+                self.store_partial_argmax(n0, extra0, extra1, pF, sBest, tidx)
             cta_sync(self.named)
         return j
+
+    @cute.jit
+    def epilogue(self, op: Int32, layer: Int32, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,
+                 ksplit: Int32, nrp: Int32, out_off: Int32, extra0: Int32, extra1: Int32,
+                 pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer,
+                 pK: cute.Pointer, pV: cute.Pointer, s_max: Int32, len_off: Int32,
+                 sAcc: cute.Tensor, sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+        """The opcode's epilogue on one row chunk's accumulators (both weight paths)."""
+        if op == Op.QKV:
+            self.epi_qkv(layer, row0, rc0, nr, n0, ksplit, nrp, out_off, extra0, extra1,
+                         pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, warp, lane)
+        elif op == Op.GATEUP:
+            self.epi_gateup(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
+        elif op == Op.LMHEAD:
+            self.epi_lmhead(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, sBest,
+                            tidx, warp, lane)
+        else:  # OPROJ, DOWN: residual add into h
+            self.epi_residual(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
+
+    @cute.jit
+    def store_partial_argmax(self, n0: Int32, extra0: Int32, extra1: Int32, pF: cute.Pointer,
+                             sBest: cute.Tensor, tidx: Int32):
+        """LMHEAD: this CTA's (max logit, index) per row into the partial-argmax buffer."""
+        cta_sync(self.named)
+        for nn in cutlass.range(tidx, self.NO, self.NT):
+            if n0 + nn < self.N:
+                slot = (extra0 * self.N + n0 + nn) * 2
+                st(pF, extra1 + slot, sBest[2 * nn])
+                st(pF, extra1 + slot + 1, sBest[2 * nn + 1])
 
     @cute.jit
     def gemv_tile(self, sRing: cute.Tensor, sbase: Int32, kc: Int32, rows: Int32, rowl0: Int32,
