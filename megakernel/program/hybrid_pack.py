@@ -39,7 +39,12 @@ import torch
 
 from megakernel.hybrid.config import HybridConfig, KimiLinearConfig, NemotronHConfig, Qwen35Config
 from megakernel.program.isa import ROW_ALIGN
-from megakernel.program.pack import ALIGN, Entry, PackedWeights, WeightLayout, gateup_rows
+from megakernel.program.pack import (
+    LayoutBuilder,
+    PackedWeights,
+    WeightLayout,
+    gateup_rows,
+)
 
 SUPPORTED_FAMILIES = ("qwen3_5", "nemotron_h", "kimi_linear")
 
@@ -82,16 +87,8 @@ def hybrid_layout(cfg: HybridConfig) -> WeightLayout:
         return _kimi_layout(cfg)
     assert isinstance(cfg, Qwen35Config)
     h, a, g = cfg.hidden_size, cfg.attention, cfg.gdn
-    entries: dict[str, Entry] = {}
-    off = 0
-
-    def put(key: str, shape: tuple[int, ...]) -> None:
-        nonlocal off
-        entries[key] = Entry(off, shape)
-        n = 1
-        for s in shape:
-            n *= s
-        off = _round(off + n, ALIGN)
+    lay = LayoutBuilder()
+    put = lay.put
 
     for i, kind in enumerate(cfg.layer_types):
         put(f"L{i}.in_norm", (h,))
@@ -114,25 +111,12 @@ def hybrid_layout(cfg: HybridConfig) -> WeightLayout:
         put(f"L{i}.down", (h, cfg.intermediate_size))
     if not cfg.tie_word_embeddings:
         put("lm_head", (cfg.vocab_size, h))
-    return WeightLayout(entries, off)
-
-
-class _Layout:
-    def __init__(self) -> None:
-        self.entries: dict[str, Entry] = {}
-        self.off = 0
-
-    def put(self, key: str, shape: tuple[int, ...]) -> None:
-        self.entries[key] = Entry(self.off, shape)
-        n = 1
-        for s in shape:
-            n *= s
-        self.off = _round(self.off + n, ALIGN)
+    return lay.done()
 
 
 def _nemotron_layout(cfg: NemotronHConfig) -> WeightLayout:
     h, a, m = cfg.hidden_size, cfg.attention, cfg.mamba2
-    lay = _Layout()
+    lay = LayoutBuilder()
     for i, kind in enumerate(cfg.layer_types):
         lay.put(f"L{i}.in_norm", (h,))
         if kind == "mamba2":
@@ -152,7 +136,7 @@ def _nemotron_layout(cfg: NemotronHConfig) -> WeightLayout:
             lay.put(f"L{i}.down", (h, cfg.intermediate_size))
     if not cfg.tie_word_embeddings:
         lay.put("lm_head", (cfg.vocab_size, h))
-    return WeightLayout(lay.entries, lay.off)
+    return lay.done()
 
 
 def _kimi_layout(cfg: KimiLinearConfig) -> WeightLayout:
@@ -160,7 +144,7 @@ def _kimi_layout(cfg: KimiLinearConfig) -> WeightLayout:
     if e.num_shared_experts > 1:
         raise HybridPackError(f"{e.num_shared_experts} shared experts: the program supports at "
                               "most one (it runs as expert slot top_k)")
-    lay = _Layout()
+    lay = LayoutBuilder()
     pw = gdn_proj_width(cfg)
     for i, kind in enumerate(cfg.layer_types):
         lay.put(f"L{i}.in_norm", (h,))
@@ -187,7 +171,7 @@ def _kimi_layout(cfg: KimiLinearConfig) -> WeightLayout:
                 lay.put(f"L{i}.x{x}.down", (h, e.intermediate_size))
     if not cfg.tie_word_embeddings:
         lay.put("lm_head", (cfg.vocab_size, h))
-    return WeightLayout(lay.entries, lay.off)
+    return lay.done()
 
 
 def plain_qkv_rows(cfg: NemotronHConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

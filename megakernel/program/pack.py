@@ -74,19 +74,27 @@ def _align(x: int) -> int:
     return (x + ALIGN - 1) // ALIGN * ALIGN
 
 
+class LayoutBuilder:
+    """Places tensors one after another in the arena, each start ALIGN-aligned."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+        self.off = 0
+
+    def put(self, key: str, shape: tuple[int, ...]) -> None:
+        e = Entry(self.off, shape)
+        self.entries[key] = e
+        self.off = _align(self.off + e.numel)
+
+    def done(self) -> WeightLayout:
+        return WeightLayout(self.entries, self.off)
+
+
 def weight_layout(cfg: ModelConfig) -> WeightLayout:
     """The packed layout of `cfg` (no tensors needed)."""
     h, i, d, v = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
-    entries: dict[str, Entry] = {}
-    off = 0
-
-    def put(key: str, shape: tuple[int, ...]) -> None:
-        nonlocal off
-        entries[key] = Entry(off, shape)
-        n = 1
-        for s in shape:
-            n *= s
-        off = _align(off + n)
+    lay = LayoutBuilder()
+    put = lay.put
 
     for layer in range(cfg.num_layers):
         put(f"L{layer}.attn_norm", (h,))
@@ -103,7 +111,7 @@ def weight_layout(cfg: ModelConfig) -> WeightLayout:
         put(f"L{layer}.down", (h, i))
     if not cfg.tie_word_embeddings:
         put("lm_head", (v, h))
-    return WeightLayout(entries, off)
+    return lay.done()
 
 
 def qkv_rows(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
