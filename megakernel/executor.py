@@ -527,6 +527,10 @@ class Executor:
             e = expect[kv].view(b.kv_shape)
             for bi, n0 in enumerate(lengths):
                 e[:, bi, :, n0 : n0 + p.tokens] = 1
+        self._compare_write_counts(expect)
+
+    def _compare_write_counts(self, expect: dict[str, torch.Tensor]) -> None:
+        """Raise WriteCountError unless every tracked element was written `expect` times."""
         for k, tr in self.tracks.items():
             bad = tr.count != expect[k]
             if bool(bad.any()):
