@@ -38,6 +38,7 @@ import torch
 from megakernel.hybrid.config import HybridConfig, KimiLinearConfig, NemotronHConfig, Qwen35Config
 from megakernel.program import hybrid_isa, isa
 from megakernel.program.compiler import (
+    BufferPlan,
     Counter,
     Instr,
     PlanError,
@@ -57,16 +58,10 @@ EXPERT_SLABS = 8  # at most this many slabs per expert matrix
 
 
 @dataclass
-class HybridBufferPlan:
-    """Typed arenas (element offsets), the persistent fp32 state arena and the KV cache."""
+class HybridBufferPlan(BufferPlan):
+    """The dense plan's typed arenas and KV cache (kv_shape [La, B, Hkv, S_max, D], attention
+    layers only), plus the persistent fp32 state arena."""
 
-    f32: dict[str, Region]
-    bf16: dict[str, Region]
-    i32: dict[str, Region]
-    f32_numel: int
-    bf16_numel: int
-    i32_numel: int
-    kv_shape: tuple[int, int, int, int, int]  # [La, B, Hkv, S_max, D]
     state_numel: int
     conv: dict[int, Region]  # recurrent layer -> conv window [B, C, K-1] in the state arena
     state: dict[int, Region]  # recurrent layer -> state [B, *state] in the state arena
