@@ -73,13 +73,11 @@ CASES = (
 
 
 # ---- prepare (CPU, needs the DSL) ---------------------------------------------------------------
-def variants() -> tuple[tuple[str, int], ...]:
-    """(name, smem_stages) of the kernel variants gpu-check compares: the default build and the
-    other side of the shared-memory weight pipeline switch (spec.smem_stages)."""
-    from megakernel.kernel.spec import DEFAULT_SMEM_STAGES, PIPELINE_STAGES
-
-    other = 0 if DEFAULT_SMEM_STAGES else PIPELINE_STAGES
-    return (("default", DEFAULT_SMEM_STAGES), (f"smem{other}" if other else "global", other))
+def variants() -> tuple[tuple[str, int | None], ...]:
+    """(name, smem_stages) of the kernel variants gpu-check compares: the default build (None:
+    the deepest shared-memory ring that fits, spec.make_spec) and the global-memory weight path
+    (0: no loader warp, the lookahead at each reached slab)."""
+    return (("default", None), ("global", 0))
 
 
 
@@ -193,6 +191,7 @@ def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     import torch
 
     from megakernel.config import preset
+    from megakernel.kernel.spec import KernelSpec
     from megakernel.torch_op import Megakernel
     from megakernel.weights import random_weights
     from reference.model import ReferenceModel
@@ -208,6 +207,7 @@ def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     s_max = max(lens) + c.steps * c.tokens + 8
     mk = Megakernel(cfg, weights, batch=c.batch, tokens=c.tokens, max_seq_len=s_max,
                     build_dir=build_dir, device=dev)
+    built = KernelSpec.from_dict(mk.manifest.spec)  # the build this case runs
     ref16 = ReferenceModel(cfg, weights, mode="bf16", device=dev)
     ref32 = ReferenceModel(cfg, weights, mode="fp32", device=dev)
     cache16, cache32 = ref16.new_cache(c.batch, s_max), ref32.new_cache(c.batch, s_max)
@@ -224,7 +224,9 @@ def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     res: dict[str, Any] = dict(model=c.model, batch=c.batch, tokens=c.tokens, prompt_lengths=lens,
                                steps=0, token_mismatches=0, max_err_kernel=0.0,
                                max_err_bf16ref=0.0, tolerance_failures=0, unwritten=0,
-                               near_tie_mismatches=0, first_mismatch_step=None)
+                               near_tie_mismatches=0, first_mismatch_step=None,
+                               gemv="mma" if built.mma else "fma",
+                               smem_stages=built.smem_stages)
     tok = first[:, None].repeat(1, c.tokens) if c.tokens > 1 else first[:, None]
     last = first
     for step in range(c.steps):
@@ -547,7 +549,8 @@ def markdown(r: dict[str, Any]) -> str:
             continue
         ex = (f"{c['executor_max_logit_diff']:.2e}" if "executor_max_logit_diff" in c else "-")
         lines.append(f"| {c['model']} B={c['batch']} T={c['tokens']} | "
-                     f"{c.get('variant', '-')} | {c['steps']} | "
+                     f"{c.get('variant', '-')} ({c.get('gemv', '?')}, "
+                     f"{c.get('smem_stages', '?')} stages) | {c['steps']} | "
                      f"{'yes' if c['ok'] else 'NO'} | {c['max_err_kernel']:.3e} | "
                      f"{c['max_err_bf16ref']:.3e} | {c['token_mismatches']} "
                      f"({c.get('near_tie_mismatches', 0)}) | {ex} | "

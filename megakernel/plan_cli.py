@@ -98,7 +98,9 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
         "format_version": prog.header["FORMAT_VERSION"],
         "cost_params": dataclasses.asdict(params or cost.CostParams()),
         "l2_prefetch_window_bytes": cost.Rates.of(g, params or cost.CostParams()).window,
-        "smem_window_bytes": cost.default_smem_window(),
+        "smem_window_bytes": int(cost.Rates.of(g, params or cost.CostParams(),
+                                               prog.ring_bytes).smem_window),
+        "sliding_lookahead": cost.Rates.of(g, params or cost.CostParams(), prog.ring_bytes).sliding,
     }
 
 
@@ -133,9 +135,13 @@ def describe(r: dict[str, Any]) -> list[str]:
         f"{p['launch'] * 1e6:.1f} us ({cost.CITATIONS['mem_latency']}); "
         f"L2 lookahead prefetch of {r['l2_prefetch_window_bytes'] // 1024} KiB per SM (the "
         f"kernel's window), prefetched bytes read from L2 after {p['l2_latency'] * 1e9:.0f} ns "
-        f"({cost.CITATIONS['l2_latency']}); a loader warp stages the next "
-        f"{r['smem_window_bytes'] // 1024} KiB of weights in shared memory "
-        f"({cost.CITATIONS['smem_window']}); {SOURCES['COPY']}; {SOURCES['L2']}")
+        f"({cost.CITATIONS['l2_latency']}); " + (
+            f"a loader warp stages the next {r['smem_window_bytes'] // 1024} KiB of weights in "
+            f"shared memory ({cost.CITATIONS['smem_window']}) and slides the lookahead ahead of "
+            f"its own tiles" if r["sliding_lookahead"] else
+            "no loader warp: the lookahead starts at each reached slab"
+            + (f" (ring assumed {r['smem_window_bytes'] // 1024} KiB)"
+               if r["smem_window_bytes"] else "")) + f"; {SOURCES['COPY']}; {SOURCES['L2']}")
     if r.get("cost_params_file"):
         lines.append(f"cost parameters refitted to measurements: {r['cost_params_file']} "
                      "(replaces the cited values above where they differ)")

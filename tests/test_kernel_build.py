@@ -176,7 +176,8 @@ def test_real_preset_builds_both_archs(tmp_path):
     for m in ms:
         assert m["resources"]["spill_stores"] == 0
         assert m["resources"]["local_bytes"] == 0
-        assert m["smem_stages"] == spec_mod.DEFAULT_SMEM_STAGES  # the default build
+        assert m["smem_stages"] == spec_mod.PIPELINE_STAGES  # the default build: the deepest ring
+        assert m["dynamic_smem_bytes"] <= spec_mod.SMEM_BUDGET
 
 
 def _sass_ops(sass: str) -> list[str]:

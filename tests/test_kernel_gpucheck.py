@@ -66,11 +66,11 @@ def test_common_prefix_stops_at_the_first_near_tie():
 
 def test_variants_are_the_two_sides_of_the_pipeline_switch():
     from megakernel.gpu_check import variant_dir, variants
-    from megakernel.kernel.spec import DEFAULT_SMEM_STAGES
 
+    # the default build (None: the deepest ring that fits, spec.make_spec) and the global path
     (d_name, d_stages), (o_name, o_stages) = variants()
-    assert d_name == "default" and d_stages == DEFAULT_SMEM_STAGES
-    assert {d_stages, o_stages} == {0, d_stages or o_stages} and d_stages != o_stages
+    assert (d_name, d_stages) == ("default", None)
+    assert (o_name, o_stages) == ("global", 0)
     assert variant_dir("b", "default").as_posix() == "b"
     assert variant_dir("b", o_name).as_posix() == f"b/{o_name}"
 
@@ -105,3 +105,21 @@ def test_prepare_builds_one_variant_when_the_other_cannot_serve_the_case(tmp_pat
     assert len(failed) == 1 and failed[0].startswith("huge llama-tiny B=1 T=1 sm_90a: SpecError")
     assert "shared memory > budget" in failed[0]
     assert "FAILED huge" in capsys.readouterr().out
+
+
+def test_markdown_renders_passing_cases_and_bench_rows():
+    """The report table of a GPU run (rendered here from a synthetic report: no GPU) names the
+    variant, the GEMV path and the ring depth of each case."""
+    from megakernel.gpu_check import markdown
+
+    case = dict(model="llama-3.2-1b", batch=16, tokens=1, steps=64, ok=True,
+                max_err_kernel=1.5e-2, max_err_bf16ref=2.0e-2, token_mismatches=1,
+                near_tie_mismatches=1, executor_max_logit_diff=3.0e-3, seconds=4.2,
+                variant="default", gemv="mma", smem_stages=4)
+    bench = dict(model="llama-3.2-1b", batch=1, variant="default", step_ms=0.7,
+                 tokens_per_s=1428.6, bandwidth_fraction_of_copy=0.83, predicted_ms=0.63)
+    md = markdown({"device": "NVIDIA H200", "arch": "sm_90a", "sms": 132, "cases": [case],
+                   "bench": [bench], "skipped": [], "copy_bandwidth_GBps": 4300.0})
+    assert "| llama-3.2-1b B=16 T=1 | default (mma, 4 stages) | 64 | yes | 1.500e-02 |" in md
+    assert "| 1 (1) | 3.00e-03 | 4.2 |" in md
+    assert "0.700 ms/step (1429 tok/s), 83% of copy bandwidth, cost model 0.630 ms" in md

@@ -165,19 +165,21 @@ def test_pipeline_spec_limits_and_messages():
         make_spec(cfg, 1, 1, "sm_90a", smem_stages=8)
     with pytest.raises(SpecError, match="power-of-two number of consumer warps"):
         make_spec(cfg, 1, 1, "sm_90a", num_threads=192, smem_stages=STAGES)
-    # the default: pipelined where the pipelined spec fits, else the global path
-    assert spec_mod.DEFAULT_SMEM_STAGES == STAGES
-    assert make_spec(cfg, 1, 1, "sm_100a").smem_stages == STAGES
-    big = make_spec(preset("qwen3-0.6b"), 32, 1, "sm_90a")  # ring + x + acc > budget
-    assert big.smem_stages == 0 and not big.pipelined
-    with pytest.raises(SpecError, match="shared memory > budget"):
-        make_spec(preset("qwen3-0.6b"), 32, 1, "sm_90a", smem_stages=STAGES)
+    # the default: the deepest ring the budget leaves room for (B = 1: all PIPELINE_STAGES;
+    # larger batches stage more activations), else the global path
+    assert make_spec(cfg, 1, 1, "sm_100a").smem_stages == STAGES == 6
+    for model, b, want in (("llama-3.2-1b", 16, 4), ("qwen3-0.6b", 32, 3)):
+        got = make_spec(preset(model), b, 1, "sm_90a")
+        assert got.smem_stages == want and got.pipelined, (model, b, got.smem_stages)
+        with pytest.raises(SpecError, match="shared memory > budget"):
+            make_spec(preset(model), b, 1, "sm_90a", smem_stages=want + 1)
     # every gpu-check case can be served by the pipelined variant
     from megakernel.gpu_check import CASES
 
     for c in CASES:
         for arch in spec_mod.ARCHS:
-            assert make_spec(preset(c.model), c.batch, c.tokens, arch).smem_stages == STAGES
+            got = make_spec(preset(c.model), c.batch, c.tokens, arch).smem_stages
+            assert spec_mod.MIN_PIPELINE_STAGES <= got <= STAGES
 
 
 # ---- compiled variant (DSL) ---------------------------------------------------------------------
@@ -232,8 +234,11 @@ def test_ptx_has_the_pipeline(builds):
         assert ptx.count("mbarrier.init.shared.b64") == 2 * STAGES + 1, (name, arch)
         assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1, (name, arch)
         assert len(re.findall(rf"bar\.sync\s+1, {nt};", ptx)) >= 8, (name, arch)
-        # the L2 lookahead stays (weights and K/V)
+        # the L2 lookahead stays (weights: the loader's sliding walk; and K/V), the weight walk
+        # adding the arch's window to the loader's position
         assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2, (name, arch)
+        w = spec_mod.prefetch_window(arch)
+        assert re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {w};", ptx), (name, arch, w)
         # the GEMV reads its weights from shared memory, not with 16-byte global loads
         assert "ld.global.L1::no_allocate.L2::256B.v4" not in ptx, (name, arch)
 
@@ -371,11 +376,12 @@ def test_real_programs_fit_the_ring(name, batch, tokens):
 
     cfg = preset(name)
     prog = compile_program(cfg, batch, gpu("h200"), tokens=tokens)
-    spec = make_spec(cfg, batch, tokens, "sm_90a", smem_stages=STAGES)
+    spec = make_spec(cfg, batch, tokens, "sm_90a")  # the default build: the deepest ring
+    assert spec.smem_stages >= spec_mod.MIN_PIPELINE_STAGES
     nw, kc_max = spec.num_warps, spec.k_chunk
     regions = spec.smem_regions()
     assert regions["ring"][0] % 128 == 0 and regions["mbar"][0] % 8 == 0
-    assert regions["ring"][0] + STAGES * SMEM_STAGE_BYTES <= regions["mbar"][0]
+    assert regions["ring"][0] + spec.smem_stages * SMEM_STAGE_BYTES <= regions["mbar"][0]
     n_tiles = 0
     for q in prog.records().tolist():
         slabs, bases = [], []

@@ -77,3 +77,62 @@ def test_window_from_l2_size():
     assert prefetch_window("sm_100a") == 432 * 1024
     with pytest.raises(spec_mod.SpecError, match="unsupported arch 'sm_80'"):
         prefetch_window("sm_80")
+
+
+def _check_loader(slabs: list[tuple[int, int]], passes: int, k_chunk: int, window: int) -> None:
+    """The loader's sliding lookahead: before each tile, every byte of the stream from the
+    tile's slab on below (loader position + window) has been requested, each byte once, in
+    order, nothing beyond; the position is the slab's start + the bytes of it issued before."""
+    from megakernel.kernel.spec import loader_lookahead_plan
+
+    plan = loader_lookahead_plan(slabs, passes, k_chunk, 8, window)
+    nbytes = [n * k * 2 for n, k in slabs]
+    starts = [sum(nbytes[:i]) for i in range(len(slabs) + 1)]
+    done = [0] * len(slabs)
+    sent = [0] * len(slabs)
+    high = 0  # highest limit so far
+    for (i, _p, row0, rows, _col0, cols), reqs in plan:
+        pos = starts[i] + min(sent[i], nbytes[i])
+        assert pos + window >= high  # it only slides forward within a queue
+        for j, off, n in reqs:
+            assert j >= i and n > 0 and off == done[j], (i, j, off, done[j])
+            done[j] += n
+            assert starts[j] + off + n <= pos + window, (i, j, off, n)
+        high = pos + window
+        for j in range(i, len(slabs)):
+            want = max(0, min(nbytes[j], high - starts[j]))
+            assert done[j] >= want, (i, j, done[j], want)
+        if cols == slabs[i][1]:  # whole-row tiles: the tile itself was requested before its copy
+            assert starts[i] + (row0 + rows) * cols * 2 <= high or window < rows * cols * 2
+        sent[i] += rows * cols * 2
+    if window >= 32 * 1024:  # >= one tile: the last tile's limit covers the end of the stream
+        assert done == nbytes  # the whole stream, once
+
+
+def test_loader_lookahead_slides_within_slabs():
+    """A slab larger than the window is requested ahead of the loader as it goes (the consumer
+    walk requests only its first window and leaves the rest to demand loads)."""
+    from megakernel.kernel.spec import loader_lookahead_plan
+
+    w = 64 * 1024
+    slabs = [(0, 0), (64, 2048), (0, 0), (16, 2048)]  # 256 KiB, attention, 64 KiB
+    plan = loader_lookahead_plan(slabs, 1, 2048, 8, w)
+    first_tile, first = plan[0]
+    assert first_tile[0] == 1 and first == [(1, 0, w)]
+    # every 8-row tile (32 KiB) moves the window 32 KiB on, inside slab 1 and then into slab 3
+    assert plan[1][1] == [(1, w, 32 * 1024)]
+    moved = sum(n for _, reqs in plan for _, _, n in reqs)
+    assert moved == (64 + 16) * 2048 * 2
+    old = lookahead_plan([n * k * 2 for n, k in slabs], w)
+    assert sum(n for reqs in old for _, _, n in reqs) < moved  # the reach walk stops short
+    _check_loader(slabs, 1, 2048, w)
+
+
+def test_loader_lookahead_properties_on_random_queues():
+    rng = random.Random(11)
+    for _ in range(150):
+        k = rng.choice([256, 512, 2048, 4096])
+        slabs = [rng.choice([(0, 0), (16, k), (48, k), (256, k), (512, k)])
+                 for _ in range(rng.randint(1, 8))]
+        _check_loader(slabs, rng.choice([1, 2]), rng.choice([1024, 2048]),
+                      rng.choice([16 * 1024, 64 * 1024, 192 * 1024]))

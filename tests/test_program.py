@@ -273,12 +273,21 @@ def test_cost_model_prefers_overlap_and_respects_latency() -> None:
     fast = compile_program(cfg, 1, gpu("b200")).cost.predicted_s
     assert slow > base > fast
     # at B=1 the L2 -> SM read of prefetched slabs after each wait is on the critical path: the
-    # default build's shared-memory ring takes it off; without the ring (smem_window=0, the
-    # global-memory weight path) the step is slower, and staging the whole L2 window in shared
-    # memory (the what-if) is never slower than the ring
-    assert cost.Rates.of(gpu("h200"), cost.CostParams()).smem_window == 96 * 1024
+    # default build's shared-memory ring takes it off and its loader slides the lookahead;
+    # without the ring (smem_window=0, the global-memory weight path) the step is slower, a
+    # shallower ring is slower, and staging the whole L2 window in shared memory (the what-if)
+    # is never slower than the ring
+    from megakernel.kernel.spec import PIPELINE_STAGES, SMEM_STAGE_BYTES
+
+    assert prog.ring_bytes == PIPELINE_STAGES * SMEM_STAGE_BYTES  # B = 1: the deepest ring fits
+    r = cost.Rates.of(gpu("h200"), cost.CostParams(), prog.ring_bytes)
+    assert r.sliding and r.smem_window == prog.ring_bytes
+    assert r.lookahead == r.window + prog.ring_bytes
     no_ring = replay(prog, cost.CostParams(smem_window=0)).predicted_s
-    assert no_ring > 1.01 * base
+    assert not cost.Rates.of(gpu("h200"), cost.CostParams(smem_window=0), prog.ring_bytes).sliding
+    assert no_ring > 1.05 * base
+    shallow = replay(prog, cost.CostParams(smem_window=2 * SMEM_STAGE_BYTES)).predicted_s
+    assert no_ring > shallow > base
     assert replay(prog, cost.CostParams(prefetch_to_smem=True)).predicted_s <= base * (1 + 1e-9)
 
 
@@ -291,7 +300,7 @@ def test_scheduler_is_not_worse_than_round_robin() -> None:
 
 def test_cost_model_uses_the_kernels_l2_lookahead_window() -> None:
     """The L2 window is the kernel's spec constant for the GPU's arch; the shared-memory window is
-    the default build's ring (spec.DEFAULT_SMEM_STAGES x SMEM_STAGE_BYTES)."""
+    the program's build's ring (spec.build_ring_bytes), an assumed one without a build."""
     from megakernel.kernel.spec import prefetch_window
 
     for name in ("h100", "h200", "b200"):
@@ -300,9 +309,16 @@ def test_cost_model_uses_the_kernels_l2_lookahead_window() -> None:
     assert cost.Rates.of(gpu("h200"), cost.CostParams()).window == 192 * 1024
     assert cost.Rates.of(gpu("b200"), cost.CostParams(prefetch_window=4096)).window == 4096
     assert "smem_reserve" not in cost.CostParams.__dataclass_fields__
-    from megakernel.kernel.spec import DEFAULT_SMEM_STAGES, SMEM_STAGE_BYTES
+    from megakernel.kernel.spec import SMEM_STAGE_BYTES, build_ring_bytes, make_spec
 
-    assert cost.default_smem_window() == DEFAULT_SMEM_STAGES * SMEM_STAGE_BYTES
+    for name, b in (("llama-3.2-1b", 1), ("llama-3.2-1b", 16), ("qwen3-8b", 64)):
+        spec = make_spec(preset(name), b, 1, "sm_90a")
+        ring = build_ring_bytes(preset(name), b, 1, "sm_90a")
+        assert ring == spec.smem_stages * SMEM_STAGE_BYTES
+        assert compile_program(preset(name), b, gpu("h200"), policy="structure").ring_bytes == ring
+    # no kernel build (hybrid programs): the assumed ring, the instruction-reach lookahead
+    assert cost.Rates.of(gpu("h200"), cost.CostParams()).smem_window == cost.ASSUMED_RING
+    assert not cost.Rates.of(gpu("h200"), cost.CostParams()).sliding
     assert cost.Rates.of(gpu("h200"), cost.CostParams(smem_window=0)).smem_window == 0
     # staged head: prefetched bytes capped by the ring and by the L2 -> SM refill since reach
     assert cost.staged_bytes(50e3, 96e3, 1.0, 1e9) == 50e3
@@ -319,10 +335,18 @@ def test_lookahead_window_helps_but_prefetched_bytes_still_cost_bandwidth() -> N
     from megakernel.program.replay import replay
 
     prog = compile_program(preset("llama-mid"), 1, TOY, context=256)
-    t = {w: replay(prog, cost.CostParams(prefetch_window=w)).predicted_s
-         for w in (0, 64 * 1024, 192 * 1024, 1 << 40)}
-    assert t[0] > t[192 * 1024]
+    windows = (0, 64 * 1024, 192 * 1024, 1 << 40)
+    # the global-memory build (no ring) and a one-stage ring: the window matters
+    for ring in (0, 32 * 1024):
+        tr = {w: replay(prog, cost.CostParams(prefetch_window=w, smem_window=ring)).predicted_s
+              for w in windows}
+        assert tr[0] > tr[192 * 1024], ring
+        assert tr[0] >= tr[64 * 1024] >= tr[192 * 1024] >= tr[1 << 40], ring
+    t = {w: replay(prog, cost.CostParams(prefetch_window=w)).predicted_s for w in windows}
+    # the default build's ring (192 KiB on this model) with the loader's sliding lookahead
+    # already hides what the window would, on 8 SMs: a larger window is never slower
     assert t[0] >= t[64 * 1024] >= t[192 * 1024] >= t[1 << 40]
+    assert t[192 * 1024] < tr[192 * 1024]
     free = replay(prog, cost.CostParams(prefetch_window=1 << 40, mem_latency=0.0,
                                         fixed_per_instr=0.0, launch=0.0, l2_latency=0.0))
     assert free.predicted_s >= free.floor_s * (1 - 1e-6)

@@ -23,7 +23,10 @@ from megakernel.program.refit import (
 
 GPU16 = "h200/16sm"  # small programs: each replay takes milliseconds
 TRUE = CostParams(mem_latency=300e-9, fixed_per_instr=0.5e-6)  # away from the defaults
-POINTS = [(m, b) for m in ("llama-tiny", "qwen3-tiny", "llama-mid") for b in (1, 16)]
+# (model, batch, smem_window): like gpu-check, both kernel variants: the default build (its own
+# ring, None) and the global-memory path (0), whose waits expose the latencies the ring hides
+POINTS = [(m, b, None) for m in ("llama-tiny", "qwen3-tiny", "llama-mid") for b in (1, 16)]
+POINTS += [("llama-mid", 1, 0)]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,9 @@ def cache() -> ProgramCache:
 def synthetic(cache: ProgramCache) -> list[Measurement]:
     """'Measured' times made by the model itself under TRUE."""
     out = []
-    for model, batch in POINTS:
-        m = Measurement(model, GPU16, batch, 1, None, 1.0)
+    for model, batch, window in POINTS:
+        m = Measurement(model, GPU16, batch, 1, None, 1.0, smem_window=window,
+                        label="global" if window == 0 else "")
         out.append(dataclasses.replace(m, step_s=predict(cache.get(m), m, TRUE)))
     return out
 
@@ -52,7 +56,9 @@ def test_recovers_known_parameters(synthetic: list[Measurement], cache: ProgramC
     assert r.rms_after < 1e-3
     for row in r.rows:
         assert row.after_ratio == pytest.approx(1.0, abs=2e-3)
-        assert row.before_ratio > 1.03  # the defaults (slower latencies) over-predict
+        # the defaults (slower latencies) over-predict every point; least on llama-mid at B=1,
+        # where the build's 192 KiB ring and sliding lookahead hide most of the latency
+        assert row.before_ratio > 1.01
     assert r.evaluations <= 400
 
 
@@ -155,7 +161,7 @@ def test_gpu_check_report_to_measurements(tmp_path) -> None:  # noqa: ANN001
                        "copy_bw_gbs": 4123.5, "max_seq_len": 1188, "smem_window": None,
                        "label": "default"}
     assert rows[1]["tokens"] == 1 and rows[1]["max_seq_len"] is None
-    assert rows[2]["smem_window"] == stages[other] * SMEM_STAGE_BYTES
+    assert rows[2]["smem_window"] == stages[other] * SMEM_STAGE_BYTES == 0  # the global path
     # gpu_check writes the same list into its report; the file is read through it
     assert gpu_check.measurements(rep) == rows
     f = tmp_path / "gpu_check.json"

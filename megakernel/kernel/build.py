@@ -128,7 +128,7 @@ def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
                tokens: int = 1, num_threads: int = spec_mod.NUM_THREADS,
                smem_stages: int | None = None) -> dict:
     """Compile one arch into out_dir/<arch>/ and return its manifest (`smem_stages`: the
-    shared-memory weight pipeline's stages, None = spec.DEFAULT_SMEM_STAGES)."""
+    shared-memory weight pipeline's stages, None = the deepest ring that fits, spec.make_spec)."""
     spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages)
     dest = Path(out_dir) / arch
     dest.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,10 @@ staged as zeros and skipped by the epilogues.
 
 `run` reads the weights from global memory (16-byte loads); `run_piped` (spec.smem_stages >= 2)
 reads them from the loader warp's shared-memory ring (pipeline.py) in tiles of whole rows of one
-K-chunk, with the same loop nest, staging and epilogues.
+K-chunk, with the same loop nest, staging and epilogues. With spec.mma (B*T >= 8) `run_piped`
+computes each tile on tensor cores (mma_tile: mma.sync m16n8k16, the staged activations as A, the
+tile's 8 weight rows as B, K split over the warps) and sums the warps' partials in warp order
+(mma_reduce); below that, the FMA GEMV (gemv_tile).
 """
 
 from __future__ import annotations
@@ -36,13 +39,23 @@ from megakernel.kernel.memory import (
     load_bf16x8,
     load_f32x8,
     load_smem_bf16x8,
+    load_smem_words4,
     load_weights8,
+    smem_words,
     st,
     store_smem_bf16x8,
     weight_atom,
 )
 from megakernel.kernel.pipeline import Pipeline
-from megakernel.kernel.spec import LANES, VEC, KernelSpec, ring_slot
+from megakernel.kernel.spec import (
+    LANES,
+    MMA_K_ALIGN,
+    MMA_M,
+    MMA_N,
+    VEC,
+    KernelSpec,
+    ring_slot,
+)
 from megakernel.kernel.sync import cta_sync
 from megakernel.program import isa
 from megakernel.program.isa import Op
@@ -113,7 +126,8 @@ class Matvec:
                   pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer, pK: cute.Pointer,
                   pV: cute.Pointer, s_max: Int32, len_off: Int32, sX: cute.Tensor,
                   sAcc: cute.Tensor, sRstd: cute.Tensor, sBest: cute.Tensor, sRing: cute.Tensor,
-                  mbar: cute.Pointer, j: Int32, tidx: Int32, warp: Int32, lane: Int32) -> Int32:
+                  sRed: cute.Tensor, mbar: cute.Pointer, j: Int32, tidx: Int32, warp: Int32,
+                  lane: Int32) -> Int32:
         """`run` with the weights from the shared-memory ring (spec.smem_stages >= 2).
 
         Same loop nest, prologue, x staging and epilogues; inside a (row chunk, K-chunk) the
@@ -123,7 +137,11 @@ class Matvec:
         strided 16-byte vectors in order, the warp sums lanes by butterfly and adds the result
         to sAcc[slice] (K-chunks in order); the epilogue adds the slices in order. The
         global-memory path has the same structure with NW / (row groups of the chunk) slices
-        (one for full chunks), so the two differ in where K is cut, not in rounding points."""
+        (one for full chunks), so the two differ in where K is cut, not in rounding points.
+
+        With spec.mma the tile (8 rows) is one mma N block: the warps split the tile's K, each
+        accumulates its slice on tensor cores (mma_tile), and the slices are summed in warp order
+        into sAcc (mma_reduce); fp32 accumulation, bf16 operands, as the FMA path."""
         f = isa.COMMON_WORDS
         row0, nrows, k = rec[f + 2], rec[f + 3], rec[f + 4]
         norm_off, in_off, out_off = rec[f + 5], rec[f + 6], rec[f + 7]
@@ -150,10 +168,18 @@ class Matvec:
                     for t0 in cutlass.range(0, nr, tr):
                         self.pipe.wait_full(mbar, j)
                         s, _, _ = ring_slot(j, self.pipe.S)
-                        self.gemv_tile(sRing, s * self.pipe.stage_elems, kc,
-                                       cutlass.min(tr, nr - t0), t0, ksplit, nr, sX, sAcc, warp,
-                                       lane)
+                        rows = cutlass.min(tr, nr - t0)
+                        buf = j & 1  # mma: consecutive tiles alternate partial buffers
+                        if cutlass.const_expr(self.spec.mma):
+                            self.mma_tile(smem_words(sRing), s * (self.pipe.stage_elems // 2), kc,
+                                          rows, smem_words(sX), sRed, buf, warp, lane)
+                        else:
+                            self.gemv_tile(sRing, s * self.pipe.stage_elems, kc, rows, t0,
+                                           ksplit, nr, sX, sAcc, warp, lane)
                         self.pipe.release(mbar, j, lane)
+                        if cutlass.const_expr(self.spec.mma):
+                            cta_sync(self.named)  # every warp's partials of this tile
+                            self.mma_reduce(sRed, buf, rows, t0, nr, sAcc, tidx)
                         j += 1
                 cta_sync(self.named)
                 self.epilogue(op, layer, row0, rc0, nr, n0, ksplit, nr, out_off, extra0, extra1,
@@ -222,6 +248,67 @@ class Matvec:
                     for jj in cutlass.range_constexpr(NB):
                         a = (ks * self.NO + nbk * NB + jj) * nrp + rowl0 + r
                         sAcc[a] = sAcc[a] + acc[jj]
+
+    @cute.jit
+    def mma_tile(self, sRingW: cute.Tensor, wbase: Int32, kc: Int32, rows: Int32,
+                 sXw: cute.Tensor, sRed: cute.Tensor, buf: Int32, warp: Int32, lane: Int32):
+        """sRed[buf, warp, n, r] = x[n, slice] . W_tile[r, slice] for n < NO, r < 8, over this
+        warp's K-slice of the tile, on mma.sync m16n8k16 (A = x rows, B = weight rows).
+
+        Operands as 32-bit words (bf16 pairs) read 16 bytes per lane: lane (g, t) = (lane / 4,
+        lane % 4) loads words [4t, 4t + 4) of each 32-input step from weight row g (B) and from
+        activation rows g and g + 8 of every 16-row block (A). The mma's k slots {2t, 2t+1,
+        2t+8, 2t+9} then hold inputs 8t + {0, 1, 2, 3} for the first mma and 8t + {4..7} for the
+        second: the same permutation of k for every row of A and column of B, so each output is
+        the plain dot product over the slice. C: c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t),
+        c3 (g+8, 2t+1) of each block. Weight rows >= `rows` (a short last tile) read as zeros."""
+        g = lane // 4
+        t = lane - g * 4
+        steps = kc // MMA_K_ALIGN
+        per = (steps + self.NW - 1) // self.NW
+        sb = warp * per
+        se = cutlass.min(steps, sb + per)
+        MB = self.NO // MMA_M
+        acc = cute.make_rmem_tensor((MB * 4,), Float32)
+        acc.fill(0.0)
+        xrow = self.KC // 2  # words per staged activation row
+        wrow = kc // 2  # words per tile row
+        for step in cutlass.range(sb, se):
+            kw = step * (MMA_K_ALIGN // 2) + t * 4
+            b = cute.make_rmem_tensor((4,), Int32)
+            b.fill(0)
+            if g < rows:
+                load_smem_words4(sRingW, wbase + g * wrow + kw, b)
+            for mb in cutlass.range_constexpr(MB):
+                lo = cute.make_rmem_tensor((4,), Int32)
+                hi = cute.make_rmem_tensor((4,), Int32)
+                load_smem_words4(sXw, (mb * MMA_M + g) * xrow + kw, lo)
+                load_smem_words4(sXw, (mb * MMA_M + g + 8) * xrow + kw, hi)
+                for h in cutlass.range_constexpr(2):
+                    d = mma_bf16_16816(lo[2 * h], hi[2 * h], lo[2 * h + 1], hi[2 * h + 1],
+                                       b[2 * h], b[2 * h + 1], acc[mb * 4], acc[mb * 4 + 1],
+                                       acc[mb * 4 + 2], acc[mb * 4 + 3])
+                    for c in cutlass.range_constexpr(4):
+                        acc[mb * 4 + c] = d[c]
+        base = (buf * self.NW + warp) * self.NO
+        for mb in cutlass.range_constexpr(MB):
+            for c in cutlass.range_constexpr(4):
+                m = mb * MMA_M + g + 8 * (c // 2)
+                sRed[(base + m) * MMA_N + 2 * t + c % 2] = acc[mb * 4 + c]
+
+    @cute.jit
+    def mma_reduce(self, sRed: cute.Tensor, buf: Int32, rows: Int32, t0: Int32, nrp: Int32,
+                   sAcc: cute.Tensor, tidx: Int32):
+        """sAcc[n, t0 + r] += sum over warps (in warp order) of sRed[buf, warp, n, r]."""
+        for idx in cutlass.range(tidx, self.NO * MMA_N, self.NT):
+            nn = idx // MMA_N
+            r = idx - nn * MMA_N
+            if r < rows:
+                v = sRed[(buf * self.NW * self.NO + nn) * MMA_N + r]
+                for w in cutlass.range_constexpr(1, self.NW):
+                    v = v + sRed[((buf * self.NW + w) * self.NO + nn) * MMA_N + r]
+                a = nn * nrp + t0 + r
+                sAcc[a] = sAcc[a] + v
 
     # ---- prologue -----------------------------------------------------------------------------
     @cute.jit
@@ -422,6 +509,19 @@ class Matvec:
                             st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))
                         else:
                             st(pV, row * D + lane + LANES * e, x[e].to(BFloat16))
+
+
+@cute.jit
+def mma_bf16_16816(a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: Int32,
+                   c0: Float32, c1: Float32, c2: Float32, c3: Float32):
+    """D = A . B + C on one warp: mma.sync m16n8k16, A row-major and B column-major bf16 pairs in
+    32-bit registers, fp32 C/D (PTX ISA fragment layout). Returns (d0, d1, d2, d3)."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, "
+        "{{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
 
 
 @cute.jit

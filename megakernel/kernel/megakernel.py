@@ -1,18 +1,17 @@
 """The persistent decode megakernel: one CTA per SM interprets its queue of the program.
 
-Per record: read the 16 words, extend the L2 lookahead (before the dependency wait, so the wait
-overlaps the stream: bulk L2 prefetches of this CTA's next weight slabs up to spec.PREFETCH_WINDOW
-bytes past the start of the current one, each byte requested once; an ATTN_PARTIAL also prefetches
-its cached keys/values), wait on the producer counter, run the handler for the opcode, signal.
+Per record: read the 16 words, start the prefetches that may run during the dependency wait (an
+ATTN_PARTIAL's cached keys/values; without the pipeline also the L2 lookahead of this CTA's next
+weight slabs, lookahead.py), wait on the producer counter, run the handler for the opcode, signal.
 At the end of the queue the CTA counts itself out and the last one advances the epoch (sync.py).
 
 Shared-memory weight pipeline (spec.smem_stages >= 2, the default where the spec fits): the CTA
 gets one extra warp, the loader (pipeline.py), which walks the same queue and streams every matvec
 slab into a ring of shared-memory stages (cp.async.bulk + mbarriers) ahead of the consumer warps,
-across their dependency waits; the consumers (the spec's num_threads) run the loop above, read
-the weights from the ring (Matvec.run_piped) and synchronise on named barrier 1. With
-smem_stages = 0 the consumers read the weights from global memory (Matvec.run) and there is no
-loader warp.
+across their dependency waits, and slides the L2 lookahead ahead of its own tiles; the consumers
+(the spec's num_threads) run the loop above, read the weights from the ring (Matvec.run_piped)
+and synchronise on named barrier 1. With smem_stages = 0 the consumers read the weights from
+global memory (Matvec.run) and there is no loader warp.
 
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
 merge (by the last split's CTA) in attention.py. The
@@ -30,10 +29,11 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
 from megakernel.kernel import sync
 from megakernel.kernel.attention import Attention
+from megakernel.kernel.lookahead import extend_lookahead, slab_bytes
 from megakernel.kernel.matvec import Matvec, warp_argmax
 from megakernel.kernel.memory import elem_ptr, join64, ld, load_bf16x8, st, store_f32x8
 from megakernel.kernel.pipeline import Pipeline
-from megakernel.kernel.spec import LANES, PREFETCH_CHUNK, VEC, KernelSpec
+from megakernel.kernel.spec import LANES, VEC, KernelSpec
 from megakernel.program import isa
 from megakernel.program.isa import Op
 
@@ -87,6 +87,9 @@ class DecodeMegakernel:
         sML = self.region(raw, "ml", Float32)  # [NW][2]
         sFlag = self.region(raw, "flag", Int32)  # [1] broadcast from thread 0
 
+        sRed = sAcc  # [2][NW][NO][8] mma partials (spec.mma); unused otherwise
+        if cutlass.const_expr(self.spec.mma):
+            sRed = self.region(raw, "red", Float32)
         if cutlass.const_expr(self.piped):
             sRing = self.region(raw, "ring", BFloat16)  # [S][stage] weight tiles
             mbar = cute.recast_ptr(raw.iterator + self.regions["mbar"][0], dtype=Int64)
@@ -100,11 +103,11 @@ class DecodeMegakernel:
             else:
                 self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
                              queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML,
-                             sFlag, sRing, mbar, tidx, bidx, num_ctas, warp, lane)
+                             sFlag, sRing, sRed, mbar, tidx, bidx, num_ctas, warp, lane)
         else:
             self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
                          queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML, sFlag,
-                         sX, counters, tidx, bidx, num_ctas, warp, lane)
+                         sX, sRed, counters, tidx, bidx, num_ctas, warp, lane)
 
     @cute.jit
     def consume(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
@@ -112,8 +115,8 @@ class DecodeMegakernel:
                 v_cache: cute.Pointer, queue_len: Int32, s_max: Int32, len_off: Int32,
                 sX: cute.Tensor, sAcc: cute.Tensor, sRstd: cute.Tensor, sBest: cute.Tensor,
                 sQ: cute.Tensor, sO: cute.Tensor, sML: cute.Tensor, sFlag: cute.Tensor,
-                sRing: cute.Tensor, mbar, tidx: Int32, bidx: Int32, num_ctas: Int32,
-                warp: Int32, lane: Int32):
+                sRing: cute.Tensor, sRed: cute.Tensor, mbar, tidx: Int32, bidx: Int32,
+                num_ctas: Int32, warp: Int32, lane: Int32):
         """The consumer warps' persistent loop over this CTA's queue (module docstring)."""
         named = self.named
         epoch = Int32(0)
@@ -138,8 +141,10 @@ class DecodeMegakernel:
             layer = rec[5]
             if op == Op.ATTN_PARTIAL:
                 self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
-            pf_pc, pf_off, pf_cum = self.prefetch_ahead(weights, queue, pc, cum, pf_pc, pf_off,
-                                                        pf_cum, tidx)
+            if cutlass.const_expr(not self.piped):  # the loader warp slides it (pipeline.py)
+                pf_pc, pf_off, pf_cum = extend_lookahead(weights, queue, pc, cum, cum, pf_pc,
+                                                         pf_off, pf_cum, self.window, tidx,
+                                                         self.NT)
             sync.wait_counter(counters, rec[1], epoch * rec[3] + rec[2], tidx, named)
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
@@ -153,13 +158,13 @@ class DecodeMegakernel:
                 if cutlass.const_expr(self.piped):
                     j = self.matvec.run_piped(op, rec, layer, weights, f32, bf16, i32, k_cache,
                                               v_cache, s_max, len_off, sX, sAcc, sRstd, sBest,
-                                              sRing, mbar, j, tidx, warp, lane)
+                                              sRing, sRed, mbar, j, tidx, warp, lane)
                 else:
                     self.matvec.run(op, rec, layer, weights, f32, bf16, i32, k_cache, v_cache,
                                     s_max, len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
             if op != Op.ATTN_PARTIAL:  # the ticket above did its own signalling
                 sync.signal_counter(counters, rec[4], tidx, named)
-            cum = cum + self.slab_bytes(op, rec[isa.COMMON_WORDS + 3], rec[isa.COMMON_WORDS + 4])
+            cum = cum + slab_bytes(op, rec[isa.COMMON_WORDS + 3], rec[isa.COMMON_WORDS + 4])
             pc += 1
             op = cute.arch.load(queue + pc * isa.RECORD_WORDS, Int32)
         if cutlass.const_expr(self.piped):
@@ -174,53 +179,6 @@ class DecodeMegakernel:
         return cute.make_tensor(ptr, cute.make_layout(max(nbytes // width, 1)))
 
     # ---- helpers and small handlers -----------------------------------------------------------
-    @cute.jit
-    def slab_bytes(self, rop: Int32, nrows: Int32, k: Int32) -> Int64:
-        """Weight bytes of a record (NROWS * K * 2 for the matvec family, else 0)."""
-        nbytes = Int64(0)
-        if (rop >= Op.QKV) & (rop != Op.ATTN_PARTIAL) & (rop != Op.ARGMAX):
-            # NROWS * K * 2 can pass 2^31 (an LM head on few SMs): 64-bit
-            nbytes = Int64(nrows) * Int64(k) * Int64(2)
-        return nbytes
-
-    @cute.jit
-    def prefetch_ahead(self, weights: cute.Pointer, queue: cute.Pointer, pc: Int32, cum: Int64,
-                       pf_pc: Int32, pf_off: Int64, pf_cum: Int64, tidx: Int32):
-        """Extend the L2 lookahead to `cum + window` (cum = stream offset of slab pc): bulk L2
-        prefetches of the not yet requested bytes of slabs pc, pc+1, ... (spec.lookahead_plan is
-        the host mirror). Returns the new (pf_pc, pf_off, pf_cum); every thread runs the same walk
-        and issues its share of the 16 KB requests. Returns without waiting."""
-        f = isa.COMMON_WORDS
-        if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
-            pf_pc = pc
-            pf_off = Int64(0)
-            pf_cum = cum
-        limit = cum + Int64(self.window)
-        more = pf_cum < limit
-        while more:
-            base = pf_pc * isa.RECORD_WORDS
-            rop = ld(queue, base)
-            nbytes = self.slab_bytes(rop, ld(queue, base + f + 3), ld(queue, base + f + 4))
-            take = cutlass.min(nbytes - pf_off, limit - pf_cum)
-            if take > Int64(0):
-                w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
-                addr0 = weights.toint() + w_base * Int64(2) + pf_off
-                n32 = take.to(Int32)  # <= window
-                for off in cutlass.range(tidx * PREFETCH_CHUNK, n32, self.NT * PREFETCH_CHUNK):
-                    size = cutlass.min(Int32(PREFETCH_CHUNK), n32 - off)
-                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                                         read_only_args=[addr0 + Int64(off), size])
-                pf_off = pf_off + take
-                pf_cum = pf_cum + take
-            if pf_off >= nbytes:  # this record's slab is requested (or it has none): next
-                if rop == Op.END:
-                    limit = pf_cum  # the queue ends here: stop
-                else:
-                    pf_pc = pf_pc + 1
-                    pf_off = Int64(0)
-            more = pf_cum < limit
-        return pf_pc, pf_off, pf_cum
-
     @cute.jit
     def embed(self, rec: cute.Tensor, weights: cute.Pointer, f32: cute.Pointer,
               i32: cute.Pointer, tidx: Int32):

@@ -101,6 +101,17 @@ def store_smem_bf16x8(s: cute.Tensor, offset, v) -> None:
     cute.autovec_copy(r, smem_vec8(s, offset))
 
 
+def smem_words(s: cute.Tensor) -> cute.Tensor:
+    """A 1-D shared bf16 tensor viewed as 32-bit words (pairs of bf16, for mma operands)."""
+    return cute.make_tensor(cute.recast_ptr(s.iterator, dtype=Int32),
+                            cute.make_layout(cute.size(s) // 2))
+
+
+def load_smem_words4(w: cute.Tensor, offset, r: cute.Tensor) -> None:
+    """4 consecutive 32-bit words (16 bytes, `offset` a multiple of 4) -> rmem Int32 [4] `r`."""
+    cute.autovec_copy(cute.flat_divide(w, (4,))[None, offset // 4], r)
+
+
 def ld(base: cute.Pointer, offset):
     """Scalar global load of `base[offset]`."""
     return cute.make_tensor(elem_ptr(base, offset, base.dtype.width // 8), cute.make_layout(1))[0]

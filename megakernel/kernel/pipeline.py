@@ -18,6 +18,10 @@ counting the CTA out, consumer thread 0 waits for `done` and traps unless the co
 
 Weights never depend on activations, so the loader runs up to S tiles ahead of the consumers,
 across instruction boundaries and across their dependency waits; it never touches the counters.
+Before each tile it also slides the L2 lookahead (lookahead.py) to `spec.prefetch_window` bytes
+past the stream position it has reached (start of the slab + bytes of the slab issued so far), so
+HBM keeps streaming the CTA's next slabs into L2 while the ring is full:
+spec.loader_lookahead_plan is the host mirror.
 `spec.stage_plan` is the host mirror of its schedule.
 
 Barriers: the loader warp leaves the CTA-wide barrier after the mbarrier set-up, so the consumers
@@ -32,6 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from megakernel.kernel.lookahead import extend_lookahead, slab_bytes
 from megakernel.kernel.memory import join64, ld
 from megakernel.kernel.spec import SMEM_STAGE_BYTES, KernelSpec, ring_slot
 from megakernel.kernel.sync import WAIT_TIMEOUT_NS
@@ -53,6 +58,7 @@ class Pipeline:
         self.S = spec.smem_stages
         self.NW = spec.num_warps
         self.stage_elems = SMEM_STAGE_BYTES // 2  # bf16 per stage
+        self.window = spec.prefetch_window
 
     @cute.jit
     def tile_rows(self, kc: Int32) -> Int32:
@@ -86,6 +92,10 @@ class Pipeline:
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
         j = Int32(0)  # tiles issued
         pc = Int32(0)
+        cum = Int64(0)  # stream offset of slab pc (the lookahead's coordinates, lookahead.py)
+        pf_pc = Int32(0)
+        pf_off = Int64(0)
+        pf_cum = Int64(0)
         op = ld(queue, 0)
         while op != Op.END:
             if is_matvec(op):
@@ -95,6 +105,8 @@ class Pipeline:
                 k = ld(queue, base + f + 4)
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 src0 = weights.toint() + w_base * Int64(2)
+                nbytes = slab_bytes(op, nrows, k)
+                sent = Int64(0)  # bytes of this slab issued so far (all passes)
                 for _p in cutlass.range(self.spec.passes):
                     for rc0 in cutlass.range(0, nrows, RC):
                         nr = cutlass.min(Int32(RC), nrows - rc0)
@@ -102,6 +114,13 @@ class Pipeline:
                             kc = cutlass.min(Int32(KC), k - kc0)
                             for t0 in cutlass.range(0, nr, tr):
                                 rows = cutlass.min(tr, nr - t0)
+                                # slide the L2 lookahead to `window` bytes past what the
+                                # loader has streamed (by volume: with K-chunks the tiles walk
+                                # column bands, the lookahead the slab's rows)
+                                pos = cum + cutlass.min(sent, nbytes)
+                                pf_pc, pf_off, pf_cum = extend_lookahead(
+                                    weights, queue, pc, cum, pos, pf_pc, pf_off, pf_cum,
+                                    self.window, Int32(0), 1)
                                 s, _, empty_parity = ring_slot(j, self.S)
                                 mbar_wait(mbar + self.S + s, empty_parity)
                                 cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, rows * kc * 2)
@@ -114,6 +133,8 @@ class Pipeline:
                                         bulk_g2s(dst + r * kc, src + Int64(r) * Int64(k) * Int64(2),
                                                  kc * 2, mbar + s)
                                 j += 1
+                                sent = sent + Int64(rows * kc * 2)
+                cum = cum + nbytes
             pc += 1
             op = ld(queue, pc * isa.RECORD_WORDS)
         # END: publish the tile count (the consumers check it against theirs, check_done)

@@ -26,19 +26,33 @@ CAPABILITY_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 # ---- budgets (checked on every build and in the tests) ------------------------------------------
 NUM_THREADS = 256  # 8 warps per CTA, one CTA per SM
 REGISTER_BUDGET = 192  # per thread (one 256-thread CTA per SM may use 255; 512 threads need <= 128)
-SMEM_BUDGET = 200 * 1024  # dynamic shared memory per CTA (227 KB is the sm_90/sm_100 opt-in max)
+SMEM_BUDGET = 227 * 1024  # dynamic shared memory per CTA: the sm_90/sm_100 opt-in maximum
 X_SMEM_BYTES = 64 * 1024  # staged matvec input (bf16 [NO, KC])
 ACC_SMEM_BYTES = 32 * 1024  # fp32 matvec results of one row chunk ([ks][n][row])
+
+# ---- tensor-core matvec (matvec.py `mma_tile`; KernelSpec.mma) -----------------------------------
+# With the pipeline and at least MMA_MIN_ROWS activation rows per step the GEMV runs on warp-level
+# mma.sync m16n8k16 (bf16 in, fp32 accumulate): activations are the 16-row A operand, a ring
+# tile's 8 weight rows the B operand, the tile's K split over the warps; the FMA GEMV re-reads the
+# staged activations once per weight row and would be bound by shared-memory bandwidth there.
+MMA_MIN_ROWS = 8
+MMA_K_ALIGN = 32  # K (every matvec) in steps of 32: one 16-byte vector per lane per B row
+MMA_M = 16  # activation rows per mma (A operand); NO is a multiple of it
+MMA_N = 8  # weight rows per mma (B operand) = rows of a ring tile
 
 ROW_CHUNK = 256  # slab rows per epilogue pass: a multiple of every head_dim and of 2 * 16 gate/up
 VEC = 8  # bf16 per 16-byte vector load
 ARGMAX_EXACT = 1 << 24  # vocab indices travel as fp32 in the partial argmax
 LANES = 32
 
-# ---- L2 lookahead prefetch (megakernel.py `prefetch_ahead`; the cost model reads the same window)
-# Before its dependency wait, a CTA asks L2 (cp.async.bulk.prefetch.L2) for the weight slabs of its
-# own queue from the current instruction on, up to PREFETCH_WINDOW bytes past the start of the
-# current slab; each byte is requested once. The window per SM is sized from the L2 capacity:
+# ---- L2 lookahead prefetch (the cost model reads the same window)
+# The CTA asks L2 (cp.async.bulk.prefetch.L2) for the weight slabs of its own queue ahead of where
+# it reads them, each byte once. With the shared-memory pipeline the loader warp does it: before
+# each tile it extends the lookahead to PREFETCH_WINDOW bytes past that tile (pipeline.py), so the
+# window slides with the stream, within slabs and across dependency waits. Without the pipeline
+# the consumers do it when they reach a record, before its dependency wait: up to PREFETCH_WINDOW
+# bytes past the start of the current slab (megakernel.py). The window per SM is sized from the
+# L2 capacity:
 # the prefetched-but-unread bytes of all SMs (SMs x window) take at most L2_PREFETCH_SHARE of L2,
 # so a prefetched line survives the demand stream that passes through L2 during its lead time
 # (about the same number of bytes again). L2 capacities: H100 SXM5 and H200 (same GH100 die)
@@ -56,12 +70,14 @@ L2_PREFETCH_SHARE = 0.5
 # smem_stages = S >= 2: one extra loader warp streams every matvec slab, in queue order and tiles of
 # whole rows, into a ring of S shared-memory stages (cp.async.bulk + mbarrier complete_tx), running
 # ahead of the consumers across instruction boundaries and their dependency waits.
-# The pipeline is the default: it compiles without spills within budget for every build the
-# tests and gpu-check make (sm_90a, sm_100a). make_spec falls back to 0 for a model/batch whose
-# pipelined spec does not fit (named in SpecError), so every build the global path served builds.
+# The pipeline is the default, with as many stages as the shared-memory budget leaves room for, up
+# to PIPELINE_STAGES (a deeper ring keeps more of the weight stream on chip across a dependency
+# wait: at B = 1, 6 x 32 KiB; larger batches stage more activations and get fewer). make_spec falls
+# back to 0 for a model/batch whose pipelined spec does not fit even with MIN_PIPELINE_STAGES
+# (named in SpecError), so every build the global path served builds.
 SMEM_STAGE_BYTES = 32 * 1024  # one stage: `tile_rows(kc)` rows of a K-chunk of kc bf16
-PIPELINE_STAGES = 3  # 96 KiB of ring: 3 x 32 KiB tiles in flight per SM
-DEFAULT_SMEM_STAGES = PIPELINE_STAGES
+PIPELINE_STAGES = 6  # the deepest ring a build takes (192 KiB)
+MIN_PIPELINE_STAGES = 2
 
 
 def tile_rows(kc: int, num_warps: int, stage_bytes: int = SMEM_STAGE_BYTES) -> int:
@@ -126,20 +142,25 @@ def prefetch_window(arch: str) -> int:
     return w // PREFETCH_CHUNK * PREFETCH_CHUNK
 
 
-def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, int]]]:
-    """Host mirror of the kernel's lookahead (same state machine, for tests and documentation).
+def lookahead_walk(slabs: list[int], window: int,
+                   events: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Host mirror of the kernel's lookahead state machine (lookahead.extend_lookahead).
 
     `slabs[i]`: prefetchable weight bytes of queue instruction i (0 for opcodes without a slab).
-    Returns, per instruction i, the (instruction, byte offset, bytes) ranges requested when the
-    CTA reaches i: everything of slabs i, i+1, ... below (start of slab i) + window that was not
-    requested before.
-    """
+    `events`: (instruction pc, stream position) in issue order, the position at or past the start
+    of slab pc; each extends the lookahead to position + window. Returns, per event, the
+    (instruction, byte offset, bytes) ranges it requests: everything of slabs pc, pc+1, ... below
+    the new limit that was not requested before (bytes of slabs before pc are left to the demand
+    loads)."""
+    starts = [0]
+    for nb in slabs:
+        starts.append(starts[-1] + nb)
     out: list[list[tuple[int, int, int]]] = []
-    pf_pc, pf_off, pf_cum, cum = 0, 0, 0, 0
-    for pc, nb in enumerate(slabs):
+    pf_pc, pf_off, pf_cum = 0, 0, 0
+    for pc, pos in events:
         if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
-            pf_pc, pf_off, pf_cum = pc, 0, cum
-        limit = cum + window
+            pf_pc, pf_off, pf_cum = pc, 0, starts[pc]
+        limit = pos + window
         got: list[tuple[int, int, int]] = []
         while pf_cum < limit and pf_pc < len(slabs):
             take = min(slabs[pf_pc] - pf_off, limit - pf_cum)
@@ -150,8 +171,49 @@ def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, i
             if pf_off >= slabs[pf_pc]:
                 pf_pc, pf_off = pf_pc + 1, 0
         out.append(got)
-        cum += nb
     return out
+
+
+def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, int]]]:
+    """The global-memory build's lookahead (megakernel.py): when the CTA reaches instruction i it
+    requests everything of slabs i, i+1, ... below (start of slab i) + window not requested before.
+    Returns, per instruction, its requests (lookahead_walk)."""
+    starts = [sum(slabs[:i]) for i in range(len(slabs))]
+    return lookahead_walk(slabs, window, list(enumerate(starts)))
+
+
+def loader_lookahead_plan(slabs: list[tuple[int, int]], passes: int, k_chunk: int,
+                          num_warps: int, window: int) -> list[tuple[tuple, list]]:
+    """The pipelined build's lookahead (Pipeline.load_queue): before each tile the loader extends
+    the lookahead to window bytes past its stream position = start of the tile's slab + the bytes
+    of that slab it has issued before (by volume, capped at the slab: with K-chunks the tiles walk
+    column bands while the lookahead walks the slab's rows, and later passes add nothing).
+    `slabs` as in stage_plan. Returns (tile, requests) per tile in issue order (tile: a
+    stage_plan entry)."""
+    nbytes = [n * k * 2 for n, k in slabs]
+    starts = [sum(nbytes[:i]) for i in range(len(slabs))]
+    tiles = stage_plan(slabs, passes, k_chunk, num_warps)
+    sent = [0] * len(slabs)
+    events = []
+    for i, _p, _row0, rows, _col0, cols in tiles:
+        events.append((i, starts[i] + min(sent[i], nbytes[i])))
+        sent[i] += rows * cols * 2
+    return list(zip(tiles, lookahead_walk(nbytes, window, events), strict=True))
+
+
+def default_build(cfg: ModelConfig, batch: int, tokens: int, arch: str) -> KernelSpec | None:
+    """The default build's spec for this model/batch, or None when no kernel build serves it."""
+    try:
+        return make_spec(cfg, batch, tokens, arch)
+    except SpecError:
+        return None
+
+
+def build_ring_bytes(cfg: ModelConfig, batch: int, tokens: int, arch: str) -> int:
+    """Bytes of the default build's shared-memory weight ring for this model/batch (0: the
+    global-memory path, or no kernel build serves it). The cost model reads it."""
+    spec = default_build(cfg, batch, tokens, arch)
+    return spec.smem_stages * SMEM_STAGE_BYTES if spec else 0
 
 
 # ---- kernel parameters (the ABI) ----------------------------------------------------------------
@@ -204,7 +266,7 @@ class KernelSpec:
     batch: int  # B
     tokens: int  # T
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
-    smem_stages: int = DEFAULT_SMEM_STAGES  # 0: weights from global; >= 2: smem ring (above)
+    smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (above)
 
     # ---- derived ----------------------------------------------------------------------------
     @property
@@ -257,8 +319,20 @@ class KernelSpec:
         return 2 if self.rows_per_group <= 4 else 1
 
     @property
+    def mma(self) -> bool:
+        """The GEMV runs on tensor cores (mma.sync; see MMA_MIN_ROWS): pipelined, enough
+        activation rows, 8 consumer warps (a ring tile is then 8 weight rows = one mma N) and
+        every K a multiple of MMA_K_ALIGN; otherwise the FMA GEMV."""
+        ks = (self.hidden, self.heads * self.head_dim, self.inter)
+        return (self.pipelined and self.rows >= MMA_MIN_ROWS and self.num_warps == MMA_N
+                and all(k % MMA_K_ALIGN == 0 for k in ks))
+
+    @property
     def no(self) -> int:
-        """Activation rows per outer pass of a matvec (x staged for NO rows at a time)."""
+        """Activation rows per outer pass of a matvec (x staged for NO rows at a time; the mma
+        path stages a multiple of 16, zero rows past N)."""
+        if self.mma:
+            return min(-(-self.rows // MMA_M) * MMA_M, 2 * MMA_M)
         npad = -(-self.rows // self.nb) * self.nb
         return min(npad, 32 // self.nb * self.nb)
 
@@ -304,6 +378,8 @@ class KernelSpec:
             ("ml", 4 * 2 * nw),  # fp32 per warp: (m, l)
             ("flag", 16),  # int32 broadcast word
         ]
+        if self.mma:  # fp32 [2][NW][NO][MMA_N]: per-warp K-slice partials of a tile, 2 buffers
+            sizes.append(("red", 4 * 2 * nw * self.no * MMA_N))
         if self.pipelined:
             sizes += [
                 ("ring", self.smem_stages * SMEM_STAGE_BYTES),  # bf16 weight tiles
@@ -373,14 +449,15 @@ class KernelSpec:
 def make_spec(cfg: ModelConfig, batch: int, tokens: int, arch: str,
               num_threads: int = NUM_THREADS, smem_stages: int | None = None) -> KernelSpec:
     """The build's static config for a model, batch and tokens per step. `smem_stages` None:
-    DEFAULT_SMEM_STAGES when that spec is valid, else 0 (the global-memory weight path); an int
-    is taken as given (SpecError when it cannot serve the model/batch)."""
+    the deepest ring (PIPELINE_STAGES down to MIN_PIPELINE_STAGES) whose spec is valid, else 0
+    (the global-memory weight path); an int is taken as given (SpecError when it cannot serve
+    the model/batch)."""
     if batch < 1 or tokens < 1:
         raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
     if smem_stages is None:
-        if DEFAULT_SMEM_STAGES:
+        for stages in range(PIPELINE_STAGES, MIN_PIPELINE_STAGES - 1, -1):
             try:
-                return make_spec(cfg, batch, tokens, arch, num_threads, DEFAULT_SMEM_STAGES)
+                return make_spec(cfg, batch, tokens, arch, num_threads, stages)
             except SpecError:
                 pass
         return make_spec(cfg, batch, tokens, arch, num_threads, 0)
@@ -396,7 +473,7 @@ def make_spec(cfg: ModelConfig, batch: int, tokens: int, arch: str,
 
 # ---- fingerprint --------------------------------------------------------------------------------
 KERNEL_SOURCES = ("spec.py", "megakernel.py", "matvec.py", "attention.py", "sync.py", "memory.py",
-                  "pipeline.py")
+                  "pipeline.py", "lookahead.py")
 
 
 def source_digest() -> str:

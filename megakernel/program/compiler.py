@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megakernel.config import ModelConfig
+from megakernel.kernel.spec import MMA_M, MMA_MIN_ROWS, SMEM_STAGE_BYTES, default_build
 from megakernel.program import isa
 from megakernel.program.gpus import GPU
 from megakernel.program.isa import Op
@@ -164,6 +165,7 @@ class Program(QueueProgram):
     instrs: list[Instr]
     queues: list[list[int]]  # per SM: indices into instrs
     policy: str
+    ring_bytes: int = 0  # the kernel build's shared-memory weight ring (spec.build_ring_bytes)
     header: dict[str, int] = field(default_factory=dict)
     cost: object | None = None  # cost.CostReport of the fluid replay (replay.py)
     placement_cost: object | None = None  # the scheduler's own estimate (cost.SimState)
@@ -278,17 +280,20 @@ class _Counters:
 
 
 def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: int,
-           lay: WeightLayout, buf: BufferPlan, ctr: _Counters) -> list[Stage]:
-    """The step as stages in execution order (see the module docstring)."""
+           lay: WeightLayout, buf: BufferPlan, ctr: _Counters, mma: bool = True) -> list[Stage]:
+    """The step as stages in execution order (see the module docstring). `mma`: the kernel's
+    GEMV runs on tensor cores (spec.KernelSpec.mma), else on FMA (the cost model's compute)."""
     n, hid, inter, d = batch * tokens, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, g, v = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.vocab_size
     f32, bf, i32 = buf.f32, buf.bf16, buf.i32
     ra = isa.ROW_ALIGN
-    npad = -(-n // 8) * 8  # mma.sync n-tile of 8 activation rows
+    npad = -(-n // MMA_M) * MMA_M  # mma.sync: activation rows in blocks of 16 (A operand)
     out: list[Stage] = []
 
-    def matvec_flops(rows: int, k: int) -> float:
-        return 2.0 * npad * rows * k
+    def matvec_flops(rows: int, k: int) -> dict[str, float]:
+        if mma:
+            return {"tensor_flops": 2.0 * npad * rows * k}
+        return {"fp32_flops": 2.0 * n * rows * k}
 
     # EMBED: rows of N in chunks of <= 32 KiB of gathered bf16
     e_rows = max(1, min(n, (32 * 1024) // (2 * hid)))
@@ -322,7 +327,7 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
                 OUT_OFF=bf["q"].offset, QK_NORM_OFF=qkn, ROPE_OFF=f32["rope_cos"].offset),
                 wait=wait, signal=ctr(f"L{layer}.qkv.g{grp}"),
                 w_bytes=rows * hid * 2, l2_bytes=n * hid * 4 + hid * 2,
-                store_bytes=n * rows * 2, tensor_flops=matvec_flops(rows, hid))
+                store_bytes=n * rows * 2, **matvec_flops(rows, hid))
 
         out.append(Stage(f"L{layer}.qkv", Op.QKV, layer, hkv * slots, False, mk_qkv))
 
@@ -354,7 +359,7 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
                 W=lay.layer(layer, "o").offset + r0 * k, ROW0=r0, NROWS=rows, K=k, NORM_OFF=-1,
                 IN_OFF=bf["attn"].offset, OUT_OFF=f32["h"].offset),
                 wait=c_attn, signal=c_o, w_bytes=rows * k * 2, l2_bytes=n * k * 2 + n * rows * 4,
-                store_bytes=n * rows * 4, tensor_flops=matvec_flops(rows, k))
+                store_bytes=n * rows * 4, **matvec_flops(rows, k))
 
         out.append(Stage(f"L{layer}.oproj", Op.OPROJ, layer, hid // ra, True, mk_o, ra))
         c_gu = ctr(f"L{layer}.gateup")
@@ -367,7 +372,7 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
                 NORM_OFF=lay.layer(layer, "mlp_norm").offset, IN_OFF=f32["h"].offset,
                 OUT_OFF=bf["act"].offset),
                 wait=c_o, signal=c_gu, w_bytes=rows * hid * 2, l2_bytes=n * hid * 4 + hid * 2,
-                store_bytes=n * rows, tensor_flops=matvec_flops(rows, hid))
+                store_bytes=n * rows, **matvec_flops(rows, hid))
 
         out.append(Stage(f"L{layer}.gateup", Op.GATEUP, layer, 2 * inter // gu_rows, True, mk_gu,
                          gu_rows))
@@ -380,7 +385,7 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
                 NORM_OFF=-1, IN_OFF=bf["act"].offset, OUT_OFF=f32["h"].offset),
                 wait=c_gu, signal=c_dn, w_bytes=rows * inter * 2,
                 l2_bytes=n * inter * 2 + n * rows * 4, store_bytes=n * rows * 4,
-                tensor_flops=matvec_flops(rows, inter))
+                **matvec_flops(rows, inter))
 
         out.append(Stage(f"L{layer}.down", Op.DOWN, layer, hid // ra, True, mk_down, ra))
         prev = c_dn
@@ -396,7 +401,7 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
             IN_OFF=f32["h"].offset, OUT_OFF=f32["logits"].offset, TILE=t,
             PARG_OFF=f32["part_argmax"].offset),
             wait=wait, signal=c_lm, w_bytes=rows * hid * 2, l2_bytes=n * hid * 4 + hid * 2,
-            store_bytes=n * rows * 4 + n * 8, tensor_flops=matvec_flops(rows, hid))
+            store_bytes=n * rows * 4 + n * 8, **matvec_flops(rows, hid))
 
     out.append(Stage("lmhead", Op.LMHEAD, -1, v // ra, True, mk_lm, ra))
     flags = isa.FLAG_ADVANCE | (isa.FLAG_FEEDBACK if tokens == 1 else 0)
@@ -447,9 +452,12 @@ def compile_program(
     lay = weight_layout(cfg)
     buf = plan_buffers(cfg, batch, tokens, max_seq_len, n_splits, gpu.num_sms)
     ctr = _Counters()
-    stage_list = stages(cfg, batch, tokens, n_splits, context, lay, buf, ctr)
+    spec = default_build(cfg, batch, tokens, gpu.arch)  # the kernel build the program runs on
+    mma = spec.mma if spec else batch * tokens >= MMA_MIN_ROWS
+    stage_list = stages(cfg, batch, tokens, n_splits, context, lay, buf, ctr, mma)
+    ring = spec.smem_stages * SMEM_STAGE_BYTES if spec else 0  # the build's weight ring
     best = None
-    for instrs, queues, state in schedule.candidates(stage_list, gpu, policy, params):
+    for instrs, queues, state in schedule.candidates(stage_list, gpu, policy, params, ring):
         number_lm_tiles(instrs, gpu.num_sms)
         counters = [Counter(c.name) for c in ctr.list]
         for ins in instrs:
@@ -458,7 +466,7 @@ def compile_program(
             if ins.op == Op.ATTN_PARTIAL and ins.operands["SPLIT"] == 0:
                 counters[ins.operands["DONE_CID"]].total += 1  # one merge per (seq, kv head)
         prog = Program(cfg, batch, tokens, max_seq_len, gpu, n_splits, context, lay, buf,
-                       counters, instrs, queues, policy)
+                       counters, instrs, queues, policy, ring)
         prog.header = make_header(prog)
         if state is not None:
             prog.cost = replay(prog, params)

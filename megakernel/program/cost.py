@@ -1,13 +1,18 @@
 """Cost model of one decode step: per-instruction bytes, latencies and fixed costs, per SM.
 
-It models the kernel that exists (megakernel/kernel/megakernel.py). Weight staging: an L2
-lookahead (when a CTA reaches instruction i, before its dependency wait, it issues
-cp.async.bulk.prefetch.L2 for the weight slabs of its own queue up to `window` bytes past the
-start of slab i, each byte once: kernel.spec.lookahead_plan; an ATTN_PARTIAL also prefetches its
-own cached keys/values), and in the default build a shared-memory weight pipeline
-(kernel/pipeline.py): a loader warp keeps the next `smem_window` bytes of the CTA's weight stream
-(kernel.spec.DEFAULT_SMEM_STAGES x SMEM_STAGE_BYTES = 96 KiB) in a ring of shared-memory stages,
-across the dependency wait.
+It models the kernel that exists (megakernel/kernel/). Weight staging, per CTA:
+- the default build (kernel/pipeline.py): a loader warp streams the CTA's weight slabs into a
+  ring of `smem_window` bytes of shared memory (spec.build_ring_bytes: the deepest ring of 32 KiB
+  stages the shared-memory budget leaves, 192 KiB at B = 1) across the consumers' dependency
+  waits, and before each tile extends the L2 lookahead (cp.async.bulk.prefetch.L2) to `window`
+  bytes past its own position: the HBM stream may run `smem_window + window` bytes past the
+  consumers, sliding with them within slabs (spec.loader_lookahead_plan). An ATTN_PARTIAL's
+  consumers prefetch its cached keys/values when the CTA reaches it;
+- the global-memory build (smem_stages = 0): the consumers extend the lookahead when the CTA
+  reaches instruction i, before its dependency wait, to `window` bytes past the start of slab i
+  (spec.lookahead_plan); the rest of a slab is fetched when it is consumed;
+- programs without a kernel build (the hybrid families): costed like the global build's lookahead
+  with ASSUMED_RING of staging.
 
 Parameters (`CostParams`), each from a published figure or stated as an assumption:
 - `mem_latency` 500 ns: one global load or store on a dependency path. Hazy Research, "Look Ma,
@@ -25,11 +30,10 @@ Parameters (`CostParams`), each from a published figure or stated as an assumpti
   (kernel.spec.prefetch_window: 192 KiB on sm_90a, 432 KiB on sm_100a, sized so that all SMs'
   windows fill at most half of L2); an int overrides it for what-ifs.
 - `smem_window` None: bytes of the weight stream the loader warp stages in shared memory ahead
-  of the consumers (kernel.spec: DEFAULT_SMEM_STAGES x SMEM_STAGE_BYTES; 0 for a build without
-  the pipeline); an int overrides it. The ring is freed when the CTA reaches an instruction and
-  refills from L2 at the SM's L2 share, so the staged head of slab i is
+  of the consumers (the program's build's ring; 0 = the global-memory build, no loader); an int
+  overrides it. The staged head of slab i when its consumers start is
   min(bytes prefetched into L2 by then, smem_window, (t_act - reach) x L2 share); reading it
-  after the wait costs nothing, the rest of the slab passes the SM's L2 port after the wait.
+  costs nothing, the rest of the slab passes the SM's L2 port after the wait.
 - `prefetch_to_smem` False: a what-if switch for a kernel that would stage every prefetched byte
   (the whole L2 window) in shared memory before the wait; plan always reports False.
 - `mma_efficiency` 0.5: fraction of dense BF16 tensor peak that warp-level mma.sync matvecs reach
@@ -40,10 +44,12 @@ Parameters (`CostParams`), each from a published figure or stated as an assumpti
   takes its share of the copy bandwidth like a demand load.
 
 Timeline of one instruction i on SM s:
-- the SM's HBM stream fetches, in queue order, the weight bytes below (start of slab ci) + window,
-  ci being the instruction the CTA has reached (the lookahead), and all of slab ci once the CTA
-  consumes it (demand loads); an ATTN_PARTIAL's cached K/V are fetched from the moment the CTA
-  reaches it;
+- the SM's HBM stream fetches, in queue order, the weight bytes below its lookahead limit: in the
+  default build (consumer position) + smem_window + window, the consumer position advancing
+  through a slab as its consumers read it (`Rates.lookahead`); in the global build (start of
+  slab ci) + window, ci being the instruction the CTA has reached, and all of slab ci once the
+  CTA consumes it (demand loads); an ATTN_PARTIAL's cached K/V are fetched from the moment the
+  CTA reaches it;
 - start = max(previous instruction done, dependency visible) + fixed cost;
 - activations arrive one load latency (+ bytes / L2 share) later (t_act); the bytes of slab i that
   had arrived in L2 by then need no HBM time, the rest arrives at the SM's HBM share; when part
@@ -71,7 +77,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megakernel.kernel.spec import DEFAULT_SMEM_STAGES, SMEM_STAGE_BYTES, prefetch_window
+from megakernel.kernel.spec import SMEM_STAGE_BYTES, prefetch_window
 from megakernel.program.gpus import GPU
 from megakernel.program.isa import NO_COUNTER, Op
 
@@ -81,7 +87,7 @@ CITATIONS = {
     "launch": "same post: CUDA-graph launch ~1.3 us on H100",
     "l2_latency": "assumption near Chips and Cheese's ~150 ns B200 L2 hit (2025)",
     "prefetch_window": "kernel.spec.prefetch_window: half of L2 over the arch's SMs",
-    "smem_window": "kernel.spec: DEFAULT_SMEM_STAGES x SMEM_STAGE_BYTES (the loader's ring)",
+    "smem_window": "kernel.spec.build_ring_bytes: the build's ring (stages x SMEM_STAGE_BYTES)",
     "prefetch_to_smem": "what-if only: the whole L2 window staged in shared memory",
     "mma_efficiency": "assumption: mma.sync matvec at 50% of dense BF16 peak",
 }
@@ -95,10 +101,15 @@ class CostParams:
     l2_latency: float = 200e-9
     prefetch_window: int | None = None  # None: the kernel's window for the GPU's arch
     mma_efficiency: float = 0.5
-    smem_window: int | None = None  # None: the default build's shared-memory ring
+    smem_window: int | None = None  # None: the program's build's shared-memory ring
     # what-if only: every prefetched byte staged in shared memory before the wait, so reading
     # them costs nothing on the path after it
     prefetch_to_smem: bool = False
+
+
+# a program without a kernel build (the hybrid families) is costed with this ring and the
+# instruction-reach lookahead of the global-memory build (no loader warp slides it)
+ASSUMED_RING = 3 * SMEM_STAGE_BYTES
 
 
 @dataclass
@@ -109,27 +120,40 @@ class Rates:
     l2: float  # bytes/s of L2 per SM
     tensor: float  # flop/s per SM
     fp32: float
-    window: int  # L2 lookahead window bytes (past the start of the current slab)
+    window: int  # L2 lookahead window bytes
     smem_window: float  # weight-stream bytes staged in shared memory ahead (inf: what-if)
     lat: float
     fixed: float
     l2_lat: float
+    # the loader warp slides the lookahead: it runs `window` bytes past the loader's position,
+    # which is `smem_window` past the consumers'; else `window` past the start of the slab the
+    # CTA has reached
+    sliding: bool = False
+    stage_all: bool = False  # what-if (CostParams.prefetch_to_smem): every prefetched byte staged
+
+    @property
+    def stage_cap(self) -> float:
+        """Most bytes of a slab the consumers find staged in shared memory after a wait."""
+        return float("inf") if self.stage_all else self.smem_window
+
+    @property
+    def lookahead(self) -> float:
+        """Lookahead limit past the consumers' position in the weight stream."""
+        return self.window + (self.smem_window if self.sliding else 0.0)
 
     @classmethod
-    def of(cls, gpu: GPU, p: CostParams) -> Rates:
+    def of(cls, gpu: GPU, p: CostParams, build_ring: int | None = None) -> Rates:
+        """`build_ring`: the shared-memory ring of the program's kernel build in bytes (0: the
+        global-memory build; None: no kernel build, ASSUMED_RING without the loader's sliding
+        lookahead). `p.smem_window` overrides the ring."""
         n = gpu.num_sms
         window = prefetch_window(gpu.arch) if p.prefetch_window is None else p.prefetch_window
-        smem = float(default_smem_window() if p.smem_window is None else p.smem_window)
-        if p.prefetch_to_smem:
-            smem = float("inf")
+        default = ASSUMED_RING if build_ring is None else build_ring
+        smem = float(default if p.smem_window is None else p.smem_window)
+        sliding = build_ring is not None and smem > 0
         return cls(gpu.copy_bw / n, gpu.l2_bw / n, gpu.bf16_tensor_flops * p.mma_efficiency / n,
                    gpu.fp32_flops / n, int(window), smem, p.mem_latency, p.fixed_per_instr,
-                   p.l2_latency)
-
-
-def default_smem_window() -> int:
-    """The default build's shared-memory weight ring in bytes (0 without the pipeline)."""
-    return DEFAULT_SMEM_STAGES * SMEM_STAGE_BYTES
+                   p.l2_latency, sliding, p.prefetch_to_smem)
 
 
 def staged_bytes(pre, smem_window: float, fill_time, l2_rate: float):  # noqa: ANN001, ANN201
@@ -144,9 +168,10 @@ def staged_bytes(pre, smem_window: float, fill_time, l2_rate: float):  # noqa: A
 class SimState:
     """Per-SM timelines while instructions are placed (by the scheduler) or replayed."""
 
-    def __init__(self, gpu: GPU, params: CostParams | None = None) -> None:
+    def __init__(self, gpu: GPU, params: CostParams | None = None,
+                 build_ring: int | None = None) -> None:
         self.params = params or CostParams()
-        self.r = Rates.of(gpu, self.params)
+        self.r = Rates.of(gpu, self.params, build_ring)
         n = gpu.num_sms
         self.n = n
         self.free = np.zeros(n)  # compute side free (previous instruction done and fenced)
@@ -180,10 +205,10 @@ class SimState:
             kv = ins.op == Op.ATTN_PARTIAL  # prefetched whole when the CTA reaches it
             ls = np.maximum(load_end, free if kv else win)
             ls = ls + np.where(ls > load_end, r.lat, 0.0)  # restart latency after a stall
-            pre = np.clip((t_act - ls) * r.bw, 0.0, w if kv else min(w, r.window))
+            pre = np.clip((t_act - ls) * r.bw, 0.0, w if kv else min(w, r.lookahead))
             t_w = np.where(pre < w, t_act + (w - pre) / r.bw, ls + w / r.bw)
             new_load_end = np.maximum(t_w, ls + w / r.bw)
-            staged = 0.0 if kv else staged_bytes(pre, r.smem_window, t_act - free, r.l2)
+            staged = 0.0 if kv else staged_bytes(pre, r.stage_cap, t_act - free, r.l2)
             t_w = np.maximum(t_w, np.where(pre > staged, t_act + r.l2_lat + (w - staged) / r.l2,
                                            t_act))
         else:
@@ -221,13 +246,13 @@ class SimState:
                 ls += r.lat  # the stream restarts after a stall
             got, t1 = 0.0, ls
             if t_act > ls:
-                t1, got = self.ledger.take(ls, w if kv else min(w, r.window), t_act)
+                t1, got = self.ledger.take(ls, w if kv else min(w, r.lookahead), t_act)
             if got < w:
                 t_w, _ = self.ledger.take(max(t_act, t1), w - got)
             else:
                 t_w = t1
             le = t_w
-            staged = 0.0 if kv else float(staged_bytes(got, r.smem_window, t_act - reach, r.l2))
+            staged = 0.0 if kv else float(staged_bytes(got, r.stage_cap, t_act - reach, r.l2))
             if got > staged:
                 # the prefetched head is in L2 (beyond the ring): the rest of the slab passes
                 # the SM's L2 port after the wait
@@ -240,7 +265,7 @@ class SimState:
         self._reach[s].append(reach)
         if not kv:
             self.cum[s] += w
-        self.win[s] = self._reached_at(s, int(self.cum[s]) - r.window)
+        self.win[s] = self._reached_at(s, int(self.cum[s] - r.lookahead))
         self.streamed[s] += ins.w_bytes + ins.hbm_bytes + ins.store_bytes
         self.count[s] += 1
         if ins.signal != NO_COUNTER:

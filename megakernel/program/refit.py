@@ -186,7 +186,6 @@ def from_gpu_check(report: dict[str, Any]) -> list[dict[str, Any]]:
     """gpu-check report -> measurement dicts (Measurement.from_dict input), one per benchmark
     row without an error. Rows of the variant without the shared-memory ring get its window."""
     from megakernel.kernel.spec import SMEM_STAGE_BYTES
-    from megakernel.program.cost import default_smem_window
 
     stages = _variant_stages()
     bw = report.get("copy_bandwidth_GBps")
@@ -198,14 +197,15 @@ def from_gpu_check(report: dict[str, Any]) -> list[dict[str, Any]]:
         if variant not in stages:
             raise RefitError(f"bench row {b.get('model')} has unknown variant {variant!r}; "
                              f"known: {sorted(stages)}")
-        window = stages[variant] * SMEM_STAGE_BYTES
+        # None: the build's own ring for the row's model and batch (spec.build_ring_bytes)
+        window = None if stages[variant] is None else stages[variant] * SMEM_STAGE_BYTES
         out.append({
             "model": b["model"], "gpu": gpu_key(str(report.get("device", "")),
                                                 int(report.get("sms") or 0)),
             "batch": int(b["batch"]), "tokens": int(b.get("tokens", 1)),
             "context": b.get("context"), "step_s": float(b["step_ms"]) / 1e3,
             "copy_bw_gbs": float(bw) if bw else None, "max_seq_len": b.get("max_seq_len"),
-            "smem_window": None if window == default_smem_window() else window,
+            "smem_window": window,
             "label": variant,
         })
     return out

@@ -5,11 +5,17 @@ placement order, which favours earlier stages. This replay runs the final queues
 event-driven fluid model instead, with the same parameters (cost.CostParams, gpus.GPU):
 
 - every SM has one HBM stream. It fetches the weight bytes of its queue in order, up to the
-  kernel's L2 lookahead limit: (stream offset of the slab of the instruction the CTA has reached)
-  + window, or the end of that slab once the CTA consumes it (the demand loads past the window).
+  kernel's L2 lookahead limit. Default build (a loader warp and a shared-memory ring,
+  Rates.sliding): (consumer position) + ring + window, where the consumer position is the start
+  of the reached slab until its consumers start, then advances through the slab at the SM's L2
+  share (the loader refilling the ring; at most the compute rate) but never past the bytes that
+  have arrived; a stream held at that limit moves as fast as its consumer. Global build: (stream
+  offset of the slab of the instruction the CTA has reached) + window, or the end of that slab
+  once the CTA consumes it (the demand loads past the window).
   When the CTA reaches an ATTN_PARTIAL its cached keys/values are fetched first (prefetch_kv).
-  All streams that can move share the copy bandwidth equally, each at most the per-SM cap (the
-  L2 share, as in SimState): prefetched bytes cost HBM bandwidth like any other;
+  All streams that can move share the copy bandwidth equally, each at most its cap (the L2 share,
+  as in SimState; a stream held at its sliding limit, its consumer's rate) with the capped ones'
+  leftover shared by the rest: prefetched bytes cost HBM bandwidth like any other;
 - an SM's compute side walks its queue: wait for the counter to become visible, then the fixed
   cost and the activation load (one latency + bytes / L2 share), then consume the slab: when part
   of it is already in L2, reading starts one L2 latency later and the whole slab passes the SM's
@@ -42,6 +48,21 @@ from megakernel.program.cost import (
 from megakernel.program.isa import NO_COUNTER, Op
 
 _WAIT, _SETUP, _CONSUME, _STORE, _DONE = range(5)
+
+
+def _fair_rates(active: np.ndarray, cap: np.ndarray, total: float) -> np.ndarray:
+    """Share `total` bytes/s equally among the active streams, each at most its cap (water
+    filling: capped streams take their cap, the others split what is left)."""
+    rate = np.zeros(len(cap))
+    idx = np.nonzero(active)[0]
+    if not len(idx):
+        return rate
+    order = idx[np.argsort(cap[idx], kind="stable")]
+    left, k = total, len(order)
+    for j, s in enumerate(order):
+        rate[s] = min(cap[s], left / (k - j))
+        left -= rate[s]
+    return rate
 _EPS = 0.5  # bytes: below this a stream or a window counts as done or full
 
 
@@ -49,7 +70,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
     """Predicted step of `prog` under fair bandwidth sharing (see the module docstring)."""
     params = params or CostParams()
     gpu = prog.gpu
-    r = Rates.of(gpu, params)
+    r = Rates.of(gpu, params, getattr(prog, "ring_bytes", None))
     n = prog.num_sms
     queues = [[prog.instrs[i] for i in q] for q in prog.queues]
     qlen = np.array([len(q) for q in queues])
@@ -68,7 +89,11 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
     lrem = np.array([w[0] for w in wbytes])  # its bytes still to fetch
     wpos = np.zeros(n)  # weight bytes fetched so far (the stream offset)
     kvrem = np.zeros(n)  # cached K/V of the reached ATTN_PARTIAL still to fetch
-    limit = np.array([float(r.window)] * n)  # lookahead limit (stream offset)
+    limit = np.array([float(r.window)] * n)  # lookahead limit (stream offset), instruction-reach
+    # the sliding lookahead (r.sliding): limit = consumer position + ring + window
+    cpos = np.zeros(n)  # consumer position in the weight stream (bytes read by the CTA)
+    cend = np.zeros(n)  # end of the slab being consumed
+    crate = np.zeros(n)  # consumer read rate while consuming (L2 port or compute bound)
     ci = np.zeros(n, dtype=np.int64)  # instruction of the compute side
     phase = np.full(n, _WAIT)
     phase_end = np.full(n, np.inf)
@@ -88,7 +113,8 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
             return
         i = ci[s]
         ins = queues[s][i]
-        limit[s] = max(limit[s], wstart[s][i] + r.window)  # the lookahead, before the wait
+        if not r.sliding:
+            limit[s] = max(limit[s], wstart[s][i] + r.window)  # the lookahead, before the wait
         reached[s] = t
         kvrem[s] = kvb[s][i]
         phase[s], phase_end[s] = _WAIT, np.inf
@@ -125,15 +151,23 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
                 total = wbytes[s][i]
                 left = 0.0 if lq[s] > i else (lrem[s] if lq[s] == i else total)
             pre = total - left  # already in L2: read at the L2 share after one L2 latency
-            limit[s] = max(limit[s], wstart[s][i] + wbytes[s][i])  # demand loads: whole slab
+            if not r.sliding:
+                limit[s] = max(limit[s], wstart[s][i] + wbytes[s][i])  # demand loads: the slab
             phase[s] = _CONSUME
-            consume_min[s] = t + ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
-            staged = 0.0 if kvb[s][i] else float(staged_bytes(pre, r.smem_window,
+            compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
+            consume_min[s] = t + compute
+            staged = 0.0 if kvb[s][i] else float(staged_bytes(pre, r.stage_cap,
                                                                    t - reached[s], r.l2))
+            if r.sliding and wbytes[s][i]:  # the ring's head is read, the rest follows
+                cpos[s] = wstart[s][i] + staged
+                cend[s] = wstart[s][i] + wbytes[s][i]
+                crate[s] = min(r.l2, wbytes[s][i] / compute) if compute > 0 else r.l2
             if pre - staged > _EPS:  # the slab beyond the smem ring passes the SM's L2 port
                 consume_min[s] = max(consume_min[s], t + r.l2_lat + (total - staged) / r.l2)
             phase_end[s] = consume_min[s] if left <= _EPS else np.inf
         elif phase[s] == _CONSUME:
+            if crate[s]:
+                cpos[s], crate[s] = cend[s], 0.0
             phase[s] = _STORE
             phase_end[s] = t + ins.store_bytes / r.bw + r.lat  # stores, then the fence
             streamed[s] += ins.store_bytes + ins.hbm_bytes
@@ -154,23 +188,50 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
         enter_wait(s)
     while True:
         kv_on = kvrem > _EPS
-        room = np.where(kv_on, kvrem, np.minimum(lrem, limit - wpos))
-        active = kv_on | ((lq < qlen) & (lrem > _EPS) & (room > _EPS))
-        na = int(active.sum())
-        rate = min(r.l2, gpu.copy_bw / na) if na else 0.0
+        lim = cpos + r.lookahead if r.sliding else limit
+        room = np.where(kv_on, kvrem, np.minimum(lrem, lim - wpos))
+        streaming = (lq < qlen) & (lrem > _EPS)
+        # the consumer of a sliding build: reading ahead of the arrivals (free) or right behind
+        # them (coupled to its stream)
+        reading = (crate > 0) & (cpos < cend - _EPS)
+        c_free = reading & (wpos - cpos > _EPS)
+        # a stream at its sliding limit moves as fast as its consumer frees the window
+        at_limit = r.sliding & ~kv_on & streaming & (room <= _EPS) & c_free
+        active = kv_on | (streaming & (room > _EPS)) | at_limit
+        cap = np.where(at_limit, np.minimum(crate, r.l2), r.l2)
+        rate = _fair_rates(active, cap, gpu.copy_bw)
+        c_rate = np.where(c_free, crate, np.where(reading & ~kv_on, np.minimum(crate, rate), 0.0))
         t_next = float(phase_end.min())
         if wake:
             t_next = min(t_next, wake[0][0])
-        if na:
-            t_next = min(t_next, t + float(np.min(room[active])) / rate)
+        on = active & (rate > 0)
+        if on.any():
+            grow = rate - np.where(r.sliding & ~kv_on, c_rate, 0.0)  # closing on the limit
+            with np.errstate(divide="ignore", invalid="ignore"):
+                dt = np.where(kv_on, kvrem / rate, lrem / rate)
+                dt = np.where(~kv_on & ~at_limit & (grow > 0), np.minimum(dt, room / grow), dt)
+            t_next = min(t_next, t + float(np.min(dt[on])))
+        if r.sliding and reading.any():
+            with np.errstate(divide="ignore", invalid="ignore"):
+                gap_close = np.where(c_free & (c_rate > rate), (wpos - cpos) / (c_rate - rate),
+                                     np.inf)
+                to_end = np.where(c_rate > 0, (cend - cpos) / c_rate, np.inf)
+            t_next = min(t_next, t + float(np.min(np.minimum(gap_close, to_end)[reading])))
         if t_next == np.inf:
             break
-        if na:
-            moved = np.where(active, np.minimum(rate * (t_next - t), room), 0.0)
+        if on.any():
+            dt = t_next - t
+            c_in = np.where(r.sliding & ~kv_on, c_rate, 0.0) * dt  # the limit moved on meanwhile
+            most = np.where(kv_on, kvrem,
+                            np.minimum(lrem, np.where(at_limit, np.inf, room + c_in)))
+            moved = np.where(on, np.minimum(rate * dt, most), 0.0)
             kvrem -= np.where(kv_on, moved, 0.0)
             lrem -= np.where(kv_on, 0.0, moved)
             wpos += np.where(kv_on, 0.0, moved)
             streamed += moved
+        if r.sliding:
+            cpos = np.where(reading, np.minimum(cpos + c_rate * (t_next - t),
+                                                np.minimum(wpos, cend)), cpos)
         t = t_next
         for s in np.nonzero(kv_on & (kvrem <= _EPS))[0].tolist():
             kvrem[s] = 0.0

@@ -30,28 +30,31 @@ POLICIES = ("cost", "round_robin", "structure")
 
 
 def candidates(
-    stage_list: list[Stage], gpu: GPU, policy: str = "cost", params: CostParams | None = None
+    stage_list: list[Stage], gpu: GPU, policy: str = "cost", params: CostParams | None = None,
+    build_ring: int | None = None,
 ) -> list[tuple[list[Instr], list[list[int]], SimState | None]]:
     """Schedules to choose from: (instructions, per-SM queues of indices, placement state).
 
     The compiler replays each (replay.py) and keeps the one with the lowest predicted step.
+    `build_ring`: the kernel build's shared-memory ring (cost.Rates.of).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown scheduling policy {policy!r}; known: {', '.join(POLICIES)}")
     if policy == "round_robin":
-        return [_schedule(stage_list, gpu, "even", "round_robin", params)]
+        return [_schedule(stage_list, gpu, "even", "round_robin", params, build_ring)]
     if policy == "structure":  # round-robin placement, no cost model: for symbolic checks
-        return [_schedule(stage_list, gpu, "even", "round_robin", params, estimate=False)]
+        return [_schedule(stage_list, gpu, "even", "round_robin", params, build_ring,
+                          estimate=False)]
     # water-filled or even slabs with units (heads, attention splits) placed where they finish
     # first, and the round-robin baseline: the replay picks, so the result is never worse
-    return [_schedule(stage_list, gpu, cut, place, params)
+    return [_schedule(stage_list, gpu, cut, place, params, build_ring)
             for cut, place in (("waterfill", "cost"), ("even", "cost"), ("even", "round_robin"))]
 
 
 def _schedule(stage_list: list[Stage], gpu: GPU, cut: str, place: str,
-              params: CostParams | None, estimate: bool = True
+              params: CostParams | None, build_ring: int | None = None, estimate: bool = True
               ) -> tuple[list[Instr], list[list[int]], SimState | None]:
-    st = SimState(gpu, params) if estimate else None
+    st = SimState(gpu, params, build_ring) if estimate else None
     instrs: list[Instr] = []
     queues: list[list[int]] = [[] for _ in range(gpu.num_sms)]
     rr = 0
@@ -101,7 +104,7 @@ def _waterfill(st: SimState, stg: Stage) -> list[int]:
     after = one.l2_bytes + one.hbm_bytes  # activation bytes barely depend on the slab size
     t_act = start + (r.lat + one.l2_bytes / r.l2 + one.hbm_bytes / r.bw if after else 0.0)
     ls = np.maximum(st.load_end, st.win)
-    pre = np.clip((t_act - ls) * r.bw, 0.0, r.window)
+    pre = np.clip((t_act - ls) * r.bw, 0.0, r.lookahead)
     ub = float(one.w_bytes)
     su = float(one.store_bytes)
     cu = one.tensor_flops / r.tensor + one.fp32_flops / r.fp32

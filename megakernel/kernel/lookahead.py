@@ -1,0 +1,74 @@
+"""The L2 lookahead: bulk L2 prefetches of this CTA's coming weight slabs (device code).
+
+One state machine serves both builds (spec.lookahead_walk is its host mirror):
+- the global-memory build: the consumer threads extend it when the CTA reaches a record, before
+  the dependency wait, to `window` bytes past the start of that record's slab (megakernel.py);
+- the pipelined build: the loader warp extends it before every tile it streams into the ring, to
+  `window` bytes past the tile, so the window slides with the stream within slabs and across the
+  consumers' waits (pipeline.py).
+
+State: (pf_pc, pf_off, pf_cum) = slab pf_pc is requested up to byte pf_off, and pf_cum is that
+point as an offset in the CTA's stream of slabs. Each byte is requested once, in 16 KiB
+cp.async.bulk.prefetch.L2 requests shared out over the calling threads.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from megakernel.kernel.memory import join64, ld
+from megakernel.kernel.spec import PREFETCH_CHUNK
+from megakernel.program import isa
+from megakernel.program.isa import Op
+
+
+@cute.jit
+def slab_bytes(rop: Int32, nrows: Int32, k: Int32) -> Int64:
+    """Weight bytes of a record (NROWS * K * 2 for the matvec family, else 0)."""
+    nbytes = Int64(0)
+    if (rop >= Op.QKV) & (rop != Op.ATTN_PARTIAL) & (rop != Op.ARGMAX):
+        # NROWS * K * 2 can pass 2^31 (an LM head on few SMs): 64-bit
+        nbytes = Int64(nrows) * Int64(k) * Int64(2)
+    return nbytes
+
+
+@cute.jit
+def extend_lookahead(weights: cute.Pointer, queue: cute.Pointer, pc: Int32, cum: Int64,
+                     pos: Int64, pf_pc: Int32, pf_off: Int64, pf_cum: Int64, window: int,
+                     tid: Int32, nthreads: int):
+    """Request every not yet requested byte of slabs pc, pc+1, ... below `pos + window` (`cum`:
+    stream offset of slab pc's start, `pos` >= cum). Returns the new (pf_pc, pf_off, pf_cum);
+    every calling thread runs the same walk and issues its share of the requests (thread `tid` of
+    `nthreads`). Returns without waiting."""
+    f = isa.COMMON_WORDS
+    if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
+        pf_pc = pc
+        pf_off = Int64(0)
+        pf_cum = cum
+    limit = pos + Int64(window)
+    more = pf_cum < limit
+    while more:
+        base = pf_pc * isa.RECORD_WORDS
+        rop = ld(queue, base)
+        nbytes = slab_bytes(rop, ld(queue, base + f + 3), ld(queue, base + f + 4))
+        take = cutlass.min(nbytes - pf_off, limit - pf_cum)
+        if take > Int64(0):
+            w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
+            addr0 = weights.toint() + w_base * Int64(2) + pf_off
+            n32 = take.to(Int32)  # <= window
+            for off in cutlass.range(tid * PREFETCH_CHUNK, n32, nthreads * PREFETCH_CHUNK):
+                size = cutlass.min(Int32(PREFETCH_CHUNK), n32 - off)
+                cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                     read_only_args=[addr0 + Int64(off), size])
+            pf_off = pf_off + take
+            pf_cum = pf_cum + take
+        if pf_off >= nbytes:  # this record's slab is requested (or it has none): next
+            if rop == Op.END:
+                limit = pf_cum  # the queue ends here: stop
+            else:
+                pf_pc = pf_pc + 1
+                pf_off = Int64(0)
+        more = pf_cum < limit
+    return pf_pc, pf_off, pf_cum
