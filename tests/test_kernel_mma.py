@@ -40,12 +40,13 @@ def _fragments_to_matrices(a_regs, b_regs):
     return A, B
 
 
-def _emulate_tile(x: np.ndarray, tile: np.ndarray, rows: int, kc: int, KC: int,
-                  nw: int = 8) -> np.ndarray:
-    """What mma_tile + mma_reduce leave for one tile: [NO, rows]. `x` is the staged [NO, KC]
-    input, `tile` the ring stage as [8, kc] (rows >= `rows` hold stale data)."""
-    NO = x.shape[0]
-    xw = x.reshape(NO * KC // 2, 2)  # 32-bit words of bf16 pairs
+def _emulate_tile(x: np.ndarray, tile: np.ndarray, rows: int, kc: int, nw: int = 8
+                  ) -> np.ndarray:
+    """What mma_tile + mma_reduce leave for one tile: [NO, rows]. `x` is the staged input as
+    sX holds it, [NO, XS] (XS = spec.x_stride), `tile` the ring stage as [8, kc] (rows >=
+    `rows` hold stale data)."""
+    NO, XS = x.shape
+    xw = x.reshape(NO * XS // 2, 2)  # 32-bit words of bf16 pairs
     ww = tile.reshape(-1, 2)
     steps = kc // MMA_K_ALIGN
     per = -(-steps // nw)
@@ -61,8 +62,8 @@ def _emulate_tile(x: np.ndarray, tile: np.ndarray, rows: int, kc: int, KC: int,
                     kw = st * (MMA_K_ALIGN // 2) + t * 4  # the kernel's word offsets
                     bw[lane] = ([ww[g * (kc // 2) + kw + i] for i in range(4)] if g < rows
                                 else [np.zeros(2)] * 4)
-                    lo[lane] = [xw[(mb * MMA_M + g) * (KC // 2) + kw + i] for i in range(4)]
-                    hi[lane] = [xw[(mb * MMA_M + g + 8) * (KC // 2) + kw + i] for i in range(4)]
+                    lo[lane] = [xw[(mb * MMA_M + g) * (XS // 2) + kw + i] for i in range(4)]
+                    hi[lane] = [xw[(mb * MMA_M + g + 8) * (XS // 2) + kw + i] for i in range(4)]
                 for h in range(2):
                     a = {ln: (lo[ln][2 * h], hi[ln][2 * h], lo[ln][2 * h + 1], hi[ln][2 * h + 1])
                          for ln in range(32)}
@@ -95,10 +96,11 @@ def _bf16(a: np.ndarray) -> np.ndarray:
                                            (16, 2048, 2048 - 32, 5)])
 def test_fragment_mapping_computes_the_dot_products(NO, KC, kc, rows):
     rng = np.random.default_rng(NO * 7 + kc + rows)
-    x = _bf16(rng.standard_normal((NO, KC)))
+    x = np.full((NO, KC + spec_mod.MMA_X_PAD), np.nan)  # sX rows x_stride apart, pad unread
+    x[:, :kc] = _bf16(rng.standard_normal((NO, kc)))  # the K-chunk staged (kc <= KC)
     tile = _bf16(rng.standard_normal((MMA_N, kc)))
     tile[rows:] = np.nan  # stale rows of a short last tile must not leak into the result
-    got = _emulate_tile(x, tile, rows, kc, KC)
+    got = _emulate_tile(x, tile, rows, kc)
     want = x[:, :kc] @ tile[:rows].T
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-9)
 
@@ -111,6 +113,7 @@ def test_mma_path_is_chosen_by_rows_pipeline_and_alignment():
     for b, t in ((MMA_MIN_ROWS, 1), (4, 4), (16, 1), (64, 1)):
         s = make_spec(cfg, b, t, "sm_90a")
         assert s.mma and s.pipelined, (b, t)
+        assert s.x_stride == s.k_chunk + spec_mod.MMA_X_PAD and (2 * s.x_stride) % 128 == 64
         assert s.no % MMA_M == 0 and s.no <= 2 * MMA_M and s.no >= min(s.rows, 2 * MMA_M)
         assert spec_mod.tile_rows(min(s.k_chunk, s.k_max), s.num_warps) == MMA_N
         off, n = s.smem_regions()["red"]

@@ -234,11 +234,15 @@ def test_ptx_has_the_pipeline(builds):
         assert ptx.count("mbarrier.init.shared.b64") == 2 * STAGES + 1, (name, arch)
         assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1, (name, arch)
         assert len(re.findall(rf"bar\.sync\s+1, {nt};", ptx)) >= 8, (name, arch)
-        # the L2 lookahead stays (weights: the loader's sliding walk; and K/V), the weight walk
-        # adding the arch's window to the loader's position
-        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2, (name, arch)
+        # the L2 lookahead: the weights' in the loader's branch (prefetch_tiles: whole-row and
+        # per-row requests, its limit the loader's volume + the arch's window), the consumers
+        # keep only the K/V one
+        body = _loader_ptx(ptx, nt // 32)
+        n_loader = body.count("cp.async.bulk.prefetch.L2.global")
+        assert n_loader >= 2, (name, arch, n_loader)
+        assert ptx.count("cp.async.bulk.prefetch.L2.global") - n_loader == 1, (name, arch)
         w = spec_mod.prefetch_window(arch)
-        assert re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {w};", ptx), (name, arch, w)
+        assert re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {w};", body), (name, arch, w)
         # the GEMV reads its weights from shared memory, not with 16-byte global loads
         assert "ld.global.L1::no_allocate.L2::256B.v4" not in ptx, (name, arch)
 
@@ -341,6 +345,14 @@ def test_loader_consumer_and_mirror_share_the_tile_loop_nest():
     assert ma["tr"] == "tile_rows(min(k_chunk, k), num_warps)"
     assert la["rows"] == "cutlass.min(tr, nr - t0)" and "min(tr, nr - t0)" in mirror
     assert "cutlass.min(tr, nr - t0)" in cons
+    # the lookahead cursor (prefetch_tiles) walks the same nest as an odometer, same bounds
+    pf = inspect.getsource(pl.Pipeline.prefetch_tiles)
+    pa = _assigns(pf)
+    for var in ("nr", "kc", "tr", "rows"):
+        assert pa[var] == la[var], (var, pa[var], la[var])
+    for step in ("t0 = t0 + tr", "kc0 = kc0 + KC", "rc0 = rc0 + RC", "p = p + 1",
+                 "if p >= self.spec.passes:"):
+        assert step in pf, step
     # one wait, one expect_tx and one j += 1 per loader tile; one wait + one release per consumer
     assert load.count("mbar_wait(") == 1 and load.count("arrive_and_expect_tx(") == 1
     assert load.count("j += 1") == 1 and cons.count("j += 1") == 1

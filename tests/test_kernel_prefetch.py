@@ -1,7 +1,8 @@
-"""The L2 lookahead prefetch (host mirror of the kernel's walk; no DSL, no GPU).
+"""The L2 lookahead prefetch (host mirrors of the kernel's walks; no DSL, no GPU).
 
-`spec.lookahead_plan` runs the same state machine as `DecodeMegakernel.prefetch_ahead`; the
-compiled kernel's PTX is checked against it in test_kernel_build.py.
+`spec.lookahead_plan` runs the same state machine as `lookahead.extend_lookahead` (the
+global-memory build; its PTX is checked in test_kernel_build.py); `spec.loader_lookahead_plan`
+mirrors the loader's cursor `Pipeline.prefetch_tiles` (the pipelined build).
 """
 
 from __future__ import annotations
@@ -80,52 +81,57 @@ def test_window_from_l2_size():
 
 
 def _check_loader(slabs: list[tuple[int, int]], passes: int, k_chunk: int, window: int) -> None:
-    """The loader's sliding lookahead: before each tile, every byte of the stream from the
-    tile's slab on below (loader position + window) has been requested, each byte once, in
-    order, nothing beyond; the position is the slab's start + the bytes of it issued before."""
-    from megakernel.kernel.spec import loader_lookahead_plan
+    """The loader's lookahead: its requests, in order, are exactly the loader's tiles in order
+    (every pass), each tile's bytes requested before its copy, and before tile j the cursor has
+    covered (bytes of tiles 0..j-1) + window, but not a tile more."""
+    from megakernel.kernel.spec import loader_lookahead_plan, stage_plan, tile_requests
 
     plan = loader_lookahead_plan(slabs, passes, k_chunk, 8, window)
-    nbytes = [n * k * 2 for n, k in slabs]
-    starts = [sum(nbytes[:i]) for i in range(len(slabs) + 1)]
-    done = [0] * len(slabs)
-    sent = [0] * len(slabs)
-    high = 0  # highest limit so far
-    for (i, _p, row0, rows, _col0, cols), reqs in plan:
-        pos = starts[i] + min(sent[i], nbytes[i])
-        assert pos + window >= high  # it only slides forward within a queue
-        for j, off, n in reqs:
-            assert j >= i and n > 0 and off == done[j], (i, j, off, done[j])
-            done[j] += n
-            assert starts[j] + off + n <= pos + window, (i, j, off, n)
-        high = pos + window
-        for j in range(i, len(slabs)):
-            want = max(0, min(nbytes[j], high - starts[j]))
-            assert done[j] >= want, (i, j, done[j], want)
-        if cols == slabs[i][1]:  # whole-row tiles: the tile itself was requested before its copy
-            assert starts[i] + (row0 + rows) * cols * 2 <= high or window < rows * cols * 2
-        sent[i] += rows * cols * 2
-    if window >= 32 * 1024:  # >= one tile: the last tile's limit covers the end of the stream
-        assert done == nbytes  # the whole stream, once
+    tiles = stage_plan(slabs, passes, k_chunk, 8)
+    assert [t for t, _ in plan] == tiles
+    every = [r for _, reqs in plan for r in reqs]
+    assert every == [r for t in tiles for r in tile_requests(slabs, t)]  # same order, once each
+    sizes = [t[3] * t[5] * 2 for t in tiles]
+    starts = [sum(sizes[:u]) for u in range(len(sizes) + 1)]  # volume before tile u
+    vol = covered = 0
+    seen: set[tuple[int, int, int]] = set()
+    for (tile, reqs), size in zip(plan, sizes, strict=True):
+        for r in reqs:
+            seen.add(r)
+            covered += r[2]
+        assert set(tile_requests(slabs, tile)) <= seen  # requested before the copy
+        u = starts.index(covered)  # the cursor stops between tiles
+        assert covered >= min(starts[-1], vol + window)  # a full window ahead ...
+        assert u == 0 or starts[u - 1] < vol + window  # ... and not a tile more
+        vol += size
+    for tile in tiles:  # the requests cover the tile's bytes exactly
+        i, _p, row0, rows, col0, cols = tile
+        k = slabs[i][1]
+        got = sorted((off, n) for _, off, n in tile_requests(slabs, tile))
+        want = sorted((((row0 + r) * k + col0) * 2, cols * 2) for r in range(rows))
+        if cols == k:
+            assert got == [(row0 * k * 2, rows * cols * 2)]
+        else:
+            assert got == want
 
 
-def test_loader_lookahead_slides_within_slabs():
-    """A slab larger than the window is requested ahead of the loader as it goes (the consumer
-    walk requests only its first window and leaves the rest to demand loads)."""
+def test_loader_lookahead_follows_the_loaders_tiles():
+    """Whole-row slabs: the window slides tile by tile; K-chunked slabs: the cursor requests the
+    loader's column bands in its order, row by row (not the slab's rows ahead of them)."""
     from megakernel.kernel.spec import loader_lookahead_plan
 
     w = 64 * 1024
     slabs = [(0, 0), (64, 2048), (0, 0), (16, 2048)]  # 256 KiB, attention, 64 KiB
     plan = loader_lookahead_plan(slabs, 1, 2048, 8, w)
-    first_tile, first = plan[0]
-    assert first_tile[0] == 1 and first == [(1, 0, w)]
-    # every 8-row tile (32 KiB) moves the window 32 KiB on, inside slab 1 and then into slab 3
-    assert plan[1][1] == [(1, w, 32 * 1024)]
-    moved = sum(n for _, reqs in plan for _, _, n in reqs)
-    assert moved == (64 + 16) * 2048 * 2
-    old = lookahead_plan([n * k * 2 for n, k in slabs], w)
-    assert sum(n for reqs in old for _, _, n in reqs) < moved  # the reach walk stops short
+    assert plan[0][0][0] == 1 and plan[0][1] == [(1, 0, 32 * 1024), (1, 32 * 1024, 32 * 1024)]
+    assert plan[1][1] == [(1, 64 * 1024, 32 * 1024)]  # one 8-row tile more per tile issued
+    chunked = loader_lookahead_plan([(16, 4096)], 1, 1024, 8, w)
+    first = chunked[0][1]
+    # 8 rows x 1024 columns per tile: the first band of rows 0..7, then rows 8..15, ...
+    assert first[:8] == [(0, r * 8192, 2048) for r in range(8)]
+    assert first[8:16] == [(0, (8 + r) * 8192, 2048) for r in range(8)]
     _check_loader(slabs, 1, 2048, w)
+    _check_loader([(16, 4096)], 2, 1024, w)
 
 
 def test_loader_lookahead_properties_on_random_queues():

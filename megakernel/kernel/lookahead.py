@@ -1,11 +1,11 @@
-"""The L2 lookahead: bulk L2 prefetches of this CTA's coming weight slabs (device code).
+"""The L2 lookahead of the global-memory build: bulk L2 prefetches of this CTA's coming weight
+slabs (device code).
 
-One state machine serves both builds (spec.lookahead_walk is its host mirror):
-- the global-memory build: the consumer threads extend it when the CTA reaches a record, before
-  the dependency wait, to `window` bytes past the start of that record's slab (megakernel.py);
-- the pipelined build: the loader warp extends it before every tile it streams into the ring, to
-  `window` bytes past the tile, so the window slides with the stream within slabs and across the
-  consumers' waits (pipeline.py).
+When the CTA reaches a record, before its dependency wait, the consumer threads extend the
+lookahead to `window` bytes past the start of that record's slab (megakernel.py); the rest of a
+slab larger than the window is left to the demand loads. (The pipelined build's loader warp runs
+its own lookahead over its tile sequence: pipeline.py `prefetch_tiles`.) spec.lookahead_walk is
+the host mirror.
 
 State: (pf_pc, pf_off, pf_cum) = slab pf_pc is requested up to byte pf_off, and pf_cum is that
 point as an offset in the CTA's stream of slabs. Each byte is requested once, in 16 KiB
@@ -36,18 +36,18 @@ def slab_bytes(rop: Int32, nrows: Int32, k: Int32) -> Int64:
 
 @cute.jit
 def extend_lookahead(weights: cute.Pointer, queue: cute.Pointer, pc: Int32, cum: Int64,
-                     pos: Int64, pf_pc: Int32, pf_off: Int64, pf_cum: Int64, window: int,
-                     tid: Int32, nthreads: int):
-    """Request every not yet requested byte of slabs pc, pc+1, ... below `pos + window` (`cum`:
-    stream offset of slab pc's start, `pos` >= cum). Returns the new (pf_pc, pf_off, pf_cum);
-    every calling thread runs the same walk and issues its share of the requests (thread `tid` of
-    `nthreads`). Returns without waiting."""
+                     pf_pc: Int32, pf_off: Int64, pf_cum: Int64, window: int, tid: Int32,
+                     nthreads: int):
+    """Request every not yet requested byte of slabs pc, pc+1, ... below `cum + window` (`cum`:
+    stream offset of slab pc's start). Returns the new (pf_pc, pf_off, pf_cum); every calling
+    thread runs the same walk and issues its share of the requests (thread `tid` of `nthreads`).
+    Returns without waiting."""
     f = isa.COMMON_WORDS
     if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
         pf_pc = pc
         pf_off = Int64(0)
         pf_cum = cum
-    limit = pos + Int64(window)
+    limit = cum + Int64(window)
     more = pf_cum < limit
     while more:
         base = pf_pc * isa.RECORD_WORDS

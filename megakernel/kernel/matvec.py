@@ -71,6 +71,7 @@ class Matvec:
         self.N, self.T, self.B = spec.rows, spec.tokens, spec.batch
         self.NO, self.NB, self.R = spec.no, spec.nb, spec.rows_per_group
         self.KC, self.RC = spec.k_chunk, spec.row_chunk
+        self.XS = spec.x_stride  # elements between staged activation rows in sX
         self.NT, self.NW = spec.num_threads, spec.num_warps
         self.H, self.I, self.V, self.D = spec.hidden, spec.inter, spec.vocab, spec.head_dim
         self.Hq, self.Hkv, self.G = spec.heads, spec.kv_heads, spec.group
@@ -240,7 +241,7 @@ class Matvec:
                 for v in cutlass.range(vb + lane, ve, LANES, unroll=2):
                     wv = load_smem_bf16x8(sRing, wrow + v * VEC)
                     for jj in cutlass.range_constexpr(NB):
-                        xv = load_smem_bf16x8(sX, (nbk * NB + jj) * self.KC + v * VEC)
+                        xv = load_smem_bf16x8(sX, (nbk * NB + jj) * self.XS + v * VEC)
                         acc[jj] = (wv * xv).reduce(cute.ReductionOp.ADD, acc[jj], 0)
                 for jj in cutlass.range_constexpr(NB):
                     acc[jj] = cute.arch.warp_reduction_sum(acc[jj])
@@ -271,7 +272,7 @@ class Matvec:
         MB = self.NO // MMA_M
         acc = cute.make_rmem_tensor((MB * 4,), Float32)
         acc.fill(0.0)
-        xrow = self.KC // 2  # words per staged activation row
+        xrow = self.XS // 2  # words per staged activation row
         wrow = kc // 2  # words per tile row
         for step in cutlass.range(sb, se):
             kw = step * (MMA_K_ALIGN // 2) + t * 4
@@ -346,7 +347,7 @@ class Matvec:
                     y.store((h * sRstd[nn]) * w)
                 else:
                     y.store(load_bf16x8(pB, in_off + n * k + col))
-            store_smem_bf16x8(sX, nn * self.KC + v * VEC, y.load())
+            store_smem_bf16x8(sX, nn * self.XS + v * VEC, y.load())
 
     # ---- the GEMV -----------------------------------------------------------------------------
     @cute.jit
@@ -372,7 +373,7 @@ class Matvec:
                         wv = [load_weights8(atom, pW, row_off + Int64(r * k + v * VEC))
                               for r in range(R)]
                         for j in cutlass.range_constexpr(NB):
-                            xv = load_smem_bf16x8(sX, (nbk * NB + j) * self.KC + v * VEC)
+                            xv = load_smem_bf16x8(sX, (nbk * NB + j) * self.XS + v * VEC)
                             for r in cutlass.range_constexpr(R):
                                 acc[r * NB + j] = (wv[r] * xv).reduce(
                                     cute.ReductionOp.ADD, acc[r * NB + j], 0)

@@ -125,8 +125,9 @@ class DecodeMegakernel:
 
         queue = program + bidx * queue_len * isa.RECORD_WORDS
         pc = Int32(0)
-        # lookahead state: record pf_pc's slab is requested up to byte pf_off; pf_cum and cum are
-        # offsets in this CTA's stream of slabs (the lookahead position, the start of slab pc)
+        # lookahead state (global-memory build): record pf_pc's slab is requested up to byte
+        # pf_off; pf_cum and cum are offsets in this CTA's stream of slabs (the lookahead
+        # position, the start of slab pc)
         pf_pc = Int32(0)
         pf_off = Int64(0)
         pf_cum = Int64(0)
@@ -142,9 +143,8 @@ class DecodeMegakernel:
             if op == Op.ATTN_PARTIAL:
                 self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
             if cutlass.const_expr(not self.piped):  # the loader warp slides it (pipeline.py)
-                pf_pc, pf_off, pf_cum = extend_lookahead(weights, queue, pc, cum, cum, pf_pc,
-                                                         pf_off, pf_cum, self.window, tidx,
-                                                         self.NT)
+                pf_pc, pf_off, pf_cum = extend_lookahead(weights, queue, pc, cum, pf_pc, pf_off,
+                                                         pf_cum, self.window, tidx, self.NT)
             sync.wait_counter(counters, rec[1], epoch * rec[3] + rec[2], tidx, named)
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
@@ -164,7 +164,8 @@ class DecodeMegakernel:
                                     s_max, len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
             if op != Op.ATTN_PARTIAL:  # the ticket above did its own signalling
                 sync.signal_counter(counters, rec[4], tidx, named)
-            cum = cum + slab_bytes(op, rec[isa.COMMON_WORDS + 3], rec[isa.COMMON_WORDS + 4])
+            if cutlass.const_expr(not self.piped):
+                cum = cum + slab_bytes(op, rec[isa.COMMON_WORDS + 3], rec[isa.COMMON_WORDS + 4])
             pc += 1
             op = cute.arch.load(queue + pc * isa.RECORD_WORDS, Int32)
         if cutlass.const_expr(self.piped):

@@ -18,10 +18,10 @@ counting the CTA out, consumer thread 0 waits for `done` and traps unless the co
 
 Weights never depend on activations, so the loader runs up to S tiles ahead of the consumers,
 across instruction boundaries and across their dependency waits; it never touches the counters.
-Before each tile it also slides the L2 lookahead (lookahead.py) to `spec.prefetch_window` bytes
-past the stream position it has reached (start of the slab + bytes of the slab issued so far), so
-HBM keeps streaming the CTA's next slabs into L2 while the ring is full:
-spec.loader_lookahead_plan is the host mirror.
+Before each tile it also runs the L2 lookahead (`prefetch_tiles`): a second cursor over the
+same tile sequence prefetches the tiles that follow, up to `spec.prefetch_window` bytes past the
+ones issued, so HBM keeps streaming exactly the bytes the loader will copy while the ring is
+full: spec.loader_lookahead_plan is the host mirror.
 `spec.stage_plan` is the host mirror of its schedule.
 
 Barriers: the loader warp leaves the CTA-wide barrier after the mbarrier set-up, so the consumers
@@ -36,7 +36,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from megakernel.kernel.lookahead import extend_lookahead, slab_bytes
 from megakernel.kernel.memory import join64, ld
 from megakernel.kernel.spec import SMEM_STAGE_BYTES, KernelSpec, ring_slot
 from megakernel.kernel.sync import WAIT_TIMEOUT_NS
@@ -92,10 +91,10 @@ class Pipeline:
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
         j = Int32(0)  # tiles issued
         pc = Int32(0)
-        cum = Int64(0)  # stream offset of slab pc (the lookahead's coordinates, lookahead.py)
-        pf_pc = Int32(0)
-        pf_off = Int64(0)
-        pf_cum = Int64(0)
+        vol = Int64(0)  # bytes of the tiles issued so far
+        # the prefetch cursor (prefetch_tiles): record, pass, row chunk, K-chunk, tile row, volume
+        f_pc, f_p, f_rc, f_kc, f_t = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+        f_vol = Int64(0)
         op = ld(queue, 0)
         while op != Op.END:
             if is_matvec(op):
@@ -105,8 +104,6 @@ class Pipeline:
                 k = ld(queue, base + f + 4)
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 src0 = weights.toint() + w_base * Int64(2)
-                nbytes = slab_bytes(op, nrows, k)
-                sent = Int64(0)  # bytes of this slab issued so far (all passes)
                 for _p in cutlass.range(self.spec.passes):
                     for rc0 in cutlass.range(0, nrows, RC):
                         nr = cutlass.min(Int32(RC), nrows - rc0)
@@ -114,13 +111,10 @@ class Pipeline:
                             kc = cutlass.min(Int32(KC), k - kc0)
                             for t0 in cutlass.range(0, nr, tr):
                                 rows = cutlass.min(tr, nr - t0)
-                                # slide the L2 lookahead to `window` bytes past what the
-                                # loader has streamed (by volume: with K-chunks the tiles walk
-                                # column bands, the lookahead the slab's rows)
-                                pos = cum + cutlass.min(sent, nbytes)
-                                pf_pc, pf_off, pf_cum = extend_lookahead(
-                                    weights, queue, pc, cum, pos, pf_pc, pf_off, pf_cum,
-                                    self.window, Int32(0), 1)
+                                # the L2 lookahead: this CTA's coming tiles, `window` bytes on
+                                f_pc, f_p, f_rc, f_kc, f_t, f_vol = self.prefetch_tiles(
+                                    weights, queue, vol + Int64(self.window), f_pc, f_p, f_rc,
+                                    f_kc, f_t, f_vol)
                                 s, _, empty_parity = ring_slot(j, self.S)
                                 mbar_wait(mbar + self.S + s, empty_parity)
                                 cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, rows * kc * 2)
@@ -133,13 +127,63 @@ class Pipeline:
                                         bulk_g2s(dst + r * kc, src + Int64(r) * Int64(k) * Int64(2),
                                                  kc * 2, mbar + s)
                                 j += 1
-                                sent = sent + Int64(rows * kc * 2)
-                cum = cum + nbytes
+                                vol = vol + Int64(rows * kc * 2)
             pc += 1
             op = ld(queue, pc * isa.RECORD_WORDS)
         # END: publish the tile count (the consumers check it against theirs, check_done)
         cute.make_tensor(mbar + 2 * self.S + 1, cute.make_layout(1))[0] = Int64(j)
         cute.arch.mbarrier_arrive(mbar + 2 * self.S)
+
+    @cute.jit
+    def prefetch_tiles(self, weights: cute.Pointer, queue: cute.Pointer, limit: Int64, pc: Int32,
+                       p: Int32, rc0: Int32, kc0: Int32, t0: Int32, vol: Int64):
+        """The L2 lookahead of the pipelined build: a second walk over the loader's own tile
+        sequence (same records, passes, row chunks, K-chunks and tile rows, as an odometer) that
+        issues cp.async.bulk.prefetch.L2 for each tile's bytes (one request for whole rows, one
+        per row of a K-chunk) until the bytes it has covered reach `limit` (the loader's volume +
+        window). So HBM fetches exactly what the loader will copy, in its order, `window` bytes
+        ahead, within slabs and across the consumers' waits. The cursor: (record, pass, row
+        chunk start, K-chunk start, tile row, covered bytes); returned advanced. Host mirror:
+        spec.loader_lookahead_plan."""
+        f = isa.COMMON_WORDS
+        KC, RC = self.spec.k_chunk, self.spec.row_chunk
+        op = ld(queue, pc * isa.RECORD_WORDS)
+        more = (vol < limit) & (op != Op.END)
+        while more:
+            if is_matvec(op):
+                base = pc * isa.RECORD_WORDS
+                w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
+                nrows = ld(queue, base + f + 3)
+                k = ld(queue, base + f + 4)
+                tr = self.tile_rows(cutlass.min(Int32(KC), k))
+                nr = cutlass.min(Int32(RC), nrows - rc0)
+                kc = cutlass.min(Int32(KC), k - kc0)
+                rows = cutlass.min(tr, nr - t0)
+                src = weights.toint() + (w_base + Int64(rc0 + t0) * Int64(k) + Int64(kc0)) * 2
+                if kc == k:  # whole rows: one contiguous request (<= one stage)
+                    prefetch_l2(src, rows * kc * 2)
+                else:
+                    for r in cutlass.range(rows):
+                        prefetch_l2(src + Int64(r) * Int64(k) * Int64(2), kc * 2)
+                vol = vol + Int64(rows * kc * 2)
+                t0 = t0 + tr  # the odometer: tile rows > K-chunks > row chunks > passes
+                if t0 >= nr:
+                    t0 = Int32(0)
+                    kc0 = kc0 + KC
+                    if kc0 >= k:
+                        kc0 = Int32(0)
+                        rc0 = rc0 + RC
+                        if rc0 >= nrows:
+                            rc0 = Int32(0)
+                            p = p + 1
+                            if p >= self.spec.passes:
+                                p = Int32(0)
+                                pc = pc + 1
+            else:
+                pc = pc + 1
+            op = ld(queue, pc * isa.RECORD_WORDS)
+            more = (vol < limit) & (op != Op.END)
+        return pc, p, rc0, kc0, t0, vol
 
     # ---- consumer side ------------------------------------------------------------------------
     @cute.jit
@@ -175,6 +219,13 @@ def bulk_g2s(dst: cute.Pointer, src: Int64, nbytes: Int32, bar: cute.Pointer):
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
         "[{$r0}], [{$r1}], {$r2}, [{$r3}];",
         read_only_args=[dst.toint(), src, nbytes, bar.toint()])
+
+
+@cute.jit
+def prefetch_l2(src: Int64, nbytes: Int32):
+    """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) at global address `src`."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                         read_only_args=[src, nbytes])
 
 
 @cute.jit

@@ -39,6 +39,7 @@ MMA_MIN_ROWS = 8
 MMA_K_ALIGN = 32  # K (every matvec) in steps of 32: one 16-byte vector per lane per B row
 MMA_M = 16  # activation rows per mma (A operand); NO is a multiple of it
 MMA_N = 8  # weight rows per mma (B operand) = rows of a ring tile
+MMA_X_PAD = 32  # bf16 of padding per staged activation row (KernelSpec.x_stride)
 
 ROW_CHUNK = 256  # slab rows per epilogue pass: a multiple of every head_dim and of 2 * 16 gate/up
 VEC = 8  # bf16 per 16-byte vector load
@@ -47,12 +48,13 @@ LANES = 32
 
 # ---- L2 lookahead prefetch (the cost model reads the same window)
 # The CTA asks L2 (cp.async.bulk.prefetch.L2) for the weight slabs of its own queue ahead of where
-# it reads them, each byte once. With the shared-memory pipeline the loader warp does it: before
-# each tile it extends the lookahead to PREFETCH_WINDOW bytes past that tile (pipeline.py), so the
-# window slides with the stream, within slabs and across dependency waits. Without the pipeline
-# the consumers do it when they reach a record, before its dependency wait: up to PREFETCH_WINDOW
-# bytes past the start of the current slab (megakernel.py). The window per SM is sized from the
-# L2 capacity:
+# it reads them. With the shared-memory pipeline the loader warp does it: before each tile, a
+# second cursor over the loader's own tile sequence prefetches the following tiles up to
+# PREFETCH_WINDOW bytes past the tiles issued (pipeline.py `prefetch_tiles`), so the window slides
+# with the stream, within slabs and across dependency waits, in the loader's order (K-chunked
+# slabs included). Without the pipeline the consumers do it when they reach a record, before its
+# dependency wait: up to PREFETCH_WINDOW bytes past the start of the current slab, each byte once
+# (lookahead.py). The window per SM is sized from the L2 capacity:
 # the prefetched-but-unread bytes of all SMs (SMs x window) take at most L2_PREFETCH_SHARE of L2,
 # so a prefetched line survives the demand stream that passes through L2 during its lead time
 # (about the same number of bytes again). L2 capacities: H100 SXM5 and H200 (same GH100 die)
@@ -144,7 +146,8 @@ def prefetch_window(arch: str) -> int:
 
 def lookahead_walk(slabs: list[int], window: int,
                    events: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Host mirror of the kernel's lookahead state machine (lookahead.extend_lookahead).
+    """Host mirror of the global-memory build's lookahead state machine
+    (lookahead.extend_lookahead).
 
     `slabs[i]`: prefetchable weight bytes of queue instruction i (0 for opcodes without a slab).
     `events`: (instruction pc, stream position) in issue order, the position at or past the start
@@ -182,23 +185,33 @@ def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, i
     return lookahead_walk(slabs, window, list(enumerate(starts)))
 
 
+def tile_requests(slabs: list[tuple[int, int]], tile: tuple) -> list[tuple[int, int, int]]:
+    """The L2 prefetch requests of one stage_plan tile (instruction, byte offset in its slab,
+    bytes): one for a tile of whole rows, one per row of a K-chunk (Pipeline.prefetch_tiles)."""
+    i, _p, row0, rows, col0, cols = tile
+    k = slabs[i][1]
+    if cols == k:
+        return [(i, row0 * k * 2, rows * cols * 2)]
+    return [(i, ((row0 + r) * k + col0) * 2, cols * 2) for r in range(rows)]
+
+
 def loader_lookahead_plan(slabs: list[tuple[int, int]], passes: int, k_chunk: int,
                           num_warps: int, window: int) -> list[tuple[tuple, list]]:
-    """The pipelined build's lookahead (Pipeline.load_queue): before each tile the loader extends
-    the lookahead to window bytes past its stream position = start of the tile's slab + the bytes
-    of that slab it has issued before (by volume, capped at the slab: with K-chunks the tiles walk
-    column bands while the lookahead walks the slab's rows, and later passes add nothing).
-    `slabs` as in stage_plan. Returns (tile, requests) per tile in issue order (tile: a
-    stage_plan entry)."""
-    nbytes = [n * k * 2 for n, k in slabs]
-    starts = [sum(nbytes[:i]) for i in range(len(slabs))]
+    """The pipelined build's lookahead (Pipeline.prefetch_tiles): a cursor walks the loader's
+    own tile sequence (stage_plan) and, before the loader issues tile j, prefetches tiles until
+    the bytes it has covered reach (bytes of tiles 0..j-1) + window. `slabs` as in stage_plan.
+    Returns (tile, requests issued just before it) per tile, requests as in tile_requests."""
     tiles = stage_plan(slabs, passes, k_chunk, num_warps)
-    sent = [0] * len(slabs)
-    events = []
-    for i, _p, _row0, rows, _col0, cols in tiles:
-        events.append((i, starts[i] + min(sent[i], nbytes[i])))
-        sent[i] += rows * cols * 2
-    return list(zip(tiles, lookahead_walk(nbytes, window, events), strict=True))
+    out, vol, covered, u = [], 0, 0, 0
+    for tile in tiles:
+        reqs = []
+        while covered < vol + window and u < len(tiles):
+            reqs += tile_requests(slabs, tiles[u])
+            covered += tiles[u][3] * tiles[u][5] * 2
+            u += 1
+        out.append((tile, reqs))
+        vol += tile[3] * tile[5] * 2
+    return out
 
 
 def default_build(cfg: ModelConfig, batch: int, tokens: int, arch: str) -> KernelSpec | None:
@@ -350,6 +363,13 @@ class KernelSpec:
         return max(256, min(cap, need))
 
     @property
+    def x_stride(self) -> int:
+        """Elements between staged activation rows in sX: KC, padded by 32 bf16 (64 bytes = 16
+        banks) for the mma path so that the two rows one 8-lane phase of a 16-byte A-operand
+        load touches fall in different banks."""
+        return self.k_chunk + (MMA_X_PAD if self.mma else 0)
+
+    @property
     def row_chunk(self) -> int:
         return ROW_CHUNK
 
@@ -369,7 +389,7 @@ class KernelSpec:
         """name -> (offset, bytes)."""
         d, nw = self.head_dim, self.num_warps
         sizes = [
-            ("x", 2 * self.no * self.k_chunk),  # bf16 [NO, KC]
+            ("x", 2 * self.no * self.x_stride),  # bf16 [NO, KC] (rows x_stride apart)
             ("acc", 4 * self.acc_words),  # fp32 [ks][n][row]
             ("rstd", 4 * max(self.no, 32)),  # fp32 per activation row
             ("best", 8 * max(self.no, 32)),  # (max, index) per activation row
@@ -427,6 +447,9 @@ class KernelSpec:
         if self.pipelined and self.num_warps & (self.num_warps - 1):
             raise SpecError(f"the pipeline needs a power-of-two number of consumer warps, "
                             f"got {self.num_warps}")
+        if self.mma and any(tile_rows(min(self.k_chunk, k), self.num_warps) != MMA_N
+                            for k in (self.hidden, self.heads * self.head_dim, self.inter)):
+            raise SpecError(f"the mma GEMV needs ring tiles of {MMA_N} weight rows")
         if self.smem_bytes > SMEM_BUDGET:
             raise SpecError(f"the kernel needs {self.smem_bytes} B of shared memory > budget "
                             f"{SMEM_BUDGET}")
