@@ -139,11 +139,23 @@ def test_cost_model_charges_the_path_the_build_runs():
     from megakernel.program.isa import MATVEC_OPS
 
     cfg = preset("llama-tiny")
-    for b, tensor in ((1, False), (4, False), (16, True)):
+    for b, tensor in ((1, False), (4, False), (16, True), (64, True)):
         prog = compile_program(cfg, b, gpu("h200"), policy="structure")
         mv = [i for i in prog.instrs if i.op in MATVEC_OPS]
         assert all((i.tensor_flops > 0) == tensor and (i.fp32_flops > 0) != tensor
                    for i in mv), b
+    # passes over the activation rows after the first re-read the slab through L2
+    from megakernel.program import compiler as C
+    from megakernel.program.pack import weight_layout
+
+    assert make_spec(cfg, 64, 1, "sm_90a").passes == 2
+    made = {}
+    for passes in (1, 2):
+        buf = C.plan_buffers(cfg, 64, 1, 128, 2, 132)
+        st = C.stages(cfg, 64, 1, 2, 64, weight_layout(cfg), buf, C._Counters(), True, passes)
+        made[passes] = [g.make(0, 1) for g in st if g.op in MATVEC_OPS]
+    for one, two in zip(made[1], made[2], strict=True):
+        assert two.l2_bytes - one.l2_bytes == one.w_bytes > 0
 
 
 # ---- compiled (DSL) -----------------------------------------------------------------------------

@@ -280,9 +280,13 @@ class _Counters:
 
 
 def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: int,
-           lay: WeightLayout, buf: BufferPlan, ctr: _Counters, mma: bool = True) -> list[Stage]:
+           lay: WeightLayout, buf: BufferPlan, ctr: _Counters, mma: bool = True,
+           passes: int = 1) -> list[Stage]:
     """The step as stages in execution order (see the module docstring). `mma`: the kernel's
-    GEMV runs on tensor cores (spec.KernelSpec.mma), else on FMA (the cost model's compute)."""
+    GEMV runs on tensor cores (spec.KernelSpec.mma), else on FMA (the cost model's compute).
+    `passes`: the build's passes over the activation rows (spec.KernelSpec.passes); a matvec
+    streams its slab once per pass, the passes after the first read it again through L2."""
+    reread = passes - 1
     n, hid, inter, d = batch * tokens, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, g, v = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.vocab_size
     f32, bf, i32 = buf.f32, buf.bf16, buf.i32
@@ -326,7 +330,7 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
                 NORM_OFF=lay.layer(layer, "attn_norm").offset, IN_OFF=f32["h"].offset,
                 OUT_OFF=bf["q"].offset, QK_NORM_OFF=qkn, ROPE_OFF=f32["rope_cos"].offset),
                 wait=wait, signal=ctr(f"L{layer}.qkv.g{grp}"),
-                w_bytes=rows * hid * 2, l2_bytes=n * hid * 4 + hid * 2,
+                w_bytes=rows * hid * 2, l2_bytes=n * hid * 4 + hid * 2 + reread * rows * hid * 2,
                 store_bytes=n * rows * 2, **matvec_flops(rows, hid))
 
         out.append(Stage(f"L{layer}.qkv", Op.QKV, layer, hkv * slots, False, mk_qkv))
@@ -358,7 +362,8 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
             return Instr(Op.OPROJ, layer, dict(
                 W=lay.layer(layer, "o").offset + r0 * k, ROW0=r0, NROWS=rows, K=k, NORM_OFF=-1,
                 IN_OFF=bf["attn"].offset, OUT_OFF=f32["h"].offset),
-                wait=c_attn, signal=c_o, w_bytes=rows * k * 2, l2_bytes=n * k * 2 + n * rows * 4,
+                wait=c_attn, signal=c_o, w_bytes=rows * k * 2,
+                l2_bytes=n * k * 2 + n * rows * 4 + reread * rows * k * 2,
                 store_bytes=n * rows * 4, **matvec_flops(rows, k))
 
         out.append(Stage(f"L{layer}.oproj", Op.OPROJ, layer, hid // ra, True, mk_o, ra))
@@ -371,7 +376,8 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
                 W=lay.layer(layer, "gateup").offset + r0 * hid, ROW0=r0, NROWS=rows, K=hid,
                 NORM_OFF=lay.layer(layer, "mlp_norm").offset, IN_OFF=f32["h"].offset,
                 OUT_OFF=bf["act"].offset),
-                wait=c_o, signal=c_gu, w_bytes=rows * hid * 2, l2_bytes=n * hid * 4 + hid * 2,
+                wait=c_o, signal=c_gu, w_bytes=rows * hid * 2,
+                l2_bytes=n * hid * 4 + hid * 2 + reread * rows * hid * 2,
                 store_bytes=n * rows, **matvec_flops(rows, hid))
 
         out.append(Stage(f"L{layer}.gateup", Op.GATEUP, layer, 2 * inter // gu_rows, True, mk_gu,
@@ -384,7 +390,8 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
                 W=lay.layer(layer, "down").offset + r0 * inter, ROW0=r0, NROWS=rows, K=inter,
                 NORM_OFF=-1, IN_OFF=bf["act"].offset, OUT_OFF=f32["h"].offset),
                 wait=c_gu, signal=c_dn, w_bytes=rows * inter * 2,
-                l2_bytes=n * inter * 2 + n * rows * 4, store_bytes=n * rows * 4,
+                l2_bytes=n * inter * 2 + n * rows * 4 + reread * rows * inter * 2,
+                store_bytes=n * rows * 4,
                 **matvec_flops(rows, inter))
 
         out.append(Stage(f"L{layer}.down", Op.DOWN, layer, hid // ra, True, mk_down, ra))
@@ -400,7 +407,8 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
             W=lm.offset + r0 * hid, ROW0=r0, NROWS=rows, K=hid, NORM_OFF=lay["final_norm"].offset,
             IN_OFF=f32["h"].offset, OUT_OFF=f32["logits"].offset, TILE=t,
             PARG_OFF=f32["part_argmax"].offset),
-            wait=wait, signal=c_lm, w_bytes=rows * hid * 2, l2_bytes=n * hid * 4 + hid * 2,
+            wait=wait, signal=c_lm, w_bytes=rows * hid * 2,
+            l2_bytes=n * hid * 4 + hid * 2 + reread * rows * hid * 2,
             store_bytes=n * rows * 4 + n * 8, **matvec_flops(rows, hid))
 
     out.append(Stage("lmhead", Op.LMHEAD, -1, v // ra, True, mk_lm, ra))
@@ -454,7 +462,8 @@ def compile_program(
     ctr = _Counters()
     spec = default_build(cfg, batch, tokens, gpu.arch)  # the kernel build the program runs on
     mma = spec.mma if spec else batch * tokens >= MMA_MIN_ROWS
-    stage_list = stages(cfg, batch, tokens, n_splits, context, lay, buf, ctr, mma)
+    passes = spec.passes if spec else 1
+    stage_list = stages(cfg, batch, tokens, n_splits, context, lay, buf, ctr, mma, passes)
     ring = spec.smem_stages * SMEM_STAGE_BYTES if spec else 0  # the build's weight ring
     best = None
     for instrs, queues, state in schedule.candidates(stage_list, gpu, policy, params, ring):
