@@ -1,8 +1,9 @@
 """The tensor-core GEMV (matvec.py `mma_tile` / `mma_reduce`, spec.KernelSpec.mma).
 
-No GPU here: a numpy emulation of one ring tile checks that the kernel's operand indexing, laid
-onto the PTX ISA fragment layout of mma.sync m16n8k16 (A row-major, B column-major, bf16 pairs in
-32-bit registers), computes the plain dot products; the spec rules choose the path; the compiled
+No GPU here: a numpy emulation of one ring tile checks that the kernel's operand indexing (the
+spec.mma_* helpers the kernel calls), laid onto the PTX ISA fragment layout of mma.sync m16n8k16
+(A row-major, B column-major, bf16 pairs in 32-bit registers; written out here from the ISA),
+computes the plain dot products; the spec rules choose the path; the compiled
 kernel carries the mma in its PTX and HMMA in its SASS, within the register and shared-memory
 budgets, on both archs.
 """
@@ -17,7 +18,16 @@ import pytest
 
 from megakernel.config import preset
 from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.spec import MMA_K_ALIGN, MMA_M, MMA_MIN_ROWS, MMA_N, make_spec
+from megakernel.kernel.spec import (
+    MMA_K_ALIGN,
+    MMA_M,
+    MMA_MIN_ROWS,
+    MMA_N,
+    make_spec,
+    mma_c_coord,
+    mma_operand_word,
+    mma_red_index,
+)
 
 
 # ---- emulation of one tile (PTX ISA: "Matrix Fragments for mma.m16n8k16", .bf16) -------------
@@ -50,39 +60,45 @@ def _emulate_tile(x: np.ndarray, tile: np.ndarray, rows: int, kc: int, nw: int =
     ww = tile.reshape(-1, 2)
     steps = kc // MMA_K_ALIGN
     per = -(-steps // nw)
-    red = np.zeros((nw, NO, MMA_N))
+    red = np.full(2 * nw * NO * MMA_N, np.nan)  # sRed, flat, as the kernel indexes it
+    buf = 1
     for warp in range(nw):
         sb, se = warp * per, min(steps, warp * per + per)
         acc = np.zeros((NO // MMA_M, 16, 8))
         for st in range(sb, se):
             for mb in range(NO // MMA_M):
                 lo, hi, bw = {}, {}, {}
-                for lane in range(32):
+                for lane in range(32):  # the kernel's word offsets (spec.mma_operand_word)
                     g, t = divmod(lane, 4)
-                    kw = st * (MMA_K_ALIGN // 2) + t * 4  # the kernel's word offsets
-                    bw[lane] = ([ww[g * (kc // 2) + kw + i] for i in range(4)] if g < rows
+                    wb = mma_operand_word(g, st, t, kc // 2)
+                    wa = mma_operand_word(mb * MMA_M + g, st, t, XS // 2)
+                    wh = mma_operand_word(mb * MMA_M + g + 8, st, t, XS // 2)
+                    bw[lane] = ([ww[wb + i] for i in range(4)] if g < rows
                                 else [np.zeros(2)] * 4)
-                    lo[lane] = [xw[(mb * MMA_M + g) * (XS // 2) + kw + i] for i in range(4)]
-                    hi[lane] = [xw[(mb * MMA_M + g + 8) * (XS // 2) + kw + i] for i in range(4)]
+                    lo[lane] = [xw[wa + i] for i in range(4)]
+                    hi[lane] = [xw[wh + i] for i in range(4)]
                 for h in range(2):
                     a = {ln: (lo[ln][2 * h], hi[ln][2 * h], lo[ln][2 * h + 1], hi[ln][2 * h + 1])
                          for ln in range(32)}
                     b = {ln: (bw[ln][2 * h], bw[ln][2 * h + 1]) for ln in range(32)}
                     A, B = _fragments_to_matrices(a, b)
                     acc[mb] += A @ B
-        for lane in range(32):  # C fragment -> sRed, the kernel's (m, n) of c0..c3
+        for lane in range(32):  # C fragment -> sRed
             g, t = divmod(lane, 4)
             for mb in range(NO // MMA_M):
+                # the PTX ISA's C/D layout: c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1)
                 for c, (mm, nn) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t),
                                               (g + 8, 2 * t + 1))):
-                    m = mb * MMA_M + g + 8 * (c // 2)
-                    n = 2 * t + c % 2
-                    assert (m - mb * MMA_M, n) == (mm, nn)
-                    red[warp, m, n] = acc[mb][mm, nn]
-    out = red[0].copy()
-    for w in range(1, nw):  # mma_reduce: warps in order
-        out += red[w]
-    return out[:, :rows]
+                    m, n = mma_c_coord(g, t, c)  # where the kernel puts register c
+                    red[mma_red_index(buf, warp, mb * MMA_M + m, n, nw, NO)] = acc[mb][mm, nn]
+    out = np.zeros((NO, rows))
+    for nn in range(NO):  # mma_reduce: warps in order
+        for r in range(rows):
+            v = red[mma_red_index(buf, 0, nn, r, nw, NO)]
+            for w in range(1, nw):
+                v = v + red[mma_red_index(buf, w, nn, r, nw, NO)]
+            out[nn, r] = v
+    return out
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:

@@ -54,6 +54,9 @@ from megakernel.kernel.spec import (
     MMA_N,
     VEC,
     KernelSpec,
+    mma_c_coord,
+    mma_operand_word,
+    mma_red_index,
     ring_slot,
 )
 from megakernel.kernel.sync import cta_sync
@@ -275,27 +278,26 @@ class Matvec:
         xrow = self.XS // 2  # words per staged activation row
         wrow = kc // 2  # words per tile row
         for step in cutlass.range(sb, se):
-            kw = step * (MMA_K_ALIGN // 2) + t * 4
             b = cute.make_rmem_tensor((4,), Int32)
             b.fill(0)
             if g < rows:
-                load_smem_words4(sRingW, wbase + g * wrow + kw, b)
+                load_smem_words4(sRingW, wbase + mma_operand_word(g, step, t, wrow), b)
             for mb in cutlass.range_constexpr(MB):
                 lo = cute.make_rmem_tensor((4,), Int32)
                 hi = cute.make_rmem_tensor((4,), Int32)
-                load_smem_words4(sXw, (mb * MMA_M + g) * xrow + kw, lo)
-                load_smem_words4(sXw, (mb * MMA_M + g + 8) * xrow + kw, hi)
+                load_smem_words4(sXw, mma_operand_word(mb * MMA_M + g, step, t, xrow), lo)
+                load_smem_words4(sXw, mma_operand_word(mb * MMA_M + g + 8, step, t, xrow), hi)
                 for h in cutlass.range_constexpr(2):
                     d = mma_bf16_16816(lo[2 * h], hi[2 * h], lo[2 * h + 1], hi[2 * h + 1],
                                        b[2 * h], b[2 * h + 1], acc[mb * 4], acc[mb * 4 + 1],
                                        acc[mb * 4 + 2], acc[mb * 4 + 3])
                     for c in cutlass.range_constexpr(4):
                         acc[mb * 4 + c] = d[c]
-        base = (buf * self.NW + warp) * self.NO
         for mb in cutlass.range_constexpr(MB):
             for c in cutlass.range_constexpr(4):
-                m = mb * MMA_M + g + 8 * (c // 2)
-                sRed[(base + m) * MMA_N + 2 * t + c % 2] = acc[mb * 4 + c]
+                m, n = mma_c_coord(g, t, c)
+                sRed[mma_red_index(buf, warp, mb * MMA_M + m, n, self.NW, self.NO)] = acc[
+                    mb * 4 + c]
 
     @cute.jit
     def mma_reduce(self, sRed: cute.Tensor, buf: Int32, rows: Int32, t0: Int32, nrp: Int32,
@@ -305,9 +307,9 @@ class Matvec:
             nn = idx // MMA_N
             r = idx - nn * MMA_N
             if r < rows:
-                v = sRed[(buf * self.NW * self.NO + nn) * MMA_N + r]
+                v = sRed[mma_red_index(buf, 0, nn, r, self.NW, self.NO)]
                 for w in cutlass.range_constexpr(1, self.NW):
-                    v = v + sRed[((buf * self.NW + w) * self.NO + nn) * MMA_N + r]
+                    v = v + sRed[mma_red_index(buf, w, nn, r, self.NW, self.NO)]
                 a = nn * nrp + t0 + r
                 sAcc[a] = sAcc[a] + v
 

@@ -94,6 +94,26 @@ def tile_rows(kc: int, num_warps: int, stage_bytes: int = SMEM_STAGE_BYTES) -> i
     return tr
 
 
+def mma_operand_word(row, step, t, row_words):
+    """32-bit word (bf16 pair) offset of the 16 bytes lane (g, t) loads for K-step `step` (32
+    inputs) of operand row `row` (A: an activation row g or g + 8 of a 16-row block; B: weight row
+    g of the tile), rows `row_words` words apart: words [4t, 4t + 4) of the step (matvec.mma_tile).
+    Plain arithmetic: the kernel calls it on Int32, the host emulation on int."""
+    return row * row_words + step * (MMA_K_ALIGN // 2) + t * 4
+
+
+def mma_c_coord(g, t, c: int):
+    """(row, column) of a 16x8 mma block held in accumulator register c (0..3) of lane (g, t):
+    the PTX ISA's fragment layout of C/D for m16n8k16 with fp32 accumulators."""
+    return g + 8 * (c // 2), 2 * t + c % 2
+
+
+def mma_red_index(buf, warp, m, n, num_warps: int, no: int):
+    """Element of sRed [2][NW][NO][MMA_N] holding warp `warp`'s partial for activation row m,
+    tile row n, partial buffer `buf`."""
+    return ((buf * num_warps + warp) * no + m) * MMA_N + n
+
+
 def ring_slot(j, stages: int):
     """Tile j's (stage, full-barrier parity, empty-barrier parity) in a ring of `stages`: the
     consumers wait full[stage] for `full`, the loader waits empty[stage] for `empty` (a fresh
