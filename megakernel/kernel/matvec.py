@@ -1,4 +1,4 @@
-"""The matvec handler: one parametrised FMA GEMV with fused prologues and epilogues (device code).
+"""The matvec handler: one parametrised GEMV (FMA or mma.sync) with fused prologues and epilogues.
 
 One instruction = a slab of NROWS weight rows [K] streamed once per pass over the activation rows.
 Loop nest (per CTA):
