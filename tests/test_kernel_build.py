@@ -159,6 +159,13 @@ def test_resource_rules_reject_spills_and_budget_overruns():
         check_resources({**ok, "local_bytes": 16}, s)
     with pytest.raises(BuildError, match="registers > budget"):
         check_resources({**ok, "registers": spec_mod.REGISTER_BUDGET + 8}, s)
+    # static shared memory beyond the 1 KiB the budget leaves: over the opt-in maximum
+    big = make_spec(preset("qwen3-8b"), 8, 1, "sm_90a")  # the largest carve-up the sweep makes
+    assert big.smem_bytes <= spec_mod.SMEM_BUDGET < spec_mod.SMEM_OPTIN == 232448
+    check_resources(ok, big)
+    with pytest.raises(BuildError, match="opt into"):
+        check_resources({**ok, "shared_bytes": 1024 + spec_mod.SMEM_BUDGET - big.smem_bytes + 16},
+                        big)
 
 
 def test_fingerprint_tracks_static_config():

@@ -79,8 +79,12 @@ def check_resources(res: dict, spec: KernelSpec) -> None:
     if res["registers"] * spec.block_threads > 65536:
         problems.append(f"{res['registers']} registers x {spec.block_threads} threads do not fit "
                         f"one SM's register file")
-    if spec.smem_bytes + res["shared_bytes"] > spec_mod.SMEM_BUDGET + 1024:
-        problems.append(f"shared memory {spec.smem_bytes} + {res['shared_bytes']} B > budget")
+    if spec.smem_bytes > spec_mod.SMEM_BUDGET:
+        problems.append(f"dynamic shared memory {spec.smem_bytes} B > budget "
+                        f"{spec_mod.SMEM_BUDGET}")
+    if spec.smem_bytes + res["shared_bytes"] > spec_mod.SMEM_OPTIN:
+        problems.append(f"shared memory {spec.smem_bytes} + {res['shared_bytes']} B > the "
+                        f"{spec_mod.SMEM_OPTIN} B a CTA may opt into")
     if problems:
         raise BuildError(f"{spec.arch} build breaks the kernel rules: " + "; ".join(problems))
 
