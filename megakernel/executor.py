@@ -102,17 +102,27 @@ class Executor:
         self.bf16 = torch.full((b.bf16_numel,), float("nan"), dtype=torch.bfloat16)
         self.i32 = torch.zeros(b.i32_numel, dtype=torch.int32)
         self.k = torch.full(b.kv_shape, float("nan"), dtype=torch.bfloat16)
-        self.v = torch.full(b.kv_shape, float("nan"), dtype=torch.bfloat16)
+        self.v = torch.full(self._v_shape(b), float("nan"), dtype=torch.bfloat16)
         self.counters = [0] * prog.counter_words()
-        cos, sin = rope_tables(self.cfg, prog.max_seq_len)
+        cos, sin = self._rope_tables()
         self._region("f32", "rope_cos").copy_(cos)
         self._region("f32", "rope_sin").copy_(sin)
         self.counter_names = [c.name for c in prog.counters]
         if check:
-            n = self.n_sm
-            self.tracks = {"f32": _Track.new(b.f32_numel, n), "bf16": _Track.new(b.bf16_numel, n),
-                           "i32": _Track.new(b.i32_numel, n),
-                           "k": _Track.new(self.k.numel(), n), "v": _Track.new(self.v.numel(), n)}
+            self.tracks = {k: _Track.new(n, self.n_sm) for k, n in self._tracked(b).items()}
+
+    # ---- what a subclass (hybrid_executor.py) changes -------------------------------------------
+    @staticmethod
+    def _v_shape(b) -> tuple[int, ...]:  # noqa: ANN001 (the buffer plan)
+        return b.kv_shape
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.cfg, self.prog.max_seq_len)
+
+    def _tracked(self, b) -> dict[str, int]:  # noqa: ANN001 (the buffer plan)
+        """Buffers the race detector and the write counts track: name -> elements."""
+        return {"f32": b.f32_numel, "bf16": b.bf16_numel, "i32": b.i32_numel,
+                "k": self.k.numel(), "v": self.v.numel()}
 
     # ---- buffers ------------------------------------------------------------------------------
     def _arena(self, name: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megakernel.executor import DEFAULT_SMS, Executor, ExecutorError, _Track, executor_gpu
+from megakernel.executor import DEFAULT_SMS, Executor, ExecutorError, executor_gpu
 from megakernel.hybrid.config import HybridConfig
 from megakernel.program import hybrid_isa, isa
 from megakernel.program.hybrid_compiler import (
@@ -45,39 +45,27 @@ class HybridExecutor(Executor):
     f32_constants = tuple(F32_CONSTANTS)  # the hybrid plan's constant fp32 regions
 
     def __init__(self, prog: HybridProgram, packed: HybridPacked, check: bool = True) -> None:
-        if packed.layout != prog.layout:
-            raise ExecutorError("packed weights do not match the program's weight layout")
-        self.prog = prog
-        self.cfg = prog.cfg
-        self.check = check
         b = prog.buffers
-        self.records = prog.records()
-        self.n_sm = self.records.shape[0]
-        self.weights = packed.arena
-        self.f32 = torch.full((b.f32_numel,), float("nan"), dtype=torch.float32)
-        self.bf16 = torch.full((b.bf16_numel,), float("nan"), dtype=torch.bfloat16)
-        self.i32 = torch.zeros(b.i32_numel, dtype=torch.int32)
         self.state = torch.zeros(b.state_numel, dtype=torch.float32)
-        self.k = torch.full(b.kv_shape, float("nan"), dtype=torch.bfloat16)
-        self.v = torch.full(b.v_shape or b.kv_shape, float("nan"), dtype=torch.bfloat16)
-        self.counters = [0] * prog.counter_words()
-        cos, sin = rope_tables(self.cfg, prog.max_seq_len)
-        self._region("f32", "rope_cos").copy_(cos)
-        self._region("f32", "rope_sin").copy_(sin)
+        super().__init__(prog, packed, check)
         params = self._region("f32", "ssm_params")
         for layer, row in b.ssm_index.items():
             params[row].copy_(packed.params[layer].reshape(-1))
         routers = self._region("f32", "router")
         for layer, row in b.moe_index.items():
             routers[row].copy_(packed.router[layer])
-        self.counter_names = [c.name for c in prog.counters]
         self.eps = self.cfg.rms_norm_eps
-        if check:
-            n = self.n_sm
-            self.tracks = {"f32": _Track.new(b.f32_numel, n), "bf16": _Track.new(b.bf16_numel, n),
-                           "i32": _Track.new(b.i32_numel, n),
-                           "state": _Track.new(b.state_numel, n),
-                           "k": _Track.new(self.k.numel(), n), "v": _Track.new(self.v.numel(), n)}
+
+    @staticmethod
+    def _v_shape(b) -> tuple[int, ...]:  # noqa: ANN001 (the buffer plan)
+        return b.v_shape or b.kv_shape  # MLA: no V cache of its own
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.cfg, self.prog.max_seq_len)  # the hybrid config's
+
+    def _tracked(self, b) -> dict[str, int]:  # noqa: ANN001 (the buffer plan)
+        return {"f32": b.f32_numel, "bf16": b.bf16_numel, "i32": b.i32_numel,
+                "state": b.state_numel, "k": self.k.numel(), "v": self.v.numel()}
 
     # ---- hooks of the base executor --------------------------------------------------------------
     decode_record = staticmethod(hybrid_isa.decode)
