@@ -279,6 +279,23 @@ class _Counters:
         return self.ids[name]
 
 
+def embed_stage(n: int, hid: int, lay, buf, ctr: _Counters) -> Stage:  # noqa: ANN001
+    """EMBED (dense and hybrid programs): h[n] = embedding[tokens_in[n]] for the N activation
+    rows, in chunks of <= 32 KiB of gathered bf16; signals counter "embed"."""
+    e_rows = max(1, min(n, (32 * 1024) // (2 * hid)))
+    c_embed = ctr("embed")
+    f32, i32 = buf.f32, buf.i32
+
+    def mk_embed(u0: int, u1: int) -> Instr:
+        n0, n1 = u0 * e_rows, min(n, u1 * e_rows)
+        return Instr(Op.EMBED, -1, dict(W=lay["embed"].offset, N0=n0, N1=n1, K=hid,
+                                        TOK_OFF=i32["tokens_in"].offset, OUT_OFF=f32["h"].offset),
+                     signal=c_embed, hbm_bytes=(n1 - n0) * hid * 2, l2_bytes=(n1 - n0) * 4,
+                     store_bytes=(n1 - n0) * hid * 4)
+
+    return Stage("embed", Op.EMBED, -1, -(-n // e_rows), False, mk_embed)
+
+
 def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: int,
            lay: WeightLayout, buf: BufferPlan, ctr: _Counters, mma: bool = True,
            passes: int = 1) -> list[Stage]:
@@ -299,20 +316,8 @@ def stages(cfg: ModelConfig, batch: int, tokens: int, n_splits: int, context: in
             return {"tensor_flops": 2.0 * npad * rows * k}
         return {"fp32_flops": 2.0 * n * rows * k}
 
-    # EMBED: rows of N in chunks of <= 32 KiB of gathered bf16
-    e_rows = max(1, min(n, (32 * 1024) // (2 * hid)))
-    n_embed = -(-n // e_rows)
-    c_embed = ctr("embed")
-
-    def mk_embed(u0: int, u1: int) -> Instr:
-        n0, n1 = u0 * e_rows, min(n, u1 * e_rows)
-        return Instr(Op.EMBED, -1, dict(W=lay["embed"].offset, N0=n0, N1=n1, K=hid,
-                                        TOK_OFF=i32["tokens_in"].offset, OUT_OFF=f32["h"].offset),
-                     signal=c_embed, hbm_bytes=(n1 - n0) * hid * 2, l2_bytes=(n1 - n0) * 4,
-                     store_bytes=(n1 - n0) * hid * 4)
-
-    out.append(Stage("embed", Op.EMBED, -1, n_embed, False, mk_embed))
-    prev = c_embed
+    out.append(embed_stage(n, hid, lay, buf, ctr))
+    prev = ctr("embed")
     ctx_keys = context + tokens  # keys per sequence seen by the cost model
     keys_split = -(-ctx_keys // n_splits)
 

@@ -46,6 +46,7 @@ from megakernel.program.compiler import (
     Region,
     Stage,
     _Counters,
+    embed_stage,
 )
 from megakernel.program.gpus import GPU
 from megakernel.program.hybrid_isa import HOp
@@ -291,18 +292,8 @@ def stages(cfg: HybridConfig, batch: int, tokens: int, context: int, lay: Weight
                      wait=wait, signal=signal, w_bytes=rows * k * 2, l2_bytes=act_bytes,
                      store_bytes=store, tensor_flops=flops(rows, k))
 
-    e_rows = max(1, min(n, (32 * 1024) // (2 * hid)))
-    c_embed = ctr("embed")
-
-    def mk_embed(u0: int, u1: int) -> Instr:
-        n0, n1 = u0 * e_rows, min(n, u1 * e_rows)
-        return Instr(Op.EMBED, -1, dict(W=lay["embed"].offset, N0=n0, N1=n1, K=hid,
-                                        TOK_OFF=i32["tokens_in"].offset, OUT_OFF=f32["h"].offset),
-                     signal=c_embed, hbm_bytes=(n1 - n0) * hid * 2, l2_bytes=(n1 - n0) * 4,
-                     store_bytes=(n1 - n0) * hid * 4)
-
-    out.append(Stage("embed", Op.EMBED, -1, -(-n // e_rows), False, mk_embed))
-    prev = c_embed
+    out.append(embed_stage(n, hid, lay, buf, ctr))
+    prev = ctr("embed")
     pw = gdn_proj_width(cfg)
     # per recurrent unit (key head / group): state, window, ring entry and conv-tap bytes
     st_bytes = math.prod(rs.state) // rs.units * 4
