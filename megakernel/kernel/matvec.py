@@ -95,12 +95,8 @@ class Matvec:
         norm_off, in_off, out_off = rec[f + 5], rec[f + 6], rec[f + 7]
         extra0, extra1 = rec[f + 8], rec[f + 9]  # QKV: QK_NORM_OFF, ROPE_OFF; LMHEAD: TILE, PARG
         for n0 in cutlass.range(0, self.N, self.NO):
-            if norm_off >= 0:
-                self.row_rstd(pF, in_off, k, n0, sRstd, warp, lane)
-            if op == Op.LMHEAD:
-                for nn in cutlass.range(tidx, self.NO, self.NT):
-                    sBest[2 * nn] = Float32(F32_NEG_INF)
-                    sBest[2 * nn + 1] = row0.to(Float32)
+            self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, sRstd, sBest, tidx, warp,
+                               lane)
             for rc0 in cutlass.range(0, nrows, self.RC):
                 nr = cutlass.min(Int32(self.RC), nrows - rc0)
                 ng = nr // self.R
@@ -153,12 +149,8 @@ class Matvec:
         tr = self.pipe.tile_rows(cutlass.min(Int32(self.KC), k))
         ksplit = self.NW // tr
         for n0 in cutlass.range(0, self.N, self.NO):
-            if norm_off >= 0:
-                self.row_rstd(pF, in_off, k, n0, sRstd, warp, lane)
-            if op == Op.LMHEAD:
-                for nn in cutlass.range(tidx, self.NO, self.NT):
-                    sBest[2 * nn] = Float32(F32_NEG_INF)
-                    sBest[2 * nn + 1] = row0.to(Float32)
+            self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, sRstd, sBest, tidx, warp,
+                               lane)
             for rc0 in cutlass.range(0, nrows, self.RC):
                 nr = cutlass.min(Int32(self.RC), nrows - rc0)
                 cta_sync(self.named)  # previous epilogue done with sAcc
@@ -193,6 +185,19 @@ class Matvec:
                 self.store_partial_argmax(n0, extra0, extra1, pF, sBest, tidx)
             cta_sync(self.named)
         return j
+
+    @cute.jit
+    def pass_prologue(self, op: Int32, row0: Int32, norm_off: Int32, in_off: Int32, k: Int32,
+                      n0: Int32, pF: cute.Pointer, sRstd: cute.Tensor, sBest: cute.Tensor,
+                      tidx: Int32, warp: Int32, lane: Int32):
+        """Start of a pass over activation rows n0 .. n0 + NO (both weight paths): the RMSNorm
+        statistics (norm opcodes) and, for LMHEAD, the running (max, index) reset."""
+        if norm_off >= 0:
+            self.row_rstd(pF, in_off, k, n0, sRstd, warp, lane)
+        if op == Op.LMHEAD:
+            for nn in cutlass.range(tidx, self.NO, self.NT):
+                sBest[2 * nn] = Float32(F32_NEG_INF)
+                sBest[2 * nn + 1] = row0.to(Float32)
 
     @cute.jit
     def epilogue(self, op: Int32, layer: Int32, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,

@@ -87,7 +87,6 @@ class Pipeline:
         by tile in the consumers' loop nest (spec.matvec_tiles): pass > ROW_CHUNK rows > K-chunk
         > `tile_rows` rows. A tile of whole rows (K-chunk = K) is one bulk copy, else one per
         row (the slab is row-major [NROWS, K]); the stage holds the tile as [rows][kc]."""
-        f = isa.COMMON_WORDS
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
         j = Int32(0)  # tiles issued
         pc = Int32(0)
@@ -98,10 +97,7 @@ class Pipeline:
         op = ld(queue, 0)
         while op != Op.END:
             if is_matvec(op):
-                base = pc * isa.RECORD_WORDS
-                w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
-                nrows = ld(queue, base + f + 3)
-                k = ld(queue, base + f + 4)
+                w_base, nrows, k = slab_record(queue, pc)
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 src0 = weights.toint() + w_base * Int64(2)
                 for _p in cutlass.range(self.spec.passes):
@@ -145,16 +141,12 @@ class Pipeline:
         ahead, within slabs and across the consumers' waits. The cursor: (record, pass, row
         chunk start, K-chunk start, tile row, covered bytes); returned advanced. Host mirror:
         spec.loader_lookahead_plan."""
-        f = isa.COMMON_WORDS
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
         op = ld(queue, pc * isa.RECORD_WORDS)
         more = (vol < limit) & (op != Op.END)
         while more:
             if is_matvec(op):
-                base = pc * isa.RECORD_WORDS
-                w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
-                nrows = ld(queue, base + f + 3)
-                k = ld(queue, base + f + 4)
+                w_base, nrows, k = slab_record(queue, pc)
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 nr = cutlass.min(Int32(RC), nrows - rc0)
                 kc = cutlass.min(Int32(KC), k - kc0)
@@ -219,6 +211,15 @@ def bulk_g2s(dst: cute.Pointer, src: Int64, nbytes: Int32, bar: cute.Pointer):
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
         "[{$r0}], [{$r1}], {$r2}, [{$r3}];",
         read_only_args=[dst.toint(), src, nbytes, bar.toint()])
+
+
+@cute.jit
+def slab_record(queue: cute.Pointer, pc: Int32):
+    """(W, NROWS, K) of matvec record pc: the slab's first element in the weight arena, its rows
+    and row length (isa.py operand words 0-1, 3, 4)."""
+    base = pc * isa.RECORD_WORDS + isa.COMMON_WORDS
+    w_base = join64(ld(queue, base + 0), ld(queue, base + 1))
+    return w_base, ld(queue, base + 3), ld(queue, base + 4)
 
 
 @cute.jit
