@@ -4,7 +4,7 @@ slabs (device code).
 When the CTA reaches a record, before its dependency wait, the consumer threads extend the
 lookahead to `window` bytes past the start of that record's slab (megakernel.py); the rest of a
 slab larger than the window is left to the demand loads. (The pipelined build's loader warp runs
-its own lookahead over its tile sequence: pipeline.py `prefetch_tiles`.) spec.lookahead_walk is
+its own lookahead over its tile sequence: pipeline.py `prefetch_tiles`.) spec.lookahead_plan is
 the host mirror.
 
 State: (pf_pc, pf_off, pf_cum) = slab pf_pc is requested up to byte pf_off, and pf_cum is that

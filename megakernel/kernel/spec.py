@@ -167,26 +167,21 @@ def prefetch_window(arch: str) -> int:
     return w // PREFETCH_CHUNK * PREFETCH_CHUNK
 
 
-def lookahead_walk(slabs: list[int], window: int,
-                   events: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Host mirror of the global-memory build's lookahead state machine
-    (lookahead.extend_lookahead).
+def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, int]]]:
+    """Host mirror of the global-memory build's lookahead (lookahead.extend_lookahead, same state
+    machine, for tests and documentation).
 
     `slabs[i]`: prefetchable weight bytes of queue instruction i (0 for opcodes without a slab).
-    `events`: (instruction pc, stream position) in issue order, the position at or past the start
-    of slab pc; each extends the lookahead to position + window. Returns, per event, the
-    (instruction, byte offset, bytes) ranges it requests: everything of slabs pc, pc+1, ... below
-    the new limit that was not requested before (bytes of slabs before pc are left to the demand
-    loads)."""
-    starts = [0]
-    for nb in slabs:
-        starts.append(starts[-1] + nb)
+    Returns, per instruction i, the (instruction, byte offset, bytes) ranges requested when the
+    CTA reaches i: everything of slabs i, i+1, ... below (start of slab i) + window that was not
+    requested before (bytes of earlier slabs are left to the demand loads).
+    """
     out: list[list[tuple[int, int, int]]] = []
-    pf_pc, pf_off, pf_cum = 0, 0, 0
-    for pc, pos in events:
+    pf_pc, pf_off, pf_cum, cum = 0, 0, 0, 0
+    for pc, nb in enumerate(slabs):
         if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
-            pf_pc, pf_off, pf_cum = pc, 0, starts[pc]
-        limit = pos + window
+            pf_pc, pf_off, pf_cum = pc, 0, cum
+        limit = cum + window
         got: list[tuple[int, int, int]] = []
         while pf_cum < limit and pf_pc < len(slabs):
             take = min(slabs[pf_pc] - pf_off, limit - pf_cum)
@@ -197,15 +192,8 @@ def lookahead_walk(slabs: list[int], window: int,
             if pf_off >= slabs[pf_pc]:
                 pf_pc, pf_off = pf_pc + 1, 0
         out.append(got)
+        cum += nb
     return out
-
-
-def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, int]]]:
-    """The global-memory build's lookahead (megakernel.py): when the CTA reaches instruction i it
-    requests everything of slabs i, i+1, ... below (start of slab i) + window not requested before.
-    Returns, per instruction, its requests (lookahead_walk)."""
-    starts = [sum(slabs[:i]) for i in range(len(slabs))]
-    return lookahead_walk(slabs, window, list(enumerate(starts)))
 
 
 def tile_requests(slabs: list[tuple[int, int]], tile: tuple) -> list[tuple[int, int, int]]:
@@ -249,7 +237,7 @@ def build_ring_bytes(cfg: ModelConfig, batch: int, tokens: int, arch: str) -> in
     """Bytes of the default build's shared-memory weight ring for this model/batch (0: the
     global-memory path, or no kernel build serves it). The cost model reads it."""
     spec = default_build(cfg, batch, tokens, arch)
-    return spec.smem_stages * SMEM_STAGE_BYTES if spec else 0
+    return spec.ring_bytes if spec else 0
 
 
 # ---- kernel parameters (the ABI) ----------------------------------------------------------------
@@ -312,6 +300,11 @@ class KernelSpec:
     @property
     def pipelined(self) -> bool:
         return self.smem_stages > 0
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of the shared-memory weight ring (0: the global-memory path)."""
+        return self.smem_stages * SMEM_STAGE_BYTES
 
     @property
     def block_threads(self) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megakernel.config import ModelConfig
-from megakernel.kernel.spec import MMA_M, MMA_MIN_ROWS, SMEM_STAGE_BYTES, default_build
+from megakernel.kernel.spec import MMA_M, MMA_MIN_ROWS, default_build
 from megakernel.program import isa
 from megakernel.program.gpus import GPU
 from megakernel.program.isa import Op
@@ -469,7 +469,7 @@ def compile_program(
     mma = spec.mma if spec else batch * tokens >= MMA_MIN_ROWS
     passes = spec.passes if spec else 1
     stage_list = stages(cfg, batch, tokens, n_splits, context, lay, buf, ctr, mma, passes)
-    ring = spec.smem_stages * SMEM_STAGE_BYTES if spec else 0  # the build's weight ring
+    ring = spec.ring_bytes if spec else 0  # the build's weight ring
     best = None
     for instrs, queues, state in schedule.candidates(stage_list, gpu, policy, params, ring):
         number_lm_tiles(instrs, gpu.num_sms)
