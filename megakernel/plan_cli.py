@@ -76,6 +76,7 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
     check_program(prog)
     verify_s = time.perf_counter() - t0
     r = prog.cost
+    rates = cost.Rates.of(g, params or cost.CostParams(), prog.ring_bytes)  # what the replay used
     weights = sum(i.w_bytes for i in prog.instrs if i.op.name != "ATTN_PARTIAL")
     kv_read = sum(i.w_bytes for i in prog.instrs if i.op.name == "ATTN_PARTIAL")
     return {
@@ -97,10 +98,9 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
         "plan_s": round(plan_s, 3), "verify_s": round(verify_s, 3),
         "format_version": prog.header["FORMAT_VERSION"],
         "cost_params": dataclasses.asdict(params or cost.CostParams()),
-        "l2_prefetch_window_bytes": cost.Rates.of(g, params or cost.CostParams()).window,
-        "smem_window_bytes": int(cost.Rates.of(g, params or cost.CostParams(),
-                                               prog.ring_bytes).smem_window),
-        "sliding_lookahead": cost.Rates.of(g, params or cost.CostParams(), prog.ring_bytes).sliding,
+        "l2_prefetch_window_bytes": rates.window,
+        "smem_window_bytes": int(rates.smem_window),
+        "sliding_lookahead": rates.sliding,
     }
 
 
