@@ -148,6 +148,20 @@ def test_ring_slot_parities():
         (0, 0, 1), (1, 0, 1), (2, 0, 1), (0, 1, 0), (1, 1, 0), (2, 1, 0), (0, 0, 1)]
 
 
+def test_default_falls_back_to_fewer_stages_then_the_global_path(monkeypatch):
+    """make_spec(smem_stages=None) takes the deepest ring that fits and, when not even
+    MIN_PIPELINE_STAGES fit, the global-memory path (no current preset needs that at the real
+    budget, so the budget is lowered here)."""
+    cfg = preset("qwen3-0.6b")
+    base = make_spec(cfg, 32, 1, "sm_90a", smem_stages=0).smem_bytes  # x, acc, ... without ring
+    ring2 = make_spec(cfg, 32, 1, "sm_90a", smem_stages=2).smem_bytes
+    monkeypatch.setattr(spec_mod, "SMEM_BUDGET", ring2)
+    assert make_spec(cfg, 32, 1, "sm_90a").smem_stages == 2
+    monkeypatch.setattr(spec_mod, "SMEM_BUDGET", ring2 - 1)
+    low = make_spec(cfg, 32, 1, "sm_90a")
+    assert low.smem_stages == 0 and not low.pipelined and low.smem_bytes == base
+
+
 def test_pipeline_spec_limits_and_messages():
     cfg = preset("llama-3.2-1b")
     s = make_spec(cfg, 1, 1, "sm_90a", smem_stages=STAGES)
