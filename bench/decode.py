@@ -53,7 +53,8 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 # ---- torch baseline: static KV cache, bf16 weights, batch-first ---------------------------------
 class TorchDecode:
-    """One decode step (T = 1) for Llama/Qwen3 in plain torch ops, static cache (graph-safe)."""
+    """One decode step (T = 1) for the dense families (Llama, Qwen3, Qwen2) in plain torch ops,
+    static cache (graph-safe)."""
 
     def __init__(self, cfg, w: dict[str, torch.Tensor], batch: int, s_max: int):  # noqa: ANN001
         self.cfg, self.b = cfg, batch
@@ -87,9 +88,11 @@ class TorchDecode:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             x = self.norm(h, w[p + "input_layernorm.weight"])
-            q = F.linear(x, w[p + "self_attn.q_proj.weight"]).float().view(self.b, hq, d)
-            k = F.linear(x, w[p + "self_attn.k_proj.weight"]).float().view(self.b, hkv, d)
-            v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(self.b, hkv, d)
+            q = F.linear(x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
+            k = F.linear(x, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
+            v = F.linear(x, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
+            q, k = q.float().view(self.b, hq, d), k.float().view(self.b, hkv, d)
+            v = v.view(self.b, hkv, d)
             if cfg.qk_norm:
                 q = self.norm(q, w[p + "self_attn.q_norm.weight"]).float()
                 k = self.norm(k, w[p + "self_attn.k_norm.weight"]).float()
@@ -203,8 +206,8 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main() -> int:
-    from megakernel.config import resolve_model
-    from megakernel.weights import random_weights
+    from megakernel.models import resolve
+    from megakernel.models.weights import random_weights
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.2-1b")
@@ -219,7 +222,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: bench/decode.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    cfg = resolve_model(args.model)
+    cfg = resolve(args.model)
     w = random_weights(cfg, seed=0)
     bw = copy_bandwidth()
     res: dict = {"model": cfg.name, "context": args.context,

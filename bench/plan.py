@@ -17,15 +17,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.config import REAL_PRESETS, preset  # noqa: E402
+from megakernel.models import preset, real_presets  # noqa: E402
 from megakernel.program.compiler import compile_program  # noqa: E402
 from megakernel.program.gpus import GPUS, gpu  # noqa: E402
 from megakernel.program.verify import check_program  # noqa: E402
 
+DENSE = ("llama", "qwen3", "qwen2")  # bench/hybrid.py covers the hybrid families
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(REAL_PRESETS))
+    ap.add_argument("--models", default=",".join(n for n in real_presets() if preset(n).family in DENSE))
     ap.add_argument("--gpus", default=",".join(GPUS))
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--context", type=int, default=None, help="cached tokens (default 1024)")

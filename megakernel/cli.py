@@ -53,11 +53,10 @@ def register(
 # imported, so listing one here never imports anything.
 USER_ERRORS: list[tuple[str, str]] = [
     (__name__, "CliError"),
-    ("megakernel.config", "ConfigError"),
-    ("megakernel.weights", "WeightError"),
-    ("reference.model", "ReferenceError"),
-    ("reference.hybrid.common", "HybridError"),
-    ("megakernel.program.compiler", "PlanError"),
+    ("megakernel.models.config", "ConfigError"),
+    ("megakernel.models.weights", "WeightError"),
+    ("reference.layers.common", "ReferenceError"),
+    ("megakernel.program.stages", "PlanError"),
     ("megakernel.program.gpus", "GPUError"),
     ("megakernel.runtime", "KernelUnavailable"),
     ("megakernel.runtime", "ManifestError"),
@@ -75,8 +74,9 @@ def _is_user_error(e: BaseException) -> bool:
 
 
 # ---- backends ------------------------------------------------------------------------------------
-# Each backend: generate(cfg, weights, prompts, steps, max_seq_len, seed) -> list[list[int]] of new
-# tokens per prompt (prompt excluded). Imported lazily; a missing one is reported, not raised.
+# Each backend: generate(cfg, weights, prompts, steps, max_seq_len, seed, replay_window=None)
+# -> list[list[int]] of new tokens per prompt (prompt excluded). Imported lazily; a missing one is
+# reported, not raised.
 BACKENDS: dict[str, tuple[str, str]] = {
     "reference": (__name__, "reference_generate"),
     "cpu-executor": ("megakernel.executor", "generate"),
@@ -100,12 +100,12 @@ def backend_function(name: str) -> Callable[..., list[list[int]]]:
 
 def reference_generate(
     cfg: Any, weights: dict, prompts: list[list[int]], steps: int, max_seq_len: int, seed: int,
-    mode: str = "bf16", device: str = "cpu",
+    replay_window: int | None = None, mode: str = "bf16", device: str = "cpu",
 ) -> list[list[int]]:
     """The reference model's greedy generation (seed unused: greedy decoding is deterministic)."""
     from reference.model import ReferenceModel, generate
 
-    model = ReferenceModel(cfg, weights, mode=mode, device=device)
+    model = ReferenceModel(cfg, weights, mode=mode, device=device, replay_window=replay_window)
     return generate(model, prompts, steps, max_seq_len)
 
 
@@ -167,9 +167,9 @@ def run_generation(
 ) -> dict[str, Any]:
     """Load `model` (preset: random weights from `seed`; directory: checkpoint), generate greedily.
 
-    Hybrid models (Qwen3.5, Kimi Linear, Nemotron-H) run recurrently, or with ReplaySSM when
-    `replay_window` (L >= 1) is given. Returns the JSON-ready result: tokens (new ids per
-    prompt), timings and settings.
+    Models with recurrent layers (Qwen3.5, Kimi Linear, Nemotron-H) run them by the recurrent
+    update, or by ReplaySSM when `replay_window` (L >= 1) is given. Returns the JSON-ready
+    result: tokens (new ids per prompt), timings and settings.
     """
     if backend not in BACKENDS:
         raise CliError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -183,13 +183,9 @@ def run_generation(
         raise CliError(f"--steps must be at least 1, got {steps}")
     if not prompts or any(not p for p in prompts):
         raise CliError("every prompt needs at least one token")
-    from megakernel.hybrid.config import is_hybrid
-
-    if is_hybrid(model):
-        return _run_hybrid_generation(model, prompts, steps, backend, dtype, seed, replay_window,
-                                      device)
-    if replay_window is not None:
-        raise CliError(f"--replay-window applies to hybrid models only; {model!r} is dense")
+    if replay_window is not None and replay_window < 1:
+        raise CliError(f"--replay-window must be >= 1 (or 0 for the recurrent update), "
+                       f"got {replay_window}")
     fn = backend_function(backend)  # fail early, before loading weights
     if backend == "reference":
         import reference.model  # noqa: F401 (import time is not generation time)
@@ -198,15 +194,18 @@ def run_generation(
 
     import torch
 
-    from megakernel.config import PRESETS
-    from megakernel.weights import load_model
+    from megakernel.models import presets
+    from megakernel.models.weights import load_model
 
     t0 = time.perf_counter()
     # Random weights are drawn in bf16 for both dtypes, so bf16 and fp32 runs share one model;
     # a checkpoint keeps its own dtype in fp32 mode (the reference upcasts).
-    load_dtype = torch.bfloat16 if dtype == "bf16" or model in PRESETS else None
+    load_dtype = torch.bfloat16 if dtype == "bf16" or model in presets() else None
     cfg, weights = load_model(model, seed=seed, dtype=load_dtype)
     load_s = time.perf_counter() - t0
+    if replay_window is not None and not cfg.recurrent_layers():
+        raise CliError(f"--replay-window applies to models with recurrent layers; {model!r} "
+                       "has none")
 
     longest = max(len(p) for p in prompts)
     needed = longest + steps - 1  # the last new token is never fed back
@@ -225,7 +224,7 @@ def run_generation(
                            f"{cfg.vocab_size}")
 
     t0 = time.perf_counter()
-    tokens = fn(cfg, weights, prompts, steps, max_seq_len, seed)
+    tokens = fn(cfg, weights, prompts, steps, max_seq_len, seed, replay_window=replay_window)
     gen_s = time.perf_counter() - t0
     tokens = [[int(t) for t in row] for row in tokens]
     if len(tokens) != len(prompts) or any(len(row) != steps for row in tokens):
@@ -234,8 +233,9 @@ def run_generation(
     n_new = len(prompts) * steps
     return {
         "model": model,
-        "random_weights": model in PRESETS,
+        "random_weights": model in presets(),
         "backend": backend,
+        "replay_window": replay_window or 0,
         "dtype": dtype,
         "seed": seed,
         "steps": steps,
@@ -246,46 +246,6 @@ def run_generation(
         "load_s": round(load_s, 4),
         "generate_s": round(gen_s, 4),
         "tokens_per_s": round(n_new / gen_s, 2) if gen_s > 0 else None,
-    }
-
-
-def _run_hybrid_generation(model: str, prompts: list[list[int]], steps: int, backend: str,
-                           dtype: str, seed: int, replay_window: int | None,
-                           device: str) -> dict[str, Any]:
-    """`run_generation` for a hybrid model: the reference or the CPU executor of the hybrid
-    program (the families in hybrid_executor.SUPPORTED_FAMILIES), recurrent or ReplaySSM."""
-    if backend not in ("reference", "cpu-executor"):
-        raise CliError(f"backend {backend!r} does not serve hybrid models yet; "
-                       "use --backend reference")
-    if replay_window is not None and replay_window < 1:
-        raise CliError(f"--replay-window must be >= 1 (or 0 for the recurrent update), "
-                       f"got {replay_window}")
-    if backend == "cpu-executor":
-        from megakernel.hybrid.config import resolve_hybrid
-        from megakernel.hybrid_executor import SUPPORTED_FAMILIES
-        from megakernel.hybrid_executor import generate as hybrid_generate
-
-        family = resolve_hybrid(model).family
-        if family not in SUPPORTED_FAMILIES:
-            raise CliError(f"backend {backend!r} does not serve {family} hybrid models yet "
-                           f"(only {', '.join(SUPPORTED_FAMILIES)}); use --backend reference")
-        run = functools.partial(hybrid_generate, seed=seed)
-    else:
-        from megakernel.hybrid import generate as hybrid_generate
-
-        run = functools.partial(hybrid_generate, dtype=dtype, seed=seed, device=device)
-    t0 = time.perf_counter()
-    tokens = run(model, prompts, steps, replay_window=replay_window)
-    gen_s = time.perf_counter() - t0  # includes loading the weights
-    from megakernel.hybrid.config import PRESETS as HYBRID_PRESETS
-
-    tokens = [[int(t) for t in row] for row in tokens]
-    return {
-        "model": model, "random_weights": model in HYBRID_PRESETS, "backend": backend,
-        "dtype": dtype, "seed": seed, "steps": steps, "batch": len(prompts),
-        "replay_window": replay_window or 0, "prompts": prompts, "tokens": tokens,
-        "load_s": 0.0, "generate_s": round(gen_s, 4),
-        "tokens_per_s": round(len(prompts) * steps / gen_s, 2) if gen_s > 0 else None,
     }
 
 
@@ -320,7 +280,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache length (default: longest prompt + steps)")
     p.add_argument("--device", default="cpu", help="torch device of the reference (default cpu)")
     p.add_argument("--replay-window", type=int, default=None, metavar="L",
-                   help="hybrid models: ReplaySSM, folding the state every L tokens "
+                   help="models with recurrent layers: ReplaySSM, folding the state every L tokens "
                         "(0 = plain recurrent update, the default)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -465,7 +425,8 @@ def _chosen(argv: Sequence[str]) -> str | None:
 def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, Command | None]:
     """The parser, with full arguments only for the command named in `argv`."""
     parser = argparse.ArgumentParser(prog=PROG, description="One fused decode-step kernel for "
-                                     "Llama/Qwen3: reference, CPU executor, CuTe DSL kernel.")
+                                     "dense and hybrid LLMs: reference, CPU executor, CuTe DSL "
+                                     "kernel.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     name = _chosen(argv)
     chosen = None

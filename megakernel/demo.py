@@ -43,14 +43,14 @@ def _plan(model: str, gpu: str) -> dict[str, Any]:
 
 
 def _executor_vs_reference(steps: int) -> list[dict[str, Any]]:
-    from megakernel.config import preset
     from megakernel.executor import generate as executor_generate
-    from megakernel.weights import random_weights
+    from megakernel.models import preset
+    from megakernel.models.weights import random_weights
     from reference.model import ReferenceModel
     from reference.model import generate as reference_generate
 
     out = []
-    for name in ("llama-tiny", "qwen3-tiny"):
+    for name in ("llama-tiny", "qwen3-tiny", "qwen3.5-tiny"):
         cfg = preset(name)
         w = random_weights(cfg, seed=0)
         t0 = time.perf_counter()
@@ -70,10 +70,10 @@ def _executor_vs_reference(steps: int) -> list[dict[str, Any]]:
 
 
 def _build(model: str, build_dir: str | None, predicted_us: float) -> list[dict[str, Any]]:
-    from megakernel.config import resolve_model
     from megakernel.kernel.build import build, report_line
+    from megakernel.models import resolve
 
-    cfg = resolve_model(model)
+    cfg = resolve(model)
     with tempfile.TemporaryDirectory(prefix="megakernel-demo-") as tmp:
         t0 = time.perf_counter()
         manifests = build(cfg, ["sm_90a", "sm_100a"], build_dir or tmp, batch=1, tokens=1)
@@ -92,13 +92,13 @@ def _gpu_run(model: str, steps: int) -> dict[str, Any]:
     """On a GPU: the kernel against the reference on the GPU, tokens/s of each."""
     import torch
 
-    from megakernel.config import resolve_model
+    from megakernel.models import resolve
+    from megakernel.models.weights import random_weights
     from megakernel.torch_op import generate as kernel_generate
-    from megakernel.weights import random_weights
     from reference.model import ReferenceModel
     from reference.model import generate as reference_generate
 
-    cfg = resolve_model(model)
+    cfg = resolve(model)
     w = random_weights(cfg, seed=0)
     prompts = [DEFAULT_PROMPTS[0]]
     ref_model = ReferenceModel(cfg, w, mode="bf16", device="cuda")

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache positions per sequence (default min(4096, model max))")
     p.add_argument("--splits", type=int, default=None, help="attention splits (default: auto)")
+    p.add_argument("--replay-window", type=int, default=None, metavar="L",
+                   help="models with recurrent layers: ReplaySSM folding every L tokens "
+                        "(default: the recurrent update)")
     p.add_argument("--policy", default="cost", choices=("cost", "round_robin"),
                    help="SM assignment (default cost)")
     p.add_argument("--copy-bw", type=float, default=None,
@@ -56,37 +59,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
          context: int | None = None, max_seq_len: int | None = None, splits: int | None = None,
          policy: str = "cost", copy_bw_gbs: float | None = None,
-         params: cost.CostParams | None = None) -> dict[str, Any]:
-    """Compile, verify and summarise one program (the JSON-ready result of `plan`).
-
-    `params`: cost parameters (e.g. refitted ones, refit.load_params); default the cited ones."""
-    from megakernel.config import resolve_model
+         params: cost.CostParams | None = None, replay_window: int | None = None
+         ) -> dict[str, Any]:
+    """Compile, verify and summarise one program of any family (the JSON-ready result of
+    `plan`). `params`: cost parameters (e.g. refitted ones, refit.load_params); default the cited
+    ones. `replay_window`: ReplaySSM fold window of the recurrent layers (None: recurrent)."""
+    from megakernel import isa
+    from megakernel.models import resolve
+    from megakernel.program.bytes import step_bytes_by_category
     from megakernel.program.compiler import compile_program
     from megakernel.program.verify import check_program
 
-    cfg = resolve_model(model)
+    cfg = resolve(model)
     g = from_device() if gpu_name == "device" else gpu(gpu_name)
     if copy_bw_gbs is not None:
         g = g.with_copy_bandwidth(copy_bw_gbs * 1e9)
     t0 = time.perf_counter()
     prog = compile_program(cfg, batch, g, tokens=tokens, max_seq_len=max_seq_len,
-                           context=context, n_splits=splits, policy=policy, params=params)
+                           context=context, n_splits=splits, policy=policy, params=params,
+                           replay_window=replay_window)
     plan_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     check_program(prog)
     verify_s = time.perf_counter() - t0
     r = prog.cost
     rates = cost.Rates.of(g, params or cost.CostParams(), prog.ring_bytes)  # what the replay used
-    weights = sum(i.w_bytes for i in prog.instrs if i.op.name != "ATTN_PARTIAL")
-    kv_read = sum(i.w_bytes for i in prog.instrs if i.op.name == "ATTN_PARTIAL")
+    cats = step_bytes_by_category(prog)
+    weights = sum(i.w_bytes for i in prog.instrs if not isa.spec(i.op).reach)
     return {
-        "model": model, "gpu": g.name, "batch": batch, "tokens": tokens,
+        "model": model, "family": cfg.family, "gpu": g.name, "batch": batch, "tokens": tokens,
+        "replay_window": replay_window or 0,
         "context": prog.context, "max_seq_len": prog.max_seq_len, "n_splits": prog.n_splits,
         "policy": policy, "num_sms": prog.num_sms,
         "instructions": len(prog.instrs), "ops": prog.ops_histogram(),
         "max_queue": max(len(q) for q in prog.queues), "counters": len(prog.counters),
-        "bytes_per_step": r.bytes_per_step, "weight_bytes": weights, "kv_read_bytes": kv_read,
-        "kv_write_bytes": cost.kv_written_bytes(prog),
+        "bytes_per_step": r.bytes_per_step, "weight_bytes": weights,
+        "kv_read_bytes": int(cats["kv_read"]), "kv_write_bytes": int(cats["kv_written"]),
+        "bytes_by_category": {k: int(v) for k, v in cats.items()},
         "predicted_step_us": round(r.predicted_s * 1e6, 2),
         "floor_us": round(r.floor_s * 1e6, 2),
         "spec_floor_us": round(r.spec_floor_s * 1e6, 2),
@@ -109,11 +118,15 @@ def describe(r: dict[str, Any]) -> list[str]:
     lines = [
         f"{r['model']} on {r['gpu']} ({r['num_sms']} SMs): batch {r['batch']} x {r['tokens']} "
         f"token(s), {r['context']} cached tokens per sequence assumed, cache of "
-        f"{r['max_seq_len']} positions, {r['n_splits']} attention split(s)",
+        f"{r['max_seq_len']} positions, {r['n_splits']} attention split(s)"
+        + (f", ReplaySSM fold window {r['replay_window']}" if r["replay_window"] else ""),
         f"program: {r['instructions']} instructions ({r['policy']} schedule), longest queue "
         f"{r['max_queue']}, {r['counters']} counters; compiled in {r['plan_s']:.2f} s, verified "
         f"in {r['verify_s']:.2f} s",
         "instructions per opcode: " + ", ".join(f"{k} {v}" for k, v in r["ops"].items()),
+        "bytes by kind: " + ", ".join(f"{k} {v / gb:.4f} GB" for k, v in
+                                      r["bytes_by_category"].items() if v and k not in
+                                      ("read", "written", "total")),
         f"bytes per step: {r['bytes_per_step'] / gb:.3f} GB (weights {r['weight_bytes'] / gb:.3f}"
         f", KV read {r['kv_read_bytes'] / gb:.4f}, KV written {r['kv_write_bytes'] / gb:.5f})",
         f"predicted step: {r['predicted_step_us']:.1f} us",
@@ -175,13 +188,13 @@ def run(args: argparse.Namespace) -> int:
         raise RefitError("plan needs --model (or --refit FILE.json)")
     params = load_params(args.params) if args.params else None
     r = plan(args.model, args.gpu, args.batch, args.tokens, args.context, args.max_seq_len,
-             args.splits, args.policy, args.copy_bw, params)
+             args.splits, args.policy, args.copy_bw, params, args.replay_window)
     if args.params:
         r["cost_params_file"] = args.params
     if args.measured_step_us is not None:
         r["measured_step_us"] = args.measured_step_us
     if args.isa:
-        from megakernel.program.isa import table_markdown
+        from megakernel.isa import table_markdown
 
         print(table_markdown())
         print()

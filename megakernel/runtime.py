@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megakernel.program import isa
+from megakernel import isa
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -267,23 +267,30 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
     the build's model shapes (a program compiled for another model is refused here), QKV slabs of
     whole heads, GATEUP slabs of whole (gate, up) block pairs, attention indices within B, Hkv.
     """
-    from megakernel.program.isa import GATEUP_BLOCK, MATVEC_OPS, Op, decode
+    from megakernel.isa import GATEUP_BLOCK, Op, decode
+    from megakernel.layers.frame import padded_vocab
 
     if records.dtype != torch.int32 or records.dim() != 3:
         raise ArgumentError("records must be int32 [num_sms, queue_len, 16]")
     H, Inter, V, D = spec["hidden"], spec["inter"], spec["vocab"], spec["head_dim"]
     Hq, Hkv, B, N = spec["heads"], spec["kv_heads"], spec["batch"], spec["batch"] * spec["tokens"]
     shapes = {Op.QKV: (H, (Hq + 2 * Hkv) * D), Op.OPROJ: (Hq * D, H), Op.GATEUP: (H, 2 * Inter),
-              Op.DOWN: (Inter, H), Op.LMHEAD: (H, V)}  # (K, matrix rows)
+              Op.DOWN: (Inter, H), Op.LMHEAD: (H, padded_vocab(V))}  # (K, matrix rows)
     for sm, queue in enumerate(records.tolist()):
         for pos, rec in enumerate(queue):
             if rec[0] == Op.END:
                 break
-            d = decode(rec)
+            try:
+                d = decode(rec)
+            except ValueError as e:
+                raise ArgumentError(f"SM {sm} record {pos}: {e}") from None
             op = d["OPCODE"]
             where = f"SM {sm} record {pos} ({op.name})"
+            if not isa.spec(op).device or (isa.spec(op).matvec and op not in shapes):
+                raise ArgumentError(f"{where}: the kernel build has no handler for {op.name}; "
+                                    "the program is for another model or build")
             need: dict[str, int] = {}
-            if op in MATVEC_OPS:
+            if isa.spec(op).matvec is not None:
                 need = {"W": 8, "K": 8, "IN_OFF": 8, "NROWS": 16}
                 if d["NORM_OFF"] >= 0:
                     need["NORM_OFF"] = 8

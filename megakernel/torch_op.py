@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megakernel.config import ModelConfig
+from megakernel.models import ModelConfig
 from megakernel.runtime import (
     ArgumentError,
     KernelUnavailable,
@@ -127,6 +127,9 @@ def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
                build_dir: str | Path | None) -> Manifest:
     """The manifest to launch: `build_dir` / $MEGAKERNEL_BUILD_DIR (AOT; a single build
     DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache."""
+    from megakernel.kernel.spec import make_spec
+
+    need = make_spec(cfg, batch, tokens, arch)  # SpecError names what the kernel cannot run
     build_dir = build_dir or os.environ.get(ENV_BUILD_DIR)
     if build_dir is None:
         from megakernel.kernel.jit import ensure_build
@@ -134,19 +137,15 @@ def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
         build_dir = ensure_build(cfg, batch, tokens, arch)
     build_dir = Path(build_dir)
     if not (build_dir / arch / "manifest.json").is_file():  # a build set: DIR/<tag>/<arch>/
-        from megakernel.kernel.spec import make_spec
-
-        tagged = build_dir / make_spec(cfg, batch, tokens, arch).tag
+        tagged = build_dir / need.tag
         if (tagged / arch / "manifest.json").is_file():
             build_dir = tagged
     m = load_manifest(build_dir, arch)
     s = m.spec
     # everything the build bakes in as a constant (eps included: a checkpoint whose
     # rms_norm_eps differs from the build's would otherwise run with the wrong one)
-    want = dict(family=cfg.family, hidden=cfg.hidden_size, inter=cfg.intermediate_size,
-                vocab=cfg.vocab_size, layers=cfg.num_layers, heads=cfg.num_heads,
-                kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
-                eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens)
+    want = {k: v for k, v in need.to_dict().items()
+            if k not in ("arch", "num_threads", "smem_stages")}
     bad = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
     if bad:
         raise ArgumentError(
@@ -186,26 +185,31 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # 
                    device: str | torch.device) -> DeviceState:
     """Pack the weights and allocate every buffer of `prog` on `device` (CPU works too: the
     layout is checked there). Counters start at zero and are never reset (epochs)."""
-    from megakernel.program.compiler import rope_tables
+    from megakernel.layers import kind
     from megakernel.program.pack import pack_weights
 
     buf, hdr, d = prog.buffers, prog.header, torch.device(device)
+    packed = pack_weights(cfg, weights)
     st = DeviceState(
         prog=prog,
         program=prog.records().to(d),
         counters=torch.zeros(prog.counter_words(), dtype=torch.int32, device=d),
-        weights=pack_weights(cfg, weights).arena.to(d),
+        weights=packed.arena.to(d),
         f32=torch.zeros(buf.f32_numel, dtype=torch.float32, device=d),
         bf16=torch.zeros(buf.bf16_numel, dtype=torch.bfloat16, device=d),
         i32=torch.zeros(buf.i32_numel, dtype=torch.int32, device=d),
         k_cache=torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
-        v_cache=torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
+        v_cache=torch.zeros(buf.v_shape, dtype=torch.bfloat16, device=d),
         offsets=[hdr["I32_LENGTHS_OFF"], hdr["I32_TOKENS_OUT_OFF"], hdr["F32_LOGITS_OFF"],
                  hdr["S_MAX"]],
     )
-    cos, sin = rope_tables(cfg, prog.max_seq_len)
-    st.region("f32", "rope_cos").copy_(cos.reshape(-1))
-    st.region("f32", "rope_sin").copy_(sin.reshape(-1))
+    for blk in cfg.blocks:  # host-written constants (RoPE tables, ...) and checkpoint tables
+        for name, t in kind(blk.kind).constants(blk, cfg, prog.step_shape()).items():
+            st.region("f32", name).copy_(t.reshape(-1))
+    for (name, layer), t in packed.tables.items():
+        r = buf.f32[name]
+        row = buf.region_row(name, layer) * (r.numel // r.shape[0])
+        st.region("f32", name)[row : row + t.numel()].copy_(t)
     return st
 
 
@@ -256,8 +260,9 @@ class Megakernel:
         ref = ReferenceModel(self.cfg, self._weights_hf, mode="bf16", device=self.device)
         cache = ref.new_cache(self.batch, self.max_seq_len)
         logits = ref.prefill(cache, prompts)  # [B, V] fp32
-        self.k_cache.copy_(cache.k)
-        self.v_cache.copy_(cache.v)
+        k, v = cache.stacked_kv()  # [attention layers, B, Hkv, S_max, D] each
+        self.k_cache.copy_(k)
+        self.v_cache.copy_(v)
         self.lengths = [int(x) for x in cache.lengths.tolist()]
         self._region("i32", "lengths").copy_(cache.lengths.to(torch.int32))
         return _greedy(logits)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakernel.config import ModelConfig
+from megakernel.models import ModelConfig
 
 _NUMERICS: list[tuple[str, str]] = []
 
@@ -37,17 +37,30 @@ class HFCheckpoint:
     weights: dict[str, torch.Tensor]  # as read back by load_checkpoint
 
 
-def build_hf_model(cfg: ModelConfig, seed: int, init_std: float) -> torch.nn.Module:
-    """HF LlamaForCausalLM / Qwen3ForCausalLM for `cfg` with HF's random init at `init_std`.
+BIAS_STD = 0.5  # q/k/v biases of the oracle models: comparable to the projections' outputs
 
-    HF initialises norm weights to ones; they are perturbed to 1 + N(0, 0.1^2) so that a
-    model which ignored a norm weight would not match.
+
+def build_hf_model(cfg: ModelConfig, seed: int, init_std: float) -> torch.nn.Module:
+    """HF LlamaForCausalLM / Qwen3ForCausalLM / Qwen2ForCausalLM for a dense `cfg` with HF's
+    random init at `init_std`.
+
+    HF initialises norm weights to ones and biases to zeros; they are perturbed to
+    1 + N(0, 0.1^2) and N(0, BIAS_STD^2), so that a model which ignored a norm weight or a bias
+    would not match.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     cls_cfg, cls_model = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     }[cfg.family]
     hf_cfg = cls_cfg(**cfg.to_hf_dict(), initializer_range=init_std)
     hf_cfg._attn_implementation = "eager"
@@ -58,12 +71,14 @@ def build_hf_model(cfg: ModelConfig, seed: int, init_std: float) -> torch.nn.Mod
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(BIAS_STD * torch.randn(p.shape, generator=gen))
     return model
 
 
 def _load(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a checkpoint back through the project's loader (fp32)."""
-    from megakernel.weights import load_checkpoint
+    from megakernel.models.weights import load_checkpoint
 
     return load_checkpoint(path, dtype=torch.float32)
 

@@ -18,10 +18,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from megakernel import isa
+from megakernel.isa import Op
+from megakernel.kernel.fields import common, word
 from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
 from megakernel.kernel.spec import LANES, VEC, KernelSpec
 from megakernel.kernel.sync import cta_sync
-from megakernel.program import isa
 
 NEG_INF = -math.inf
 KV_PREFETCH_CHUNK = 32 * 1024
@@ -44,9 +46,11 @@ class Attention:
     def partial(self, rec: cute.Tensor, layer: Int32, pF: cute.Pointer, pB: cute.Pointer,
                 pI: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, s_max: Int32,
                 sQ: cute.Tensor, sO: cute.Tensor, sML: cute.Tensor, warp: Int32, lane: Int32):
-        f = isa.COMMON_WORDS
-        b, g, s, n_splits = rec[f + 0], rec[f + 1], rec[f + 2], rec[f + 3]
-        q_off, po_off, pml_off, len_off = rec[f + 4], rec[f + 5], rec[f + 6], rec[f + 7]
+        b, g = rec[word(Op.ATTN_PARTIAL, "B_IDX")], rec[word(Op.ATTN_PARTIAL, "KV_HEAD")]
+        s, n_splits = rec[word(Op.ATTN_PARTIAL, "SPLIT")], rec[word(Op.ATTN_PARTIAL, "N_SPLITS")]
+        q_off, po_off = rec[word(Op.ATTN_PARTIAL, "Q_OFF")], rec[word(Op.ATTN_PARTIAL, "PO_OFF")]
+        pml_off = rec[word(Op.ATTN_PARTIAL, "PML_OFF")]
+        len_off = rec[word(Op.ATTN_PARTIAL, "LEN_OFF")]
         length = ld(pI, len_off + b)
         ctx = length + self.T
         lo = s * ctx // n_splits
@@ -147,13 +151,17 @@ class Attention:
     def ticket(self, rec: cute.Tensor, epoch: Int32, counters: cute.Pointer, sFlag: cute.Tensor,
                pF: cute.Pointer, pB: cute.Pointer, tidx: Int32, warp: Int32, lane: Int32):
         """Count this split in; the CTA that completes the S splits merges them and signals."""
-        f = isa.COMMON_WORDS
-        b, g, n_splits = rec[f + 0], rec[f + 1], rec[f + 3]
-        po_off, pml_off, out_off, done_cid = rec[f + 5], rec[f + 6], rec[f + 8], rec[f + 9]
+        b, g = rec[word(Op.ATTN_PARTIAL, "B_IDX")], rec[word(Op.ATTN_PARTIAL, "KV_HEAD")]
+        n_splits = rec[word(Op.ATTN_PARTIAL, "N_SPLITS")]
+        po_off = rec[word(Op.ATTN_PARTIAL, "PO_OFF")]
+        pml_off = rec[word(Op.ATTN_PARTIAL, "PML_OFF")]
+        out_off = rec[word(Op.ATTN_PARTIAL, "OUT_OFF")]
+        done_cid = rec[word(Op.ATTN_PARTIAL, "DONE_CID")]
         cta_sync(self.named)  # every thread's partial stores happen-before the ticket
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
-            old = cute.arch.atomic_add(counters + (rec[4] + isa.COUNTER_BASE), Int32(1),
+            ticket = rec[common("SIGNAL_CID")]  # the (b, g) ticket counter
+            old = cute.arch.atomic_add(counters + (ticket + isa.COUNTER_BASE), Int32(1),
                                        sem="acq_rel", scope="gpu")
             sFlag[0] = Int32(0)
             if old - (epoch * n_splits + n_splits - 1) == 0:
@@ -196,8 +204,9 @@ class Attention:
     def prefetch_kv(self, rec: cute.Tensor, layer: Int32, pI: cute.Pointer, pK: cute.Pointer,
                     pV: cute.Pointer, s_max: Int32, tidx: Int32):
         """L2 prefetch of this split's keys/values below lengths[b] (they predate this step)."""
-        f = isa.COMMON_WORDS
-        b, g, s, n_splits, len_off = rec[f + 0], rec[f + 1], rec[f + 2], rec[f + 3], rec[f + 7]
+        b, g = rec[word(Op.ATTN_PARTIAL, "B_IDX")], rec[word(Op.ATTN_PARTIAL, "KV_HEAD")]
+        s, n_splits = rec[word(Op.ATTN_PARTIAL, "SPLIT")], rec[word(Op.ATTN_PARTIAL, "N_SPLITS")]
+        len_off = rec[word(Op.ATTN_PARTIAL, "LEN_OFF")]
         length = ld(pI, len_off + b)
         ctx = length + self.T
         lo = s * ctx // n_splits

@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from megakernel.config import ModelConfig, resolve_model
+from megakernel import isa
 from megakernel.kernel import spec as spec_mod
 from megakernel.kernel.spec import ARCHS, PARAMS, KernelSpec, make_spec
 from megakernel.kernel.tools import PtxEntry, parse_ptx_entry, resource_report
-from megakernel.program import isa
+from megakernel.models import ModelConfig, resolve
 
 MANIFEST_VERSION = 1
 CUBIN_NAME = "megakernel.cubin"
@@ -205,7 +205,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = resolve_model(args.model)
+    cfg = resolve(args.model)
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     t0 = time.perf_counter()
     manifests = build(cfg, archs, args.out, args.batch, args.tokens)

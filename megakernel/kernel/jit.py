@@ -15,8 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from megakernel.config import ModelConfig
 from megakernel.kernel.spec import fingerprint, make_spec
+from megakernel.models import ModelConfig
 
 ENV_CACHE = "MEGAKERNEL_CACHE_DIR"
 

@@ -18,57 +18,63 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from megakernel.kernel.memory import join64, ld
-from megakernel.kernel.spec import PREFETCH_CHUNK
-from megakernel.program import isa
-from megakernel.program.isa import Op
+from megakernel.isa import Op
+from megakernel.kernel.fields import OpTable, common, one_of, slab_word
+from megakernel.kernel.memory import join64, record_word
+from megakernel.kernel.spec import PREFETCH_CHUNK, KernelSpec
 
 
-@cute.jit
-def slab_bytes(rop: Int32, nrows: Int32, k: Int32) -> Int64:
-    """Weight bytes of a record (NROWS * K * 2 for the matvec family, else 0)."""
-    nbytes = Int64(0)
-    if (rop >= Op.QKV) & (rop != Op.ATTN_PARTIAL) & (rop != Op.ARGMAX):
-        # NROWS * K * 2 can pass 2^31 (an LM head on few SMs): 64-bit
-        nbytes = Int64(nrows) * Int64(k) * Int64(2)
-    return nbytes
+class Lookahead:
+    """The global-memory build's L2 lookahead over this CTA's queue (module docstring)."""
 
+    def __init__(self, spec: KernelSpec):
+        self.ops = OpTable.for_spec(spec)
+        self.window = spec.prefetch_window
 
-@cute.jit
-def extend_lookahead(weights: cute.Pointer, queue: cute.Pointer, pc: Int32, cum: Int64,
-                     pf_pc: Int32, pf_off: Int64, pf_cum: Int64, window: int, tid: Int32,
-                     nthreads: int):
-    """Request every not yet requested byte of slabs pc, pc+1, ... below `cum + window` (`cum`:
-    stream offset of slab pc's start). Returns the new (pf_pc, pf_off, pf_cum); every calling
-    thread runs the same walk and issues its share of the requests (thread `tid` of `nthreads`).
-    Returns without waiting."""
-    f = isa.COMMON_WORDS
-    if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
-        pf_pc = pc
-        pf_off = Int64(0)
-        pf_cum = cum
-    limit = cum + Int64(window)
-    more = pf_cum < limit
-    while more:
-        base = pf_pc * isa.RECORD_WORDS
-        rop = ld(queue, base)
-        nbytes = slab_bytes(rop, ld(queue, base + f + 3), ld(queue, base + f + 4))
-        take = cutlass.min(nbytes - pf_off, limit - pf_cum)
-        if take > Int64(0):
-            w_base = join64(ld(queue, base + f + 0), ld(queue, base + f + 1))
-            addr0 = weights.toint() + w_base * Int64(2) + pf_off
-            n32 = take.to(Int32)  # <= window
-            for off in cutlass.range(tid * PREFETCH_CHUNK, n32, nthreads * PREFETCH_CHUNK):
-                size = cutlass.min(Int32(PREFETCH_CHUNK), n32 - off)
-                cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                                     read_only_args=[addr0 + Int64(off), size])
-            pf_off = pf_off + take
-            pf_cum = pf_cum + take
-        if pf_off >= nbytes:  # this record's slab is requested (or it has none): next
-            if rop == Op.END:
-                limit = pf_cum  # the queue ends here: stop
-            else:
-                pf_pc = pf_pc + 1
-                pf_off = Int64(0)
+    @cute.jit
+    def slab_bytes(self, rop: Int32, nrows: Int32, k: Int32) -> Int64:
+        """Weight bytes of a record: NROWS * K * 2 for the slab opcodes this build handles (the
+        registry's `slab` property), else 0."""
+        nbytes = Int64(0)
+        if one_of(rop, self.ops.slab):
+            # NROWS * K * 2 can pass 2^31 (an LM head on few SMs): 64-bit
+            nbytes = Int64(nrows) * Int64(k) * Int64(2)
+        return nbytes
+
+    @cute.jit
+    def extend(self, weights: cute.Pointer, queue: cute.Pointer, pc: Int32, cum: Int64,
+               pf_pc: Int32, pf_off: Int64, pf_cum: Int64, tid: Int32, nthreads: int):
+        """Request every not yet requested byte of slabs pc, pc+1, ... below `cum + window`
+        (`cum`: stream offset of slab pc's start). Returns the new (pf_pc, pf_off, pf_cum); every
+        calling thread runs the same walk and issues its share of the requests (thread `tid` of
+        `nthreads`). Returns without waiting."""
+        if pf_pc < pc:  # the demand loads of earlier slabs overtook the lookahead
+            pf_pc = pc
+            pf_off = Int64(0)
+            pf_cum = cum
+        limit = cum + Int64(self.window)
         more = pf_cum < limit
-    return pf_pc, pf_off, pf_cum
+        while more:
+            rop = record_word(queue, pf_pc, common("OPCODE"))
+            nbytes = self.slab_bytes(rop, record_word(queue, pf_pc, slab_word("NROWS")),
+                                     record_word(queue, pf_pc, slab_word("K")))
+            take = cutlass.min(nbytes - pf_off, limit - pf_cum)
+            if take > Int64(0):
+                w_base = join64(record_word(queue, pf_pc, slab_word("W_LO")),
+                                record_word(queue, pf_pc, slab_word("W_HI")))
+                addr0 = weights.toint() + w_base * Int64(2) + pf_off
+                n32 = take.to(Int32)  # <= window
+                for off in cutlass.range(tid * PREFETCH_CHUNK, n32, nthreads * PREFETCH_CHUNK):
+                    size = cutlass.min(Int32(PREFETCH_CHUNK), n32 - off)
+                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                         read_only_args=[addr0 + Int64(off), size])
+                pf_off = pf_off + take
+                pf_cum = pf_cum + take
+            if pf_off >= nbytes:  # this record's slab is requested (or it has none): next
+                if rop == Op.END:
+                    limit = pf_cum  # the queue ends here: stop
+                else:
+                    pf_pc = pf_pc + 1
+                    pf_off = Int64(0)
+            more = pf_cum < limit
+        return pf_pc, pf_off, pf_cum

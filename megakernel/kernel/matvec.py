@@ -33,6 +33,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from megakernel import isa
+from megakernel.isa import Op
+from megakernel.kernel.fields import OpTable, mv, one_of, word
 from megakernel.kernel.memory import (
     join64,
     ld,
@@ -54,23 +57,27 @@ from megakernel.kernel.spec import (
     MMA_N,
     VEC,
     KernelSpec,
+    lm_row_live,
     mma_c_coord,
     mma_operand_word,
     mma_red_index,
+    qkv_bias_index,
     ring_slot,
 )
 from megakernel.kernel.sync import cta_sync
-from megakernel.program import isa
-from megakernel.program.isa import Op
 
 F32_NEG_INF = -math.inf
 
 
 class Matvec:
-    """QKV, OPROJ, GATEUP, DOWN and LMHEAD: one GEMV, epilogue chosen by the runtime opcode."""
+    """The matvec opcodes (QKV, OPROJ, GATEUP, DOWN, LMHEAD): one GEMV, the epilogue chosen by
+    the runtime opcode through the registry's `matvec` property (only the epilogues of opcodes
+    the build handles are compiled in)."""
 
     def __init__(self, spec: KernelSpec):
         self.spec = spec
+        self.ops = OpTable.for_spec(spec)
+        self.QKV_ROWS = spec.qkv_rows  # rows of a layer's packed QKV matrix (bias follows it)
         self.N, self.T, self.B = spec.rows, spec.tokens, spec.batch
         self.NO, self.NB, self.R = spec.no, spec.nb, spec.rows_per_group
         self.KC, self.RC = spec.k_chunk, spec.row_chunk
@@ -89,11 +96,9 @@ class Matvec:
             pB: cute.Pointer, pI: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, s_max: Int32,
             len_off: Int32, sX: cute.Tensor, sAcc: cute.Tensor, sRstd: cute.Tensor,
             sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
-        f = isa.COMMON_WORDS
-        w_base = join64(rec[f + 0], rec[f + 1])  # slab's first element in the arena
-        row0, nrows, k = rec[f + 2], rec[f + 3], rec[f + 4]
-        norm_off, in_off, out_off = rec[f + 5], rec[f + 6], rec[f + 7]
-        extra0, extra1 = rec[f + 8], rec[f + 9]  # QKV: QK_NORM_OFF, ROPE_OFF; LMHEAD: TILE, PARG
+        w_base = join64(rec[mv("W_LO")], rec[mv("W_HI")])  # slab's first element in the arena
+        row0, nrows, k = rec[mv("ROW0")], rec[mv("NROWS")], rec[mv("K")]
+        norm_off, in_off, out_off = rec[mv("NORM_OFF")], rec[mv("IN_OFF")], rec[mv("OUT_OFF")]
         for n0 in cutlass.range(0, self.N, self.NO):
             self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, sRstd, sBest, tidx, warp,
                                lane)
@@ -114,11 +119,11 @@ class Matvec:
                     cta_sync(self.named)
                     self.gemv(pW, w_base, k, rc0, kc0, kc, ng, ksplit, nrp, sX, sAcc, warp, lane)
                 cta_sync(self.named)
-                self.epilogue(op, layer, row0, rc0, nr, n0, ksplit, nrp, out_off, extra0, extra1,
-                              pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, sBest, tidx, warp,
-                              lane)
-            if op == Op.LMHEAD:
-                self.store_partial_argmax(n0, extra0, extra1, pF, sBest, tidx)
+                self.epilogue(op, rec, layer, row0, rc0, nr, n0, ksplit, nrp, out_off, pW, pF,
+                              pB, pI, pK, pV, s_max, len_off, sAcc, sBest, tidx, warp, lane)
+            if cutlass.const_expr(self.ops.epilogue("lmhead")):
+                if one_of(op, self.ops.epilogue("lmhead")):
+                    self.store_partial_argmax(n0, rec, pF, sBest, tidx)
             cta_sync(self.named)
 
     @cute.jit
@@ -142,10 +147,8 @@ class Matvec:
         With spec.mma the tile (8 rows) is one mma N block: the warps split the tile's K, each
         accumulates its slice on tensor cores (mma_tile), and the slices are summed in warp order
         into sAcc (mma_reduce); fp32 accumulation, bf16 operands, as the FMA path."""
-        f = isa.COMMON_WORDS
-        row0, nrows, k = rec[f + 2], rec[f + 3], rec[f + 4]
-        norm_off, in_off, out_off = rec[f + 5], rec[f + 6], rec[f + 7]
-        extra0, extra1 = rec[f + 8], rec[f + 9]
+        row0, nrows, k = rec[mv("ROW0")], rec[mv("NROWS")], rec[mv("K")]
+        norm_off, in_off, out_off = rec[mv("NORM_OFF")], rec[mv("IN_OFF")], rec[mv("OUT_OFF")]
         tr = self.pipe.tile_rows(cutlass.min(Int32(self.KC), k))
         ksplit = self.NW // tr
         for n0 in cutlass.range(0, self.N, self.NO):
@@ -178,11 +181,11 @@ class Matvec:
                             self.mma_reduce(sRed, buf, rows, t0, nr, sAcc, tidx)
                         j += 1
                 cta_sync(self.named)
-                self.epilogue(op, layer, row0, rc0, nr, n0, ksplit, nr, out_off, extra0, extra1,
-                              pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, sBest, tidx, warp,
-                              lane)
-            if op == Op.LMHEAD:
-                self.store_partial_argmax(n0, extra0, extra1, pF, sBest, tidx)
+                self.epilogue(op, rec, layer, row0, rc0, nr, n0, ksplit, nr, out_off, pW, pF,
+                              pB, pI, pK, pV, s_max, len_off, sAcc, sBest, tidx, warp, lane)
+            if cutlass.const_expr(self.ops.epilogue("lmhead")):
+                if one_of(op, self.ops.epilogue("lmhead")):
+                    self.store_partial_argmax(n0, rec, pF, sBest, tidx)
             cta_sync(self.named)
         return j
 
@@ -194,39 +197,46 @@ class Matvec:
         statistics (norm opcodes) and, for LMHEAD, the running (max, index) reset."""
         if norm_off >= 0:
             self.row_rstd(pF, in_off, k, n0, sRstd, warp, lane)
-        if op == Op.LMHEAD:
-            for nn in cutlass.range(tidx, self.NO, self.NT):
-                sBest[2 * nn] = Float32(F32_NEG_INF)
-                sBest[2 * nn + 1] = row0.to(Float32)
+        if cutlass.const_expr(self.ops.epilogue("lmhead")):
+            if one_of(op, self.ops.epilogue("lmhead")):
+                for nn in cutlass.range(tidx, self.NO, self.NT):
+                    sBest[2 * nn] = Float32(F32_NEG_INF)
+                    sBest[2 * nn + 1] = row0.to(Float32)
 
     @cute.jit
-    def epilogue(self, op: Int32, layer: Int32, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,
-                 ksplit: Int32, nrp: Int32, out_off: Int32, extra0: Int32, extra1: Int32,
+    def epilogue(self, op: Int32, rec: cute.Tensor, layer: Int32, row0: Int32, rc0: Int32,
+                 nr: Int32, n0: Int32, ksplit: Int32, nrp: Int32, out_off: Int32,
                  pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer,
                  pK: cute.Pointer, pV: cute.Pointer, s_max: Int32, len_off: Int32,
                  sAcc: cute.Tensor, sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
-        """The opcode's epilogue on one row chunk's accumulators (both weight paths)."""
-        if op == Op.QKV:
-            self.epi_qkv(layer, row0, rc0, nr, n0, ksplit, nrp, out_off, extra0, extra1,
-                         pW, pF, pB, pI, pK, pV, s_max, len_off, sAcc, warp, lane)
-        elif op == Op.GATEUP:
-            self.epi_gateup(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
-        elif op == Op.LMHEAD:
-            self.epi_lmhead(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, sBest,
-                            tidx, warp, lane)
-        else:  # OPROJ, DOWN: residual add into h
-            self.epi_residual(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
+        """The opcode's epilogue on one row chunk's accumulators (both weight paths), chosen by
+        the registry's `matvec` property; an epilogue no handled opcode uses is not compiled."""
+        if cutlass.const_expr(self.ops.epilogue("qkv")):
+            if one_of(op, self.ops.epilogue("qkv")):
+                self.epi_qkv(rec, layer, row0, rc0, nr, n0, ksplit, nrp, out_off, pW, pF, pB,
+                             pI, pK, pV, s_max, len_off, sAcc, warp, lane)
+        if cutlass.const_expr(self.ops.epilogue("gateup")):
+            if one_of(op, self.ops.epilogue("gateup")):
+                self.epi_gateup(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
+        if cutlass.const_expr(self.ops.epilogue("lmhead")):
+            if one_of(op, self.ops.epilogue("lmhead")):
+                self.epi_lmhead(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, sBest,
+                                tidx, warp, lane)
+        if cutlass.const_expr(self.ops.epilogue("residual")):
+            if one_of(op, self.ops.epilogue("residual")):  # OPROJ, DOWN: added into h
+                self.epi_residual(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
 
     @cute.jit
-    def store_partial_argmax(self, n0: Int32, extra0: Int32, extra1: Int32, pF: cute.Pointer,
+    def store_partial_argmax(self, n0: Int32, rec: cute.Tensor, pF: cute.Pointer,
                              sBest: cute.Tensor, tidx: Int32):
         """LMHEAD: this CTA's (max logit, index) per row into the partial-argmax buffer."""
+        tile, parg = rec[word(Op.LMHEAD, "TILE")], rec[word(Op.LMHEAD, "PARG_OFF")]
         cta_sync(self.named)
         for nn in cutlass.range(tidx, self.NO, self.NT):
             if n0 + nn < self.N:
-                slot = (extra0 * self.N + n0 + nn) * 2
-                st(pF, extra1 + slot, sBest[2 * nn])
-                st(pF, extra1 + slot + 1, sBest[2 * nn + 1])
+                slot = (tile * self.N + n0 + nn) * 2
+                st(pF, parg + slot, sBest[2 * nn])
+                st(pF, parg + slot + 1, sBest[2 * nn + 1])
 
     @cute.jit
     def gemv_tile(self, sRing: cute.Tensor, sbase: Int32, kc: Int32, rows: Int32, rowl0: Int32,
@@ -435,22 +445,26 @@ class Matvec:
     def epi_lmhead(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
                    nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
                    sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
-        """logits[n, row0 + rc0 + r] = acc; running (max, lowest index) per activation row."""
+        """logits[n, row0 + rc0 + r] = acc; running (max, lowest index) per activation row.
+        Only rows < V (spec.lm_row_live): the padding rows of the head store nothing (the logits
+        are [N, V]) and never take part in the argmax."""
         for idx in cutlass.range(tidx, self.NO * nr, self.NT):
             nn = idx // nr
             r = idx - nn * nr
-            if n0 + nn < self.N:
-                st(pF, out_off + (n0 + nn) * self.V + row0 + rc0 + r,
+            row = row0 + rc0 + r
+            if (n0 + nn < self.N) & lm_row_live(row, self.V):
+                st(pF, out_off + (n0 + nn) * self.V + row,
                    self.acc_value(sAcc, nn, r, ksplit, nrp))
         for nn in cutlass.range(warp, self.NO, self.NW):
             if n0 + nn < self.N:
                 best = Float32(F32_NEG_INF)
                 bidx = Int32(row0 + rc0)
                 for r in cutlass.range(lane, nr, LANES):
-                    v = self.acc_value(sAcc, nn, r, ksplit, nrp)
-                    if v > best:  # rows ascend per lane: strict > keeps the lowest index
-                        best = v
-                        bidx = row0 + rc0 + r
+                    if lm_row_live(row0 + rc0 + r, self.V):
+                        v = self.acc_value(sAcc, nn, r, ksplit, nrp)
+                        if v > best:  # rows ascend per lane: strict > keeps the lowest index
+                            best = v
+                            bidx = row0 + rc0 + r
                 best, bidx = warp_argmax(best, bidx)
                 if lane == 0:
                     prev = sBest[2 * nn]
@@ -459,13 +473,19 @@ class Matvec:
                         sBest[2 * nn + 1] = bidx.to(Float32)
 
     @cute.jit
-    def epi_qkv(self, layer: Int32, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,
-                ksplit: Int32, nrp: Int32, q_off: Int32, qkn_off: Int32, rope_off: Int32,
-                pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer,
-                pK: cute.Pointer, pV: cute.Pointer, s_max: Int32, len_off: Int32,
-                sAcc: cute.Tensor, warp: Int32, lane: Int32):
-        """Per (head, row): (qwen3) per-head RMSNorm, RoPE, bf16 -> q buffer or the KV cache."""
+    def epi_qkv(self, rec: cute.Tensor, layer: Int32, row0: Int32, rc0: Int32, nr: Int32,
+                n0: Int32, ksplit: Int32, nrp: Int32, q_off: Int32, pW: cute.Pointer,
+                pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer, pK: cute.Pointer,
+                pV: cute.Pointer, s_max: Int32, len_off: Int32, sAcc: cute.Tensor, warp: Int32,
+                lane: Int32):
+        """Per (head, row): (qwen2) + bias, (qwen3) per-head RMSNorm, RoPE, bf16 -> q buffer or
+        the KV cache. Lane holds head dims lane + 32 e, e < E = D / 32 (D = 64, 128, 256)."""
         D, E, G = self.D, self.E, self.G
+        qkn_off, rope_off = rec[word(Op.QKV, "QK_NORM_OFF")], rec[word(Op.QKV, "ROPE_OFF")]
+        bias0 = Int64(0)  # arena element of the bias of chunk row 0 (spec.qkv_bias_index)
+        if cutlass.const_expr(self.spec.qkv_bias):
+            bias0 = qkv_bias_index(join64(rec[mv("W_LO")], rec[mv("W_HI")]), Int64(row0),
+                                   Int64(rec[mv("K")]), self.QKV_ROWS, Int64(rc0))
         half = E // 2
         hd = D // 2
         sin_off = rope_off + s_max * hd  # sin [S_max, D/2] follows cos directly (isa.py)
@@ -485,6 +505,10 @@ class Matvec:
                 x = cute.make_rmem_tensor((E,), Float32)
                 for e in cutlass.range_constexpr(E):
                     x[e] = self.acc_value(sAcc, nn, hh * D + lane + LANES * e, ksplit, nrp)
+                if cutlass.const_expr(self.spec.qkv_bias):  # q = x W^T + b, before norm / RoPE
+                    for e in cutlass.range_constexpr(E):
+                        b_e = ld(pW, bias0 + Int64(hh * D + lane + LANES * e)).to(Float32)
+                        x[e] = x[e] + b_e
                 if j <= G:
                     if cutlass.const_expr(self.spec.qk_norm):
                         ss = Float32(0.0)

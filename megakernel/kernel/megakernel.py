@@ -27,15 +27,24 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
+from megakernel import isa
+from megakernel.isa import Op
 from megakernel.kernel import sync
 from megakernel.kernel.attention import Attention
-from megakernel.kernel.lookahead import extend_lookahead, slab_bytes
+from megakernel.kernel.fields import OpTable, common, none_of, one_of, slab_word, word
+from megakernel.kernel.lookahead import Lookahead
 from megakernel.kernel.matvec import Matvec, warp_argmax
-from megakernel.kernel.memory import elem_ptr, join64, ld, load_bf16x8, st, store_f32x8
+from megakernel.kernel.memory import (
+    elem_ptr,
+    join64,
+    ld,
+    load_bf16x8,
+    record_word,
+    st,
+    store_f32x8,
+)
 from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import LANES, VEC, KernelSpec
-from megakernel.program import isa
-from megakernel.program.isa import Op
 
 
 class DecodeMegakernel:
@@ -44,6 +53,7 @@ class DecodeMegakernel:
     def __init__(self, spec: KernelSpec):
         spec.validate()
         self.spec = spec
+        self.ops = OpTable.for_spec(spec)  # the opcodes this build handles (fields.py)
         self.NT, self.NW = spec.num_threads, spec.num_warps
         self.N, self.T, self.B, self.H = spec.rows, spec.tokens, spec.batch, spec.hidden
         self.matvec = Matvec(spec)
@@ -54,6 +64,7 @@ class DecodeMegakernel:
         self.piped = spec.pipelined
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.pipe = Pipeline(spec) if spec.pipelined else None
+        self.lookahead = Lookahead(spec)
 
     @cute.jit
     def __call__(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
@@ -133,19 +144,21 @@ class DecodeMegakernel:
         pf_cum = Int64(0)
         cum = Int64(0)
         j = Int32(0)  # pipeline tiles consumed (pipeline.py)
-        op = cute.arch.load(queue, Int32)
+        op = record_word(queue, pc, common("OPCODE"))
         while op != Op.END:
             rec = cute.make_rmem_tensor((isa.RECORD_WORDS,), Int32)
             gRec = cute.make_tensor(elem_ptr(queue, pc * isa.RECORD_WORDS, 16),
                                     cute.make_layout(isa.RECORD_WORDS))
             cute.autovec_copy(gRec, rec)
-            layer = rec[5]
+            layer = rec[common("LAYER")]
             if op == Op.ATTN_PARTIAL:
                 self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
             if cutlass.const_expr(not self.piped):  # the loader warp slides it (pipeline.py)
-                pf_pc, pf_off, pf_cum = extend_lookahead(weights, queue, pc, cum, pf_pc, pf_off,
-                                                         pf_cum, self.window, tidx, self.NT)
-            sync.wait_counter(counters, rec[1], epoch * rec[3] + rec[2], tidx, named)
+                pf_pc, pf_off, pf_cum = self.lookahead.extend(weights, queue, pc, cum, pf_pc,
+                                                              pf_off, pf_cum, tidx, self.NT)
+            sync.wait_counter(counters, rec[common("WAIT_CID")],
+                              epoch * rec[common("WAIT_TOTAL")] + rec[common("WAIT_TARGET")],
+                              tidx, named)
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
             elif op == Op.ATTN_PARTIAL:
@@ -154,7 +167,7 @@ class DecodeMegakernel:
                 self.attention.ticket(rec, epoch, counters, sFlag, f32, bf16, tidx, warp, lane)
             elif op == Op.ARGMAX:
                 self.argmax(rec, f32, i32, tidx, warp, lane)
-            else:
+            elif one_of(op, self.ops.matvec):
                 if cutlass.const_expr(self.piped):
                     j = self.matvec.run_piped(op, rec, layer, weights, f32, bf16, i32, k_cache,
                                               v_cache, s_max, len_off, sX, sAcc, sRstd, sBest,
@@ -162,12 +175,15 @@ class DecodeMegakernel:
                 else:
                     self.matvec.run(op, rec, layer, weights, f32, bf16, i32, k_cache, v_cache,
                                     s_max, len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
-            if op != Op.ATTN_PARTIAL:  # the ticket above did its own signalling
-                sync.signal_counter(counters, rec[4], tidx, named)
+            else:  # an opcode this build has no handler for: fail the launch, run nothing
+                cute.arch.inline_ptx("trap;")
+            if none_of(op, self.ops.ticket):  # a ticket opcode signals from its merge
+                sync.signal_counter(counters, rec[common("SIGNAL_CID")], tidx, named)
             if cutlass.const_expr(not self.piped):
-                cum = cum + slab_bytes(op, rec[isa.COMMON_WORDS + 3], rec[isa.COMMON_WORDS + 4])
+                cum = cum + self.lookahead.slab_bytes(op, rec[slab_word("NROWS")],
+                                                      rec[slab_word("K")])
             pc += 1
-            op = cute.arch.load(queue + pc * isa.RECORD_WORDS, Int32)
+            op = record_word(queue, pc, common("OPCODE"))
         if cutlass.const_expr(self.piped):
             if tidx == 0:
                 self.pipe.check_done(mbar, j)
@@ -184,10 +200,9 @@ class DecodeMegakernel:
     def embed(self, rec: cute.Tensor, weights: cute.Pointer, f32: cute.Pointer,
               i32: cute.Pointer, tidx: Int32):
         """h[n] = fp32(embedding[tokens_in[n]]) for n in [N0, N1)."""
-        f = isa.COMMON_WORDS
-        w_base = join64(rec[f + 0], rec[f + 1])
-        n0, n1, k = rec[f + 2], rec[f + 3], rec[f + 4]
-        tok_off, out_off = rec[f + 5], rec[f + 6]
+        w_base = join64(rec[word(Op.EMBED, "W_LO")], rec[word(Op.EMBED, "W_HI")])
+        n0, n1, k = rec[word(Op.EMBED, "N0")], rec[word(Op.EMBED, "N1")], rec[word(Op.EMBED, "K")]
+        tok_off, out_off = rec[word(Op.EMBED, "TOK_OFF")], rec[word(Op.EMBED, "OUT_OFF")]
         nv = k // VEC
         for idx in cutlass.range(tidx, (n1 - n0) * nv, self.NT):
             nn = idx // nv
@@ -200,9 +215,9 @@ class DecodeMegakernel:
     def argmax(self, rec: cute.Tensor, f32: cute.Pointer, i32: cute.Pointer, tidx: Int32,
                warp: Int32, lane: Int32):
         """tokens_out[n] = argmax over the LM-head tiles' partials; then the step's flags."""
-        f = isa.COMMON_WORDS
-        n_tiles, parg, out_off = rec[f + 0], rec[f + 1], rec[f + 2]
-        tok_off, len_off, flags = rec[f + 3], rec[f + 4], rec[f + 5]
+        n_tiles, parg = rec[word(Op.ARGMAX, "N_TILES")], rec[word(Op.ARGMAX, "PARG_OFF")]
+        out_off, tok_off = rec[word(Op.ARGMAX, "OUT_OFF")], rec[word(Op.ARGMAX, "TOK_OFF")]
+        len_off, flags = rec[word(Op.ARGMAX, "LEN_OFF")], rec[word(Op.ARGMAX, "FLAGS")]
         for n in cutlass.range(warp, self.N, self.NW):
             best = Float32(-float("inf"))
             bidx = Int32(0x7FFFFFFF)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from megakernel.isa import RECORD_WORDS
 from megakernel.kernel.spec import VEC
 
 # weights are read once per step: do not pollute L1, ask L2 for 256-byte lines
@@ -115,6 +116,11 @@ def load_smem_words4(w: cute.Tensor, offset, r: cute.Tensor) -> None:
 def ld(base: cute.Pointer, offset):
     """Scalar global load of `base[offset]`."""
     return cute.make_tensor(elem_ptr(base, offset, base.dtype.width // 8), cute.make_layout(1))[0]
+
+
+def record_word(queue: cute.Pointer, pc, w: int):
+    """Word `w` (fields.py: a field named through the registry) of record `pc` of a queue."""
+    return ld(queue, pc * RECORD_WORDS + w)
 
 
 def st(base: cute.Pointer, offset, value) -> None:

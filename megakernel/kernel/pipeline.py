@@ -36,17 +36,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from megakernel.kernel.memory import join64, ld
+from megakernel.isa import Op
+from megakernel.kernel.fields import OpTable, common, one_of, slab_word
+from megakernel.kernel.memory import join64, record_word
 from megakernel.kernel.spec import SMEM_STAGE_BYTES, KernelSpec, ring_slot
 from megakernel.kernel.sync import WAIT_TIMEOUT_NS
-from megakernel.program import isa
-from megakernel.program.isa import Op
-
-
-@cute.jit
-def is_matvec(op: Int32):
-    """QKV, OPROJ, GATEUP, DOWN, LMHEAD: the opcodes with a weight slab."""
-    return (op >= Op.QKV) & (op != Op.ATTN_PARTIAL) & (op != Op.ARGMAX)
 
 
 class Pipeline:
@@ -54,6 +48,7 @@ class Pipeline:
 
     def __init__(self, spec: KernelSpec):
         self.spec = spec
+        self.ops = OpTable.for_spec(spec)  # slab opcodes: the registry's `slab` (fields.py)
         self.S = spec.smem_stages
         self.NW = spec.num_warps
         self.stage_elems = SMEM_STAGE_BYTES // 2  # bf16 per stage
@@ -94,9 +89,9 @@ class Pipeline:
         # the prefetch cursor (prefetch_tiles): record, pass, row chunk, K-chunk, tile row, volume
         f_pc, f_p, f_rc, f_kc, f_t = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
         f_vol = Int64(0)
-        op = ld(queue, 0)
+        op = record_word(queue, pc, common("OPCODE"))
         while op != Op.END:
-            if is_matvec(op):
+            if one_of(op, self.ops.slab):
                 w_base, nrows, k = slab_record(queue, pc)
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 src0 = weights.toint() + w_base * Int64(2)
@@ -125,7 +120,7 @@ class Pipeline:
                                 j += 1
                                 vol = vol + Int64(rows * kc * 2)
             pc += 1
-            op = ld(queue, pc * isa.RECORD_WORDS)
+            op = record_word(queue, pc, common("OPCODE"))
         # END: publish the tile count (the consumers check it against theirs, check_done)
         cute.make_tensor(mbar + 2 * self.S + 1, cute.make_layout(1))[0] = Int64(j)
         cute.arch.mbarrier_arrive(mbar + 2 * self.S)
@@ -142,10 +137,10 @@ class Pipeline:
         chunk start, K-chunk start, tile row, covered bytes); returned advanced. Host mirror:
         spec.loader_lookahead_plan."""
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
-        op = ld(queue, pc * isa.RECORD_WORDS)
+        op = record_word(queue, pc, common("OPCODE"))
         more = (vol < limit) & (op != Op.END)
         while more:
-            if is_matvec(op):
+            if one_of(op, self.ops.slab):
                 w_base, nrows, k = slab_record(queue, pc)
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 nr = cutlass.min(Int32(RC), nrows - rc0)
@@ -173,7 +168,7 @@ class Pipeline:
                                 pc = pc + 1
             else:
                 pc = pc + 1
-            op = ld(queue, pc * isa.RECORD_WORDS)
+            op = record_word(queue, pc, common("OPCODE"))
             more = (vol < limit) & (op != Op.END)
         return pc, p, rc0, kc0, t0, vol
 
@@ -215,11 +210,12 @@ def bulk_g2s(dst: cute.Pointer, src: Int64, nbytes: Int32, bar: cute.Pointer):
 
 @cute.jit
 def slab_record(queue: cute.Pointer, pc: Int32):
-    """(W, NROWS, K) of matvec record pc: the slab's first element in the weight arena, its rows
-    and row length (isa.py operand words 0-1, 3, 4)."""
-    base = pc * isa.RECORD_WORDS + isa.COMMON_WORDS
-    w_base = join64(ld(queue, base + 0), ld(queue, base + 1))
-    return w_base, ld(queue, base + 3), ld(queue, base + 4)
+    """(W, NROWS, K) of slab record pc: the slab's first element in the weight arena, its rows
+    and row length (the registry's slab fields, fields.slab_word)."""
+    w_base = join64(record_word(queue, pc, slab_word("W_LO")),
+                    record_word(queue, pc, slab_word("W_HI")))
+    return (w_base, record_word(queue, pc, slab_word("NROWS")),
+            record_word(queue, pc, slab_word("K")))
 
 
 @cute.jit

@@ -16,8 +16,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megakernel.config import ModelConfig
-from megakernel.program import isa
+from megakernel import isa
 
 ARCHS = ("sm_90a", "sm_100a")
 # compute capability -> the arch a cubin must be built for
@@ -117,6 +116,21 @@ def mma_red_index(buf, warp, m, n, num_warps: int, no: int):
     return ((buf * num_warps + warp) * no + m) * MMA_N + n
 
 
+def qkv_bias_index(w, row0, k, qkv_rows: int, row):
+    """Arena element of the bias of packed QKV row `row0 + row`, for a QKV record whose slab
+    starts at element `w` with first row `row0` and rows of `k`: the bias [QKV_ROWS] directly
+    follows the layer's packed QKV matrix [QKV_ROWS, K], in the same row order. Plain arithmetic:
+    the kernel calls it on Int64, the host emulation on int."""
+    return w - row0 * k + qkv_rows * k + row0 + row
+
+
+def lm_row_live(row, vocab: int):
+    """Packed LM-head row `row` holds a vocabulary entry: rows >= V are the ROW_ALIGN padding
+    (zero rows), which store no logit and never take part in the argmax (a 0 would win when
+    every real logit is negative). Plain arithmetic: Int32 in the kernel, int in the tests."""
+    return row < vocab
+
+
 def ring_slot(j, stages: int):
     """Tile j's (stage, full-barrier parity, empty-barrier parity) in a ring of `stages`: the
     consumers wait full[stage] for `full`, the loader waits empty[stage] for `empty` (a fresh
@@ -168,7 +182,7 @@ def prefetch_window(arch: str) -> int:
 
 
 def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, int]]]:
-    """Host mirror of the global-memory build's lookahead (lookahead.extend_lookahead, same state
+    """Host mirror of the global-memory build's lookahead (lookahead.Lookahead.extend, same state
     machine, for tests and documentation).
 
     `slabs[i]`: prefetchable weight bytes of queue instruction i (0 for opcodes without a slab).
@@ -225,7 +239,7 @@ def loader_lookahead_plan(slabs: list[tuple[int, int]], passes: int, k_chunk: in
     return out
 
 
-def default_build(cfg: ModelConfig, batch: int, tokens: int, arch: str) -> KernelSpec | None:
+def default_build(cfg, batch: int, tokens: int, arch: str) -> KernelSpec | None:
     """The default build's spec for this model/batch, or None when no kernel build serves it."""
     try:
         return make_spec(cfg, batch, tokens, arch)
@@ -233,7 +247,7 @@ def default_build(cfg: ModelConfig, batch: int, tokens: int, arch: str) -> Kerne
         return None
 
 
-def build_ring_bytes(cfg: ModelConfig, batch: int, tokens: int, arch: str) -> int:
+def build_ring_bytes(cfg, batch: int, tokens: int, arch: str) -> int:
     """Bytes of the default build's shared-memory weight ring for this model/batch (0: the
     global-memory path, or no kernel build serves it). The cost model reads it."""
     spec = default_build(cfg, batch, tokens, arch)
@@ -289,6 +303,7 @@ class KernelSpec:
     eps: float
     batch: int  # B
     tokens: int  # T
+    qkv_bias: bool = False  # the QKV epilogue adds the bias that follows the matrix
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
     smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (above)
 
@@ -323,6 +338,11 @@ class KernelSpec:
     @property
     def group(self) -> int:  # G
         return self.heads // self.kv_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of a layer's packed QKV matrix: per kv head G q heads, k and v, D rows each."""
+        return self.kv_heads * (self.group + 2) * self.head_dim
 
     @property
     def num_warps(self) -> int:
@@ -485,7 +505,39 @@ class KernelSpec:
                 f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}")
 
 
-def make_spec(cfg: ModelConfig, batch: int, tokens: int, arch: str,
+def program_ops(cfg) -> set[int]:  # noqa: ANN001 (ModelConfig)
+    """The opcodes a program of `cfg` uses (its kinds' `flow` plus the frame's)."""
+    from megakernel.layers import kind
+
+    names = {"END", "EMBED", "LMHEAD", "ARGMAX"}
+    for blk in cfg.blocks:
+        names |= set(kind(blk.kind).flow)
+    return {int(getattr(isa.Op, n)) for n in names}
+
+
+def check_kernel_support(cfg) -> None:  # noqa: ANN001 (ModelConfig)
+    """SpecError naming what of `cfg` the kernel does not run yet (validate() has accepted it)."""
+    missing = sorted(isa.spec(op).name for op in program_ops(cfg) if not isa.spec(op).device)
+    if missing:
+        kinds = sorted({isa.spec(getattr(isa.Op, n)).kind for n in missing})
+        raise SpecError(f"the kernel has no device handlers for {', '.join(missing)} yet (layer "
+                        f"kinds {', '.join(kinds)} of {cfg.name or cfg.family}); the CPU "
+                        "executor runs its program")
+    att = cfg.kind_config("attention")
+    cfg.kind_config("swiglu")
+    why = []
+    if att.output_gate:
+        why.append("gated attention")
+    if att.rotary_dim != att.head_dim:
+        why.append(f"RoPE on {att.rotary_dim} of {att.head_dim} head dims")
+    if cfg.norm_kind != "rms":
+        why.append("the (1 + w) RMSNorm")
+    if why:
+        raise SpecError(f"the kernel does not support {', '.join(why)} yet "
+                        f"({cfg.name or cfg.family})")
+
+
+def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelConfig)
               num_threads: int = NUM_THREADS, smem_stages: int | None = None) -> KernelSpec:
     """The build's static config for a model, batch and tokens per step. `smem_stages` None:
     the deepest ring (PIPELINE_STAGES down to MIN_PIPELINE_STAGES) whose spec is valid, else 0
@@ -500,19 +552,24 @@ def make_spec(cfg: ModelConfig, batch: int, tokens: int, arch: str,
             except SpecError:
                 pass
         return make_spec(cfg, batch, tokens, arch, num_threads, 0)
+    from megakernel.models import validate
+
+    validate(cfg)
+    check_kernel_support(cfg)
+    att, mlp = cfg.kind_config("attention"), cfg.kind_config("swiglu")
     spec = KernelSpec(
-        arch=arch, family=cfg.family, hidden=cfg.hidden_size, inter=cfg.intermediate_size,
-        vocab=cfg.vocab_size, layers=cfg.num_layers, heads=cfg.num_heads,
-        kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
-        eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens, num_threads=num_threads,
-        smem_stages=smem_stages)
+        arch=arch, family=cfg.family, hidden=cfg.hidden_size, inter=mlp.intermediate_size,
+        vocab=cfg.vocab_size, layers=cfg.num_layers, heads=att.num_heads,
+        kv_heads=att.num_kv_heads, head_dim=att.head_dim, qk_norm=att.qk_norm,
+        qkv_bias=att.qkv_bias, eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,
+        num_threads=num_threads, smem_stages=smem_stages)
     spec.validate()
     return spec
 
 
 # ---- fingerprint --------------------------------------------------------------------------------
-KERNEL_SOURCES = ("spec.py", "megakernel.py", "matvec.py", "attention.py", "sync.py", "memory.py",
-                  "pipeline.py", "lookahead.py")
+KERNEL_SOURCES = ("spec.py", "fields.py", "megakernel.py", "matvec.py", "attention.py", "sync.py",
+                  "memory.py", "pipeline.py", "lookahead.py")
 
 
 def source_digest() -> str:
@@ -523,7 +580,10 @@ def source_digest() -> str:
         p = here / name
         h.update(name.encode())
         h.update(p.read_bytes() if p.exists() else b"<missing>")
-    h.update((here.parent / "program" / "isa.py").read_bytes())
+    for pkg in ("isa", "layers"):  # the registry the device code reads its fields from
+        for p in sorted((here.parent / pkg).glob("*.py")):
+            h.update(f"{pkg}/{p.name}".encode())
+            h.update(p.read_bytes())
     return h.hexdigest()
 
 

@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from megakernel.program import isa
+from megakernel import isa
 
 SLEEP_MIN_NS = 32
 SLEEP_MAX_NS = 512

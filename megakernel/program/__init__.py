@@ -1,8 +1,4 @@
-"""The megakernel program: instruction set, weight packing, compiler, cost model and scheduler.
-
-Pure host-side Python (torch, no CUDA, no DSL): the kernel interprets what this package builds.
+"""The megakernel program: compiler, buffer plan, weight packing, cost model and scheduler,
+verifier. Pure host-side Python (torch, no CUDA, no DSL): the kernel interprets what this package
+builds; the instruction set is megakernel/isa, the layer kinds megakernel/layers.
 """
-
-from megakernel.program.isa import FORMAT_VERSION, RECORD_WORDS, Op
-
-__all__ = ["FORMAT_VERSION", "RECORD_WORDS", "Op"]

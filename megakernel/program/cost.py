@@ -79,7 +79,7 @@ import numpy as np
 
 from megakernel.kernel.spec import SMEM_STAGE_BYTES, prefetch_window
 from megakernel.program.gpus import GPU
-from megakernel.program.isa import NO_COUNTER, Op
+from megakernel.isa import NO_COUNTER, spec
 
 CITATIONS = {
     "mem_latency": "Hazy Research, 'Look Ma, No Bubbles' (2025-05-27): ~500 ns per load/store",
@@ -202,7 +202,7 @@ class SimState:
         w = ins.w_bytes
         compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
         if w:
-            kv = ins.op == Op.ATTN_PARTIAL  # prefetched whole when the CTA reaches it
+            kv = spec(ins.op).reach  # prefetched whole when the CTA reaches it
             ls = np.maximum(load_end, free if kv else win)
             ls = ls + np.where(ls > load_end, r.lat, 0.0)  # restart latency after a stall
             pre = np.clip((t_act - ls) * r.bw, 0.0, w if kv else min(w, r.lookahead))
@@ -237,7 +237,7 @@ class SimState:
         if ins.l2_bytes or ins.hbm_bytes:
             t_act += r.lat + ins.l2_bytes / r.l2 + ins.hbm_bytes / r.bw
         w = ins.w_bytes
-        kv = ins.op == Op.ATTN_PARTIAL
+        kv = spec(ins.op).reach
         le = float(self.load_end[s])
         t_w = t_act
         if w:
@@ -271,7 +271,7 @@ class SimState:
         if ins.signal != NO_COUNTER:
             sig = t_c1 + 2 * r.lat  # stores fenced, then the release add lands
             self.counter_done[ins.signal] = max(self.counter_done.get(ins.signal, 0.0), sig)
-            if ins.op == Op.ATTN_PARTIAL:
+            if spec(ins.op).ticket:
                 # the last split's CTA merges: ticket (atomic round trip), read the partials,
                 # merge, store, fence, release add; max over the group = the last split
                 merge = (r.lat + ins.merge_l2_bytes / r.l2 + ins.merge_flops / r.fp32
@@ -368,7 +368,7 @@ class CostReport:
 
 def step_bytes(instrs) -> int:  # noqa: ANN001
     """HBM bytes the instructions must read: prefetchable bytes (weights, cached KV) and
-    embedding rows. The new K/V rows written are added by the caller (`kv_written_bytes`)."""
+    embedding rows. What the step writes to its caches and state is added by the caller (`written_bytes`)."""
     return sum(ins.w_bytes + ins.hbm_bytes for ins in instrs)
 
 
@@ -381,6 +381,9 @@ def report(state: SimState, instrs, gpu: GPU, extra_bytes: int = 0) -> CostRepor
                       gpu.copy_bw, gpu.hbm_bw, float(idle.max()), float(idle.mean()), len(instrs))
 
 
-def kv_written_bytes(prog) -> int:  # noqa: ANN001
-    c = prog.cfg
-    return 2 * 2 * c.num_layers * prog.rows * c.num_kv_heads * c.head_dim
+def written_bytes(prog) -> int:  # noqa: ANN001
+    """Bytes one step writes to its KV caches, recurrent states, conv windows and ReplaySSM rings
+    (the blocks' byte accounting, program/bytes.py)."""
+    from megakernel.program.bytes import step_bytes_by_category
+
+    return int(sum(v for k, v in step_bytes_by_category(prog).items() if k.endswith("_written")))

@@ -1,36 +1,40 @@
 """Weight packing: one flat bf16 arena in which every instruction streams one contiguous slab.
 
-Layout (element offsets; every entry starts on a multiple of `ALIGN` elements = 128 bytes):
+Layout (element offsets; every entry starts on a multiple of ALIGN elements = 128 bytes, except an
+entry that must directly follow the previous one, such as a projection's bias after its matrix):
 
-    norms      per layer: input_layernorm [H], post_attention_layernorm [H],
-               (qwen3) q_norm [D], k_norm [D]; then model.norm [H]
-               (first, so their offsets fit the one-word NORM_OFF / QK_NORM_OFF operands)
-    embed      model.embed_tokens [V, H]        (also the LM head when tied)
-    per layer  qkv    [(Hq + 2 Hkv) D, H]  heads grouped by kv head: q heads of group g, k_g, v_g
-               o      [H, Hq D]            o_proj as is
-               gateup [2 I, H]             gate/up interleaved in blocks of GATEUP_BLOCK rows
-               down   [H, I]               down_proj as is
-    lm_head    [V, H]                      untied models only
+    head       per decoder layer: the input RMSNorm [H] of each of its blocks, then each block's
+               small tensors (layers/*.py `vectors`: q/k norms, recurrent output norms, conv taps,
+               MLA's kv_b ...); then the final norm [H]. First, so that the 32-bit operands that
+               point at them (NORM_OFF, QK_NORM_OFF, CONV_W, ...) reach them in any model.
+    embed      [V, H] (the LM head too when tied: then padded to ROW_ALIGN rows with zeros)
+    per block  its matrices (layers/*.py `matrices`), row-major
+    lm_head    [V padded to ROW_ALIGN, H] (untied models), zero rows past V
 
 Every matrix is row-major, so rows [r0, r1) of it are one contiguous run: the tiling only picks
-row ranges (whole heads of one group for QKV, whole gate/up block pairs for GATEUP, multiples of
-ROW_ALIGN rows elsewhere), and the arena does not depend on the GPU or the tiling. The row orders
-(documented in isa.py) put everything an epilogue needs into its own slab: all D rows of a head
-(qk-norm, RoPE's rotate-half pairs) and the matching gate and up rows (silu(gate) * up).
+row ranges, and the arena does not depend on the GPU, the batch or the tiling. Keys are
+"L{layer}.{block}.{name}" (the block's input norm: "L{layer}.{block}.norm"), "final_norm",
+"embed", "lm_head".
+
+fp32 constants that come with the checkpoint (SSM parameters, routers) are not in the bf16 arena:
+`PackedWeights.tables[(region, layer)]` holds them for the program's f32 arena (layers `tables`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
-from megakernel.config import ModelConfig
-from megakernel.program.isa import GATEUP_BLOCK
+from megakernel.layers import kind
+from megakernel.layers.frame import padded_vocab
 
-ALIGN = 64  # elements (128 bytes): TMA bulk copies and 16-byte vector loads need 16-byte alignment
+ALIGN = 64  # elements (128 bytes): bulk copies and 16-byte vector loads need 16-byte alignment
 
-EMBED = "model.embed_tokens.weight"
+
+class PackError(ValueError):
+    """Weights that do not fit the packed layout (a missing tensor or a wrong shape)."""
 
 
 @dataclass(frozen=True)
@@ -40,17 +44,12 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
 class WeightLayout:
-    """Where every packed tensor lives; keys are 'embed', 'final_norm', 'lm_head', and per layer
-    'L{i}.attn_norm', 'L{i}.mlp_norm', 'L{i}.qk_norm' (q_norm then k_norm), 'L{i}.qkv', 'L{i}.o',
-    'L{i}.gateup', 'L{i}.down'."""
+    """Where every packed tensor lives (keys in the module docstring)."""
 
     entries: dict[str, Entry]
     numel: int
@@ -58,8 +57,8 @@ class WeightLayout:
     def __getitem__(self, key: str) -> Entry:
         return self.entries[key]
 
-    def layer(self, i: int, name: str) -> Entry:
-        return self.entries[f"L{i}.{name}"]
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
 
     @property
     def lm_head(self) -> Entry:
@@ -70,112 +69,99 @@ class WeightLayout:
         return 2 * self.numel
 
 
-def _align(x: int) -> int:
-    return (x + ALIGN - 1) // ALIGN * ALIGN
-
-
 class LayoutBuilder:
-    """Places tensors one after another in the arena, each start ALIGN-aligned."""
+    """Places tensors one after another in the arena, each start ALIGN-aligned unless it follows
+    the previous entry directly."""
 
     def __init__(self) -> None:
         self.entries: dict[str, Entry] = {}
-        self.off = 0
+        self.end = 0  # end of the last entry
+        self.off = 0  # next aligned start
 
-    def put(self, key: str, shape: tuple[int, ...]) -> None:
-        e = Entry(self.off, shape)
+    def put(self, key: str, shape: tuple[int, ...], follow: bool = False) -> None:
+        if key in self.entries:
+            raise ValueError(f"packed key {key!r} placed twice")
+        e = Entry(self.end if follow else self.off, tuple(shape))
         self.entries[key] = e
-        self.off = _align(self.off + e.numel)
+        self.end = e.offset + e.numel
+        self.off = (self.end + ALIGN - 1) // ALIGN * ALIGN
 
     def done(self) -> WeightLayout:
         return WeightLayout(self.entries, self.off)
 
 
-def weight_layout(cfg: ModelConfig) -> WeightLayout:
+def _layers(cfg) -> dict[int, list]:  # noqa: ANN001
+    out: dict[int, list] = {}
+    for blk in cfg.blocks:
+        out.setdefault(blk.layer, []).append(blk)
+    return out
+
+
+def _put_all(lay: LayoutBuilder, prefix: str, items) -> None:  # noqa: ANN001
+    for item in items:
+        suffix, shape = item[0], item[1]
+        lay.put(f"{prefix}.{suffix}", shape, follow=len(item) > 2 and item[2])
+
+
+def weight_layout(cfg) -> WeightLayout:  # noqa: ANN001 (ModelConfig)
     """The packed layout of `cfg` (no tensors needed)."""
-    h, i, d, v = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
-    lay = LayoutBuilder()
-    put = lay.put
-
-    for layer in range(cfg.num_layers):
-        put(f"L{layer}.attn_norm", (h,))
-        put(f"L{layer}.mlp_norm", (h,))
-        if cfg.qk_norm:
-            put(f"L{layer}.qk_norm", (2, d))
-    put("final_norm", (h,))
-    put("embed", (v, h))
-    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    for layer in range(cfg.num_layers):
-        put(f"L{layer}.qkv", (qkv_rows, h))
-        put(f"L{layer}.o", (h, cfg.q_size))
-        put(f"L{layer}.gateup", (2 * i, h))
-        put(f"L{layer}.down", (h, i))
+    h, lay = cfg.hidden_size, LayoutBuilder()
+    for blocks in _layers(cfg).values():
+        for blk in blocks:
+            lay.put(f"{blk.key}.norm", (h,))
+        for blk in blocks:
+            _put_all(lay, blk.key, kind(blk.kind).vectors(blk, cfg))
+    lay.put("final_norm", (h,))
+    vpad = padded_vocab(cfg.vocab_size)
+    lay.put("embed", (vpad if cfg.tie_word_embeddings else cfg.vocab_size, h))
+    for blk in cfg.blocks:
+        _put_all(lay, blk.key, kind(blk.kind).matrices(blk, cfg))
     if not cfg.tie_word_embeddings:
-        put("lm_head", (v, h))
+        lay.put("lm_head", (vpad, h))
     return lay.done()
-
-
-def qkv_rows(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [Hq D, H], k, v [Hkv D, H] -> packed [(Hq + 2 Hkv) D, H], grouped by kv head."""
-    g, hkv, d = cfg.group_size, cfg.num_kv_heads, cfg.head_dim
-    hid = q.shape[1]
-    q = q.reshape(hkv, g * d, hid)
-    k = k.reshape(hkv, d, hid)
-    v = v.reshape(hkv, d, hid)
-    return torch.cat((q, k, v), dim=1).reshape(-1, hid)
-
-
-def gateup_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [I, H] -> [2 I, H] in alternating blocks of GATEUP_BLOCK rows."""
-    i, hid = gate.shape
-    nb = i // GATEUP_BLOCK
-    g = gate.reshape(nb, GATEUP_BLOCK, hid)
-    u = up.reshape(nb, GATEUP_BLOCK, hid)
-    return torch.stack((g, u), dim=1).reshape(2 * i, hid)
 
 
 @dataclass
 class PackedWeights:
     layout: WeightLayout
     arena: torch.Tensor  # [numel] bf16
+    tables: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # fp32 rows
 
     def view(self, key: str) -> torch.Tensor:
         e = self.layout[key]
         return self.arena[e.offset : e.offset + e.numel].view(e.shape)
 
 
-def pack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> PackedWeights:
+def pack_weights(cfg, weights: dict[str, torch.Tensor]) -> PackedWeights:  # noqa: ANN001
     """Repack Hugging Face-named weights into the arena (bf16; padding is zero)."""
     lay = weight_layout(cfg)
-    arena = torch.zeros(lay.numel, dtype=torch.bfloat16)
-    packed = PackedWeights(lay, arena)
+    packed = PackedWeights(lay, torch.zeros(lay.numel, dtype=torch.bfloat16))
 
-    def w(name: str) -> torch.Tensor:
+    def get(name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if name not in weights:
-            raise KeyError(f"weight {name!r} is missing")
-        return weights[name].to(torch.bfloat16)
+            raise PackError(f"weight {name!r} is missing")
+        return weights[name].to(dtype)
 
     def put(key: str, t: torch.Tensor) -> None:
         dst = packed.view(key)
-        if tuple(t.shape) != tuple(dst.shape):
-            raise ValueError(f"packed {key}: shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(t)
+        if tuple(t.shape) == tuple(dst.shape):
+            dst.copy_(t)
+        elif key in ("embed", "lm_head") and tuple(t.shape[1:]) == tuple(dst.shape[1:]) \
+                and t.shape[0] <= dst.shape[0]:
+            dst[: t.shape[0]].copy_(t)  # vocab padded to ROW_ALIGN rows (zeros)
+        else:
+            raise PackError(f"packed {key}: shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
 
-    for layer in range(cfg.num_layers):
-        p = f"model.layers.{layer}."
-        put(f"L{layer}.attn_norm", w(p + "input_layernorm.weight"))
-        put(f"L{layer}.mlp_norm", w(p + "post_attention_layernorm.weight"))
-        if cfg.qk_norm:
-            qk = torch.stack((w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")))
-            put(f"L{layer}.qk_norm", qk)
-        a = p + "self_attn."
-        put(f"L{layer}.qkv", qkv_rows(cfg, w(a + "q_proj.weight"), w(a + "k_proj.weight"),
-                                      w(a + "v_proj.weight")))
-        put(f"L{layer}.o", w(a + "o_proj.weight"))
-        put(f"L{layer}.gateup", gateup_rows(w(p + "mlp.gate_proj.weight"),
-                                            w(p + "mlp.up_proj.weight")))
-        put(f"L{layer}.down", w(p + "mlp.down_proj.weight"))
-    put("final_norm", w("model.norm.weight"))
-    put("embed", w(EMBED))
+    for blk in cfg.blocks:
+        kd = kind(blk.kind)
+        put(f"{blk.key}.norm", get(blk.norm))
+        for suffix, t in kd.pack(blk, cfg, lambda n, p=blk.prefix: get(p + n)).items():
+            put(f"{blk.key}.{suffix}", t)
+        tables = kd.tables(blk, cfg, lambda n, p=blk.prefix: get(p + n, torch.float32))
+        for region, t in tables.items():
+            packed.tables[(region, blk.layer)] = t.reshape(-1).to(torch.float32)
+    put("final_norm", get(cfg.final_norm_name))
+    put("embed", get(cfg.embed_name))
     if not cfg.tie_word_embeddings:
-        put("lm_head", w("lm_head.weight"))
+        put("lm_head", get(cfg.lm_head_name))
     return packed

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from megakernel.program.compiler import PlanError
+from megakernel.program.stages import PlanError
 from megakernel.program.cost import CostParams
 
 # search bounds per fittable parameter (seconds); wide around the cited values
@@ -225,13 +225,13 @@ class ProgramCache:
         self._progs: dict[tuple, Any] = {}
 
     def get(self, m: Measurement):  # noqa: ANN201 (compiler.Program)
-        from megakernel.config import ConfigError, resolve_model
+        from megakernel.models import ConfigError, resolve
         from megakernel.program.compiler import compile_program
 
         key = (m.model, m.gpu, m.batch, m.tokens, m.context, m.max_seq_len, m.copy_bw_gbs)
         if key not in self._progs:
             try:
-                cfg = resolve_model(m.model)
+                cfg = resolve(m.model)
             except (ConfigError, OSError) as e:
                 raise RefitError(f"unknown model {m.model!r} in measurement "
                                  f"{m.describe()}: {e}") from e

@@ -41,11 +41,11 @@ from megakernel.program.cost import (
     CostParams,
     CostReport,
     Rates,
-    kv_written_bytes,
+    written_bytes,
     staged_bytes,
     step_bytes,
 )
-from megakernel.program.isa import NO_COUNTER, Op
+from megakernel.isa import NO_COUNTER, spec
 
 _WAIT, _SETUP, _CONSUME, _STORE, _DONE = range(5)
 
@@ -81,9 +81,11 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
     waiting_on: dict[int, list[int]] = {}
     wake: list[tuple[float, int]] = []
 
-    kvb = [[float(i.w_bytes) if i.op == Op.ATTN_PARTIAL else 0.0 for i in q] for q in queues]
-    wbytes = [[0.0 if i.op == Op.ATTN_PARTIAL else float(i.w_bytes) for i in q] + [0.0]
-              for q in queues]
+    reach = [[spec(i.op).reach for i in q] for q in queues]
+    kvb = [[float(i.w_bytes) if r else 0.0 for i, r in zip(q, rq, strict=True)]
+           for q, rq in zip(queues, reach, strict=True)]
+    wbytes = [[0.0 if r else float(i.w_bytes) for i, r in zip(q, rq, strict=True)] + [0.0]
+              for q, rq in zip(queues, reach, strict=True)]
     wstart = [np.concatenate(([0.0], np.cumsum(w))) for w in wbytes]  # slab stream offsets
     lq = np.zeros(n, dtype=np.int64)  # instruction whose weight bytes the stream fetches
     lrem = np.array([w[0] for w in wbytes])  # its bytes still to fetch
@@ -174,7 +176,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
         elif phase[s] == _STORE:
             land = t + r.lat  # the release add lands
             if ins.signal != NO_COUNTER:
-                last = ins.op == Op.ATTN_PARTIAL and seen[ins.signal] + 1 == totals[ins.signal]
+                last = spec(ins.op).ticket and seen[ins.signal] + 1 == totals[ins.signal]
                 signal(ins.signal, land)
                 if last:  # ticket returns, merge, store, fence, done add lands
                     merge = (r.lat + ins.merge_l2_bytes / r.l2 + ins.merge_flops / r.fp32
@@ -256,7 +258,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
         stuck = [s for s in range(n) if phase[s] != _DONE]
         raise RuntimeError(f"replay deadlocked: SMs {stuck[:8]} never finish")
     step = t + r.lat + params.launch  # exit atomic, launch
-    nbytes = step_bytes(prog.instrs) + kv_written_bytes(prog)
+    nbytes = step_bytes(prog.instrs) + written_bytes(prog)
     idle = 1.0 - np.minimum(1.0, streamed / (r.bw * step))
     return CostReport(gpu.name, step, nbytes, nbytes / gpu.copy_bw, nbytes / gpu.hbm_bw,
                       gpu.copy_bw, gpu.hbm_bw, float(idle.max()), float(idle.mean()),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megakernel.program.compiler import Instr, Stage
+from megakernel.program.stages import Instr, Stage
 from megakernel.program.cost import CostParams, SimState
 from megakernel.program.gpus import GPU
 

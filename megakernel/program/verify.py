@@ -1,21 +1,29 @@
-"""Symbolic checks of an encoded program (no arithmetic, cheap enough for 8B models at B = 64).
+"""Symbolic checks of an encoded program (no arithmetic, cheap enough for 8B models at B = 64),
+for every family: it reads the records, the weight layout and the layer kinds' declarations, not
+the compiler's stages.
 
 `check_program(prog, records)` decodes the int32 records (by default `prog.records()`) and checks:
-- coverage: every op of every layer appears exactly once per step (QKV head slots, attention
-  (sequence, kv head, split) triples, o_proj/down/LM-head rows, gate/up rows, embedding rows);
-- counters: each counter's per-step total equals the number of instructions that signal it (the
-  merge counters: one per (sequence, kv head)); every wait's target equals its counter's total;
-- dataflow: every instruction waits on the counter of the stage that produces its input (QKV of
-  layer l on layer l-1's down_proj, attention on its kv group's QKV, ...), so a dropped or
-  misdirected wait is reported by name;
+- records: every opcode known, nothing after END, each record's own invariants (layer kinds
+  `check_record`: e.g. a QKV slab is whole heads of one kv group);
+- coverage: every packed matrix's rows are streamed exactly once per step by the slab records
+  that point into it (the LM head's padded rows included, every expert's), every embedding row
+  gathered once, and every work unit of the other opcodes (layer kinds `coverage` / `cover`: an
+  attention (sequence, kv head, split), a recurrent (sequence, unit)...) run once;
+- counters: each counter's per-step total equals the number of instructions that signal it (and
+  one per ticket counter for a ticket opcode's DONE_CID); every wait's target equals its total;
+- dataflow: every instruction waits on a counter signalled only by its input's producers: a
+  block's first opcodes on the previous block's last opcode (EMBED before the first block), the
+  others on the opcode the kind's `flow` names in the same block, the LM head on the last block,
+  ARGMAX on the LM head; so a dropped or misdirected wait is reported by name;
 - deadlock freedom: a symbolic run of the queues with counter counts reaches the end.
 """
 
 from __future__ import annotations
 
-from megakernel.program import isa
-from megakernel.program.compiler import Program
-from megakernel.program.isa import Op
+import bisect
+
+from megakernel import isa
+from megakernel.layers import kind
 
 
 class ProgramError(ValueError):
@@ -27,98 +35,142 @@ def _decode_all(records) -> list[list[tuple[int, dict]]]:  # noqa: ANN001
     for s, q in enumerate(records.tolist()):
         rows = []
         for pos, rec in enumerate(q):
-            if rec[0] == Op.END:
+            if rec[0] == isa.Op.END:
                 if any(any(r) for r in q[pos:]):
                     raise ProgramError(f"SM {s}: records after END at position {pos}")
                 break
             try:
                 rows.append((pos, isa.decode(rec)))
-            except ValueError as e:
+            except (ValueError, KeyError) as e:
                 raise ProgramError(f"SM {s} position {pos}: bad record {rec}: {e}") from None
         out.append(rows)
     return out
 
 
-def expected_wait(prog: Program, d: dict) -> str | None:
-    """Name of the counter an instruction must wait on (None: no wait)."""
-    op, layer, L = d["OPCODE"], d["LAYER"], prog.cfg.num_layers
-    if op == Op.EMBED:
-        return None
-    if op == Op.QKV:
-        return "embed" if layer == 0 else f"L{layer - 1}.down"
-    if op == Op.ATTN_PARTIAL:
-        return f"L{layer}.qkv.g{d['KV_HEAD']}"
-    if op == Op.OPROJ:
-        return f"L{layer}.attn"
-    if op == Op.GATEUP:
-        return f"L{layer}.oproj"
-    if op == Op.DOWN:
-        return f"L{layer}.gateup"
-    if op == Op.LMHEAD:
-        return f"L{L - 1}.down"
-    if op == Op.ARGMAX:
-        return "lmhead"
-    raise ProgramError(f"unexpected opcode {op!r}")
+class _Blocks:
+    """Which block a record belongs to: (layer, opcode name) -> block index."""
+
+    def __init__(self, cfg) -> None:  # noqa: ANN001
+        self.blocks = list(cfg.blocks)
+        self.of: dict[tuple[int, str], int] = {}
+        for i, blk in enumerate(self.blocks):
+            for name in kind(blk.kind).flow:
+                key = (blk.layer, name)
+                if key in self.of:
+                    raise ProgramError(f"layer {blk.layer}: two blocks run {name}; the verifier "
+                                       "cannot tell their records apart")
+                self.of[key] = i
+
+    def index(self, d: dict) -> int:
+        key = (d["LAYER"], d["OPCODE"].name)
+        if key not in self.of:
+            raise ProgramError(f"{d['OPCODE'].name} record of layer {d['LAYER']}: no block of "
+                               "that layer runs this opcode")
+        return self.of[key]
 
 
-def check_program(prog: Program, records=None) -> None:  # noqa: ANN001
+def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program)
     recs = _decode_all(prog.records() if records is None else records)
-    cfg = prog.cfg
-    names = [c.name for c in prog.counters]
+    cfg, names = prog.cfg, [c.name for c in prog.counters]
     totals = [c.total for c in prog.counters]
-    L, H, inter, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    d_, hkv, slots = cfg.head_dim, cfg.num_kv_heads, cfg.group_size + 2
-    B, N, S = prog.batch, prog.rows, prog.n_splits
+    blocks = _Blocks(cfg)
+    # ---- who signals what: (opcode name, block index or -1) per counter
+    signallers: list[set[tuple[str, int]]] = [set() for _ in names]
+    signals, merges = [0] * len(names), [0] * len(names)
+    tickets: dict[int, int] = {}
+    owner: dict[int, int] = {}  # record id -> block index
+    for q in recs:
+        for _, d in q:
+            spec = isa.spec(d["OPCODE"])
+            b = -1 if d["LAYER"] < 0 else blocks.index(d)
+            owner[id(d)] = b
+            sig = d["SIGNAL_CID"]
+            if sig == isa.NO_COUNTER:
+                continue
+            if not 0 <= sig < len(names):
+                raise ProgramError(f"{spec.name} signals unknown counter {sig}")
+            signals[sig] += 1
+            if spec.ticket:
+                tickets[sig] = d["DONE_CID"]
+                signallers[d["DONE_CID"]].add((spec.name, b))
+            else:
+                signallers[sig].add((spec.name, b))
+    for done in tickets.values():
+        merges[done] += 1
+    for c, name in enumerate(names):
+        if signals[c] + merges[c] != totals[c]:
+            raise ProgramError(f"counter {name!r} gets {signals[c] + merges[c]} increments per "
+                               f"step, its waiters expect {totals[c]}")
 
+    def producers(d: dict) -> set[tuple[str, int]]:
+        """(opcode name, block index) pairs whose signals the record may wait on."""
+        op = d["OPCODE"].name
+        if op == "EMBED":
+            return set()
+        if op == "ARGMAX":
+            return {("LMHEAD", -1)}
+        if op == "LMHEAD":
+            last = len(blocks.blocks) - 1
+            return {(kind(blocks.blocks[last].kind).out_op, last)}
+        b = owner[id(d)]
+        flow = kind(blocks.blocks[b].kind).flow[op]
+        if flow is None:
+            if b == 0:
+                return {("EMBED", -1)}
+            return {(kind(blocks.blocks[b - 1].kind).out_op, b - 1)}
+        return {(p, b) for p in ((flow,) if isinstance(flow, str) else flow)}
+
+    def counter_name(prod: set[tuple[str, int]]) -> str | None:
+        hits = [names[c] for c in range(len(names)) if signallers[c] and signallers[c] <= prod]
+        return hits[0] if len(hits) == 1 else (" or ".join(hits) or None)
+
+    # ---- per record: dataflow, invariants, coverage
     cover: dict[tuple, list[tuple[int, int]]] = {}
-    signals = [0] * len(names)
-    merges = [0] * len(names)
-
-    def mark(key: tuple, lo: int, hi: int) -> None:
-        cover.setdefault(key, []).append((lo, hi))
-
+    want_cover: dict[tuple, int] = {("EMBED",): prog.rows, ("ARGMAX",): 1}
+    for i, blk in enumerate(blocks.blocks):
+        for op, units in kind(blk.kind).coverage(blk, prog).items():
+            want_cover[(op, i)] = units
+    entries = _slab_entries(prog)
+    starts = [e[1] for e in entries]
     for s, q in enumerate(recs):
         for pos, d in q:
-            op = d["OPCODE"]
-            where = f"SM {s} position {pos} {op.name} (layer {d['LAYER']})"
-            want = expected_wait(prog, d)
+            spec, b = isa.spec(d["OPCODE"]), owner[id(d)]
+            where = f"SM {s} position {pos} {spec.name} (layer {d['LAYER']})"
             cid = d["WAIT_CID"]
-            have = None if cid == isa.NO_COUNTER else names[cid] if 0 <= cid < len(names) else "?"
-            if have != want:
+            prod = producers(d)
+            if cid == isa.NO_COUNTER:
+                if prod:
+                    raise ProgramError(f"{where} waits on None, its input is produced by "
+                                       f"{counter_name(prod)!r}")
+            elif not 0 <= cid < len(names) or not signallers[cid] or \
+                    not signallers[cid] <= prod:
+                have = names[cid] if 0 <= cid < len(names) else "?"
                 raise ProgramError(f"{where} waits on {have!r}, its input is produced by "
-                                   f"{want!r}")
-            if cid != isa.NO_COUNTER and not (d["WAIT_TARGET"] == d["WAIT_TOTAL"] == totals[cid]):
-                raise ProgramError(
-                    f"{where} waits for {d['WAIT_TARGET']}/{d['WAIT_TOTAL']} increments of "
-                    f"{names[cid]!r}, which gets {totals[cid]} per step")
-            if d["SIGNAL_CID"] != isa.NO_COUNTER:
-                signals[d["SIGNAL_CID"]] += 1
-            layer = d["LAYER"]
-            if op == Op.EMBED:
-                mark(("embed",), d["N0"], d["N1"])
-            elif op == Op.QKV:
-                if d["ROW0"] % d_ or d["NROWS"] % d_:
-                    raise ProgramError(f"{where}: QKV slab is not whole heads")
-                h0, h1 = d["ROW0"] // d_, (d["ROW0"] + d["NROWS"]) // d_
-                if h0 // slots != (h1 - 1) // slots:
-                    raise ProgramError(f"{where}: QKV slab crosses kv groups")
-                mark(("qkv", layer), h0, h1)
-            elif op == Op.ATTN_PARTIAL:
-                u = (d["B_IDX"] * hkv + d["KV_HEAD"]) * S + d["SPLIT"]
-                mark(("attn", layer), u, u + 1)
-                if d["SPLIT"] == 0:
-                    merges[d["DONE_CID"]] += 1
-            elif op in (Op.OPROJ, Op.DOWN, Op.GATEUP, Op.LMHEAD):
+                                   f"{counter_name(prod)!r}")
+            elif not d["WAIT_TARGET"] == d["WAIT_TOTAL"] == totals[cid]:
+                raise ProgramError(f"{where} waits for {d['WAIT_TARGET']}/{d['WAIT_TOTAL']} "
+                                   f"increments of {names[cid]!r}, which gets {totals[cid]} per "
+                                   "step")
+            if b >= 0:
+                kind(blocks.blocks[b].kind).check_record(d, blocks.blocks[b], prog, where)
+            if spec.slab:
                 if d["NROWS"] % isa.ROW_ALIGN or d["ROW0"] % isa.ROW_ALIGN:
                     raise ProgramError(f"{where}: slab not aligned to {isa.ROW_ALIGN} rows")
-                mark((op.name, layer), d["ROW0"], d["ROW0"] + d["NROWS"])
-            elif op == Op.ARGMAX:
-                mark(("argmax",), 0, 1)
-
-    want_cover = {("embed",): N, ("argmax",): 1, ("LMHEAD", -1): V}
-    for layer in range(L):
-        want_cover.update({("qkv", layer): hkv * slots, ("attn", layer): B * hkv * S,
-                           ("OPROJ", layer): H, ("GATEUP", layer): 2 * inter, ("DOWN", layer): H})
+                j = bisect.bisect_right(starts, d["W"]) - 1
+                key, off, rows, k = entries[j] if j >= 0 else (None, 0, 0, 0)
+                if key is None or d["K"] != k or (d["W"] - off) != d["ROW0"] * k:
+                    raise ProgramError(f"{where}: slab at element {d['W']} is not row {d['ROW0']} "
+                                       "of a packed matrix")
+                cover.setdefault((key,), []).append((d["ROW0"], d["ROW0"] + d["NROWS"]))
+            elif spec.name == "EMBED":
+                cover.setdefault(("EMBED",), []).append((d["N0"], d["N1"]))
+            elif spec.name == "ARGMAX":
+                cover.setdefault(("ARGMAX",), []).append((0, 1))
+            else:
+                lo, hi = kind(blocks.blocks[b].kind).cover(d, blocks.blocks[b], prog)
+                cover.setdefault((spec.name, b), []).append((lo, hi))
+    for key, off, rows, _ in entries:
+        want_cover[(key,)] = rows
     extra = set(cover) - set(want_cover)
     if extra:
         raise ProgramError(f"instructions for units that should not exist: {sorted(extra)[:5]}")
@@ -133,16 +185,23 @@ def check_program(prog: Program, records=None) -> None:  # noqa: ANN001
         if pos != n:
             raise ProgramError(f"{key}: units not covered exactly once per step (missing units "
                                f"{pos}..{n - 1})" if pos < n else f"{key}: units past {n}")
-    for c, name in enumerate(names):
-        got = signals[c] + merges[c]
-        if got != totals[c]:
-            raise ProgramError(f"counter {name!r} gets {got} increments per step, its waiters "
-                               f"expect {totals[c]}")
-    _check_deadlock(prog, recs, names, totals)
+    _check_deadlock(recs, names, totals)
 
 
-def _check_deadlock(prog: Program, recs, names, totals) -> None:  # noqa: ANN001
-    """Symbolic run: an SM advances while its next wait is met; the last split merges."""
+def _slab_entries(prog) -> list[tuple[str, int, int, int]]:  # noqa: ANN001
+    """(key, offset, rows, K) of every packed matrix the slab records must cover, by offset."""
+    cfg, lay = prog.cfg, prog.layout
+    keys = ["lm_head" if "lm_head" in lay else "embed"]
+    for blk in cfg.blocks:
+        for item in kind(blk.kind).matrices(blk, cfg):
+            if not (len(item) > 2 and item[2]):  # an entry that follows its matrix (a bias)
+                keys.append(f"{blk.key}.{item[0]}")
+    out = [(k, lay[k].offset, lay[k].shape[0], lay[k].shape[1]) for k in keys]
+    return sorted(out, key=lambda e: e[1])
+
+
+def _check_deadlock(recs, names, totals) -> None:  # noqa: ANN001
+    """Symbolic run: an SM advances while its next wait is met; a ticket's last signaller merges."""
     seen = [0] * len(names)
     pcs = [0] * len(recs)
     waiting: dict[int, list[int]] = {}
@@ -163,10 +222,11 @@ def _check_deadlock(prog: Program, recs, names, totals) -> None:  # noqa: ANN001
                     runnable.extend(waiting.pop(c, []))
     stuck = [s for s in range(len(recs)) if pcs[s] < len(recs[s])]
     if stuck:
-        lines = [f"SM {s} at position {pcs[s]} ({recs[s][pcs[s]][1]['OPCODE'].name}) waits on "
-                 f"{names[recs[s][pcs[s]][1]['WAIT_CID']]!r} "
-                 f"({seen[recs[s][pcs[s]][1]['WAIT_CID']]}/{recs[s][pcs[s]][1]['WAIT_TARGET']})"
-                 for s in stuck[:8]]
+        lines = []
+        for s in stuck[:8]:
+            d = recs[s][pcs[s]][1]
+            lines.append(f"SM {s} at position {pcs[s]} ({d['OPCODE'].name}) waits on "
+                         f"{names[d['WAIT_CID']]!r} ({seen[d['WAIT_CID']]}/{d['WAIT_TARGET']})")
         raise ProgramError("deadlock: " + "; ".join(lines))
 
 
@@ -175,6 +235,6 @@ def _increments(d: dict, seen: list[int], totals: list[int]) -> list[int]:
     sig = d["SIGNAL_CID"]
     if sig != isa.NO_COUNTER:
         out.append(sig)
-        if d["OPCODE"] == Op.ATTN_PARTIAL and seen[sig] + 1 == totals[sig]:
-            out.append(d["DONE_CID"])  # this split is the last: it merges and signals
+        if isa.spec(d["OPCODE"]).ticket and seen[sig] + 1 == totals[sig]:
+            out.append(d["DONE_CID"])  # this signaller is the last: it merges and signals
     return out

@@ -1,0 +1,517 @@
+"""CPU executor of a megakernel program: rung 2 of the ladder (DESIGN.md §1), for every family.
+
+It runs the encoded int32 records (not the compiler's Python objects) on the same flat buffers the
+kernel gets (weight arena, fp32/bf16/int32 arenas, KV cache, persistent state, counters), rounding
+to bf16 at the same points, one instruction at a time with torch ops on whole slabs. Each opcode's
+semantics is one op function (executor/ops/*.py, registered by opcode name, math from the
+reference's layer modules). SMs are interleaved in a seeded random order among those whose next
+instruction's wait is met, with the ISA's epoch-relative, wrap-around counter semantics and the
+EXIT/EPOCH protocol.
+
+Checks (on by default, `check=False` turns the expensive ones off):
+- deadlock: no runnable SM while some queue is unfinished -> `DeadlockError` naming each stuck
+  SM, its instruction and the counter value it waits for;
+- poisoning: scratch is NaN (tokens_out -1) before every step, and matvec outputs must be finite;
+- races: a vector-clock happens-before check on every element read or written. Reading a value
+  whose writer is not ordered before the reader by program order and counters, writing over a
+  value whose readers or writer are not ordered before the writer, or reading scratch never written
+  this step raises `RaceError`. It catches a missing wait whatever the interleaving;
+- exactly once: after the step, every scratch element, cache slot and state element was written
+  exactly as often as the program's semantics say -> `WriteCountError` otherwise. The expected
+  counts follow from the declarations: h once per block plus the embedding; every other scratch
+  region a block needs, once per block over the block's own extent; logits, tokens_out once; the
+  new KV slots once per cache layer; a recurrent layer's conv window once, its state once
+  (recurrent) or at a fold (ReplaySSM), its new ring entries and ring count once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megakernel import isa
+from megakernel.layers import kind
+from megakernel.layers.base import STREAM
+from megakernel.layers.frame import needs as frame_needs
+
+__all__ = ["Executor", "ExecutorError", "DeadlockError", "RaceError", "WriteCountError", "op"]
+
+
+class ExecutorError(RuntimeError):
+    """The program did something the kernel must never do (or the executor was misused)."""
+
+
+class DeadlockError(ExecutorError):
+    pass
+
+
+class RaceError(ExecutorError):
+    pass
+
+
+class WriteCountError(ExecutorError):
+    pass
+
+
+OpFn = Callable[["Executor", dict, int], None]
+_OPS: dict[str, OpFn] = {}
+
+
+def op(name: str) -> Callable[[OpFn], OpFn]:
+    """Register the op function of opcode `name` (isa registry name)."""
+
+    def deco(fn: OpFn) -> OpFn:
+        if name in _OPS:
+            raise ValueError(f"op function for {name} registered twice")
+        _OPS[name] = fn
+        return fn
+
+    return deco
+
+
+def _load_ops() -> dict[str, OpFn]:
+    import megakernel.executor.ops as pkg
+
+    for m in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"megakernel.executor.ops.{m.name}")
+    return _OPS
+
+
+def _wrap(x: int) -> int:
+    """int32 wrap-around."""
+    return (x + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+@dataclass
+class _Track:
+    """Happens-before bookkeeping of one tracked buffer (flat)."""
+
+    lw_sm: torch.Tensor  # last writer SM (-1: not written this step)
+    lw_pos: torch.Tensor  # its queue position
+    lr: torch.Tensor  # [numel, n_sm] last read position per SM since the last write (-1)
+    count: torch.Tensor  # writes this step
+
+    @classmethod
+    def new(cls, numel: int, n_sm: int) -> _Track:
+        return cls(torch.full((numel,), -1, dtype=torch.int32),
+                   torch.full((numel,), -1, dtype=torch.int32),
+                   torch.full((numel, n_sm), -1, dtype=torch.int32),
+                   torch.zeros(numel, dtype=torch.int32))
+
+    def reset(self) -> None:
+        self.lw_sm.fill_(-1)
+        self.lw_pos.fill_(-1)
+        self.lr.fill_(-1)
+        self.count.zero_()
+
+
+class Executor:
+    """Holds a program's buffers and runs steps on them."""
+
+    def __init__(self, prog, packed, check: bool = True) -> None:  # noqa: ANN001
+        if packed.layout != prog.layout:
+            raise ExecutorError("packed weights do not match the program's weight layout")
+        self.ops = _load_ops()
+        missing = sorted({isa.spec(i.op).name for i in prog.instrs} - set(self.ops))
+        if missing:
+            raise ExecutorError(f"the executor has no op function for {', '.join(missing)}")
+        self.prog, self.cfg, self.check = prog, prog.cfg, check
+        self.eps = self.cfg.rms_norm_eps
+        self.one_plus = prog.header["NORM_KIND"] == 1  # (1 + w) RMSNorm
+        b = prog.buffers
+        self.records = prog.records()  # [n_sm, Q, 16] int32: what the kernel reads
+        self.n_sm = self.records.shape[0]
+        self.weights = packed.arena
+        self.f32 = torch.full((b.f32_numel,), float("nan"), dtype=torch.float32)
+        self.bf16 = torch.full((b.bf16_numel,), float("nan"), dtype=torch.bfloat16)
+        self.i32 = torch.zeros(b.i32_numel, dtype=torch.int32)
+        self.state = torch.zeros(b.state_numel, dtype=torch.float32)
+        self.k = torch.full(b.kv_shape, float("nan"), dtype=torch.bfloat16)
+        self.v = torch.full(b.v_shape, float("nan"), dtype=torch.bfloat16)
+        self.counters = [0] * prog.counter_words()
+        self.counter_names = [c.name for c in prog.counters]
+        self.blocks = {(blk.layer, blk.kind): blk for blk in self.cfg.blocks}
+        shape = prog.step_shape()
+        for blk in self.cfg.blocks:  # host-written constants: RoPE tables, SSM params, routers
+            for name, t in kind(blk.kind).constants(blk, self.cfg, shape).items():
+                self.region("f32", name).copy_(t)
+        for (name, layer), t in packed.tables.items():
+            self.region("f32", name)[b.region_row(name, layer)][: t.numel()].copy_(t)
+        if check:
+            self.tracks = {k: _Track.new(n, self.n_sm) for k, n in (
+                ("f32", b.f32_numel), ("bf16", b.bf16_numel), ("i32", b.i32_numel),
+                ("state", b.state_numel), ("k", self.k.numel()), ("v", self.v.numel()))}
+
+    # ---- buffers ------------------------------------------------------------------------------
+    def arena(self, name: str) -> torch.Tensor:
+        return {"f32": self.f32, "bf16": self.bf16, "i32": self.i32, "state": self.state,
+                "k": self.k.view(-1), "v": self.v.view(-1)}[name]
+
+    def region(self, arena: str, name: str) -> torch.Tensor:
+        """A region of an arena as a tensor of its shape (a view)."""
+        r = getattr(self.prog.buffers, arena)[name]
+        return self.arena(arena)[r.offset : r.offset + r.numel].view(r.shape)
+
+    def state_region(self, layer: int, name: str) -> torch.Tensor:
+        r = self.prog.buffers.state[layer][name]
+        return self.state[r.offset : r.offset + r.numel].view(r.shape)
+
+    def block(self, d: dict, kind_name: str):  # noqa: ANN201 (models.Block)
+        """The block of record `d`'s layer of kind `kind_name`."""
+        return self.blocks[d["LAYER"], kind_name]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.region("i32", "lengths")
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[N, V] fp32 logits of the last step."""
+        return self.region("f32", "logits")
+
+    @property
+    def tokens_out(self) -> torch.Tensor:
+        return self.region("i32", "tokens_out")
+
+    def recurrent_state(self, layer: int) -> torch.Tensor:
+        """The state [B, ...] of recurrent layer `layer` (committed state under ReplaySSM)."""
+        return self.state_region(layer, "state")
+
+    def load_cache(self, cache) -> None:  # noqa: ANN001 (reference.Cache)
+        """Copy a reference cache (bf16 mode): the KV caches of the attention and MLA layers, the
+        conv windows, (committed) states, ReplaySSM rings and counts, and the lengths."""
+        p, b = self.prog, self.prog.buffers
+        if cache.replay_window != p.replay_window:
+            raise ExecutorError(f"the cache is for replay_window {cache.replay_window}, the "
+                                f"program runs replay_window {p.replay_window}")
+        if cache.pending is not None:
+            raise ExecutorError("the cache has a verified step that is not committed")
+        if cache.batch != p.batch:
+            raise ExecutorError(f"cache batch {cache.batch} != program batch {p.batch}")
+        if cache.max_seq_len > p.max_seq_len:
+            raise ExecutorError(f"cache of {cache.max_seq_len} positions does not fit the "
+                                f"program's {p.max_seq_len}")
+        for layer, slot in b.kv_slot.items():
+            ck, cv = _kv_of(cache.layers[layer])  # [B, heads, S, dims] each
+            s = ck.shape[2]
+            self.k[slot, :, :, :s] = ck.to(torch.bfloat16)
+            self.v[slot, :, :, :s] = cv.to(torch.bfloat16)
+        for layer, regs in b.state.items():
+            c = cache.layers[layer]
+            regs_t = {n: self.state_region(layer, n) for n in regs}
+            regs_t["conv"].copy_(c.conv)
+            regs_t["state"].copy_(c.state)
+            if b.ring_cap:
+                n = int(c.count.max())
+                if n + p.tokens > b.ring_cap:
+                    raise ExecutorError(f"layer {layer}: {n} ring entries + {p.tokens} do not fit "
+                                        f"the program's ring of {b.ring_cap}")
+                for name, t in c.ring.items():
+                    regs_t[name][:, :n] = t[:, :n]
+                cnt = self.region("i32", "ring_count")[b.row("rec", layer)]  # [B, units]
+                cnt.copy_(c.count[:, None].expand_as(cnt).to(torch.int32))
+        self.lengths.copy_(cache.lengths.to(torch.int32))
+
+    # ---- access with happens-before checks ------------------------------------------------------
+    @staticmethod
+    def _view(t: torch.Tensor, off: int, shape: tuple[int, ...], idx) -> torch.Tensor:  # noqa: ANN001
+        return t[off : off + math.prod(shape)].view(shape)[idx]
+
+    def _meta(self, buf: str, off: int, shape, idx):  # noqa: ANN001, ANN202
+        tr = self.tracks[buf]
+        return (self._view(tr.lw_sm, off, shape, idx), self._view(tr.lw_pos, off, shape, idx),
+                tr.lr[off : off + math.prod(shape)].view(*shape, self.n_sm)[idx],
+                self._view(tr.count, off, shape, idx))
+
+    def read(self, buf: str, off: int, shape: tuple[int, ...], idx=(),  # noqa: ANN001, ANN201
+             scratch: bool = True):
+        """Elements `idx` of the [shape] view at `off` of buffer `buf`; `scratch`: they must have
+        been written this step (False: persistent data such as caches and states)."""
+        data = self._view(self.arena(buf), off, shape, idx)
+        if self.check:
+            sm, pos = self.cur
+            wsm, wpos, lr, _ = self._meta(buf, off, shape, idx)
+            written = wsm >= 0
+            if scratch and not bool(written.all()):
+                raise RaceError(f"SM {sm} {self.cur_desc} reads {buf} elements that were not "
+                                f"written this step (offset {off}, shape {shape}, index {idx})")
+            self._check_hb(wsm[written], wpos[written], "reads a value written by", buf)
+            lr[..., sm] = pos
+        return data
+
+    def write(self, buf: str, off: int, shape: tuple[int, ...], idx,  # noqa: ANN001
+              value: torch.Tensor) -> None:
+        data = self._view(self.arena(buf), off, shape, idx)
+        if self.check:
+            sm, pos = self.cur
+            wsm, wpos, lr, cnt = self._meta(buf, off, shape, idx)
+            written = wsm >= 0
+            self._check_hb(wsm[written], wpos[written], "overwrites a value written by", buf)
+            bad = lr >= self.vc[sm]  # a read not ordered before this write
+            bad[..., sm] = False  # this SM's own reads are in program order
+            if bool(bad.any()):
+                r_sm = int(bad.nonzero()[0][-1])
+                r_pos = int(lr[bad].max())
+                raise RaceError(
+                    f"SM {sm} {self.cur_desc} overwrites {buf} read by SM {r_sm} instruction "
+                    f"{r_pos} ({self._desc(r_sm, r_pos)}) without waiting for it")
+            wsm.fill_(sm)
+            wpos.fill_(pos)
+            lr.fill_(-1)
+            cnt += 1
+        data.copy_(value.to(data.dtype))
+
+    def _check_hb(self, wsm: torch.Tensor, wpos: torch.Tensor, what: str, buf: str) -> None:
+        if wsm.numel() == 0:
+            return
+        sm, _ = self.cur
+        bad = self.vc[sm][wsm.long()] <= wpos
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0][0])
+            s2, p2 = int(wsm.reshape(-1)[i]), int(wpos.reshape(-1)[i])
+            raise RaceError(f"SM {sm} {self.cur_desc} {what} SM {s2} instruction {p2} "
+                            f"({self._desc(s2, p2)}) in {buf} without synchronising with it")
+
+    def _desc(self, sm: int, pos: int) -> str:
+        return isa.describe(self.records[sm, pos].tolist())
+
+    # ---- shared arithmetic of the op functions ----------------------------------------------------
+    def norm_weight(self, off: int, k: int) -> torch.Tensor:
+        """A model RMSNorm weight [k] as fp32, in the model's form (w or 1 + w)."""
+        w = self.weights[off : off + k].float()
+        return 1.0 + w if self.one_plus else w
+
+    def norm_input(self, d: dict) -> torch.Tensor:
+        """RMSNorm(h) * w rounded to bf16 -> fp32 [N, K] (the matvec input), or the bf16 input."""
+        n, k = self.prog.rows, d["K"]
+        if d["NORM_OFF"] < 0:
+            return self.read("bf16", d["IN_OFF"], (n, k)).float()
+        x = self.read("f32", d["IN_OFF"], (n, k)).float()
+        y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.norm_weight(d["NORM_OFF"], k)).to(torch.bfloat16).float()
+
+    def slab(self, d: dict) -> torch.Tensor:
+        """The record's weight slab [NROWS, K] (bf16)."""
+        return self.weights[d["W"] : d["W"] + d["NROWS"] * d["K"]].view(d["NROWS"], d["K"])
+
+    def matvec(self, d: dict) -> torch.Tensor:
+        """[N, NROWS] fp32 = the prologue's input times the slab, fp32 accumulation."""
+        acc = F.linear(self.norm_input(d), self.slab(d).float())
+        if self.check and not bool(torch.isfinite(acc).all()):
+            raise ExecutorError(f"{self.cur_desc}: non-finite matvec output (poisoned input?)")
+        return acc
+
+    # ---- a step -------------------------------------------------------------------------------
+    def poison(self) -> None:
+        b = self.prog.buffers
+        keep = [b.f32[n] for n in b.constants]
+        saved = [self.f32[r.offset : r.offset + r.numel].clone() for r in keep]
+        self.f32.fill_(float("nan"))
+        for r, s in zip(keep, saved, strict=True):
+            self.f32[r.offset : r.offset + r.numel] = s
+        self.bf16.fill_(float("nan"))
+        self.tokens_out.fill_(-1)
+
+    def step(self, tokens: torch.Tensor | None = None, seed: int = 0) -> torch.Tensor:
+        """Run one step; `tokens` [B, T] (None: use tokens_in as left by the previous step).
+
+        Returns tokens_out [B, T] (int64); logits stay in `self.logits`.
+        """
+        p = self.prog
+        lengths = self.lengths.tolist()
+        if tokens is not None:
+            tokens = torch.as_tensor(tokens)
+            if tuple(tokens.shape) != (p.batch, p.tokens):
+                raise ExecutorError(f"tokens must be [{p.batch}, {p.tokens}], "
+                                    f"got {tuple(tokens.shape)}")
+            self.region("i32", "tokens_in").copy_(tokens.reshape(-1).to(torch.int32))
+        toks = self.region("i32", "tokens_in")
+        if bool(((toks < 0) | (toks >= self.cfg.vocab_size)).any()):
+            raise ExecutorError(f"token ids outside [0, {self.cfg.vocab_size}): {toks.tolist()}")
+        for b, n in enumerate(lengths):
+            if n + p.tokens > p.max_seq_len:
+                raise ExecutorError(f"sequence {b}: {n} cached + {p.tokens} new tokens exceed "
+                                    f"the program's max sequence length {p.max_seq_len}")
+        ring_before = (self.region("i32", "ring_count").clone()
+                       if "ring_count" in p.buffers.i32 else None)
+        self.poison()
+        if self.check:
+            for tr in self.tracks.values():
+                tr.reset()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # slab-sized ops: threading costs more than it saves
+        try:
+            self._run(seed)
+        finally:
+            torch.set_num_threads(threads)
+        if self.check:
+            self._check_counts(lengths, ring_before)
+        return self.tokens_out.view(p.batch, p.tokens).to(torch.int64)
+
+    def _run(self, seed: int) -> None:
+        rng = random.Random(seed)
+        n = self.n_sm
+        epoch = self.counters[isa.EPOCH]
+        pcs = [0] * n
+        done = [False] * n
+        self.vc = [torch.zeros(n, dtype=torch.int32) for _ in range(n)]
+        self.cvc: dict[int, torch.Tensor] = {}  # counter -> vector clock of its releases
+        recs = self.records.tolist()
+        while True:
+            runnable = []
+            for s in range(n):
+                if done[s]:
+                    continue
+                rec = recs[s][pcs[s]]
+                if rec[0] == isa.Op.END:
+                    done[s] = True
+                    self._exit(epoch)
+                    continue
+                cid, target, total = rec[1], rec[2], rec[3]
+                if cid == isa.NO_COUNTER or _wrap(
+                        self.counters[isa.COUNTER_BASE + cid] - (epoch * total + target)) >= 0:
+                    runnable.append(s)
+            if not runnable:
+                if all(done):
+                    return
+                raise DeadlockError(self._deadlock_report(recs, pcs, done, epoch))
+            s = rng.choice(runnable)
+            rec = recs[s][pcs[s]]
+            self.cur = (s, pcs[s])
+            self.cur_desc = f"instruction {pcs[s]} ({isa.describe(rec)})"
+            vc = self.vc[s]
+            vc[s] = pcs[s]
+            if rec[1] != isa.NO_COUNTER and rec[1] in self.cvc:
+                torch.maximum(vc, self.cvc[rec[1]], out=vc)
+            d = isa.decode(rec)
+            spec = isa.spec(d["OPCODE"])
+            self.ops[spec.name](self, d, epoch)
+            if d["SIGNAL_CID"] != isa.NO_COUNTER and not spec.ticket:
+                self.release(d["SIGNAL_CID"])
+            pcs[s] += 1
+
+    def release(self, cid: int, acquire: bool = False) -> int:
+        """Counter add with release semantics (acq_rel when `acquire`); returns the old value."""
+        s, pos = self.cur
+        vc = self.vc[s]
+        vc[s] = pos + 1
+        if cid in self.cvc:
+            if acquire:
+                torch.maximum(vc, self.cvc[cid], out=vc)
+            torch.maximum(self.cvc[cid], vc, out=self.cvc[cid])
+        else:
+            self.cvc[cid] = vc.clone()
+        w = isa.COUNTER_BASE + cid
+        old = self.counters[w]
+        self.counters[w] = _wrap(old + 1)
+        return old
+
+    def last_of(self, old: int, epoch: int, total: int) -> bool:
+        """Whether a ticket add that returned `old` was the last of `total` this step."""
+        return _wrap(old - (epoch * total + total - 1)) == 0
+
+    def _exit(self, epoch: int) -> None:
+        old = self.counters[isa.EXIT]
+        self.counters[isa.EXIT] = _wrap(old + 1)
+        if _wrap(old - (epoch * self.n_sm + self.n_sm - 1)) == 0:
+            self.counters[isa.EPOCH] = _wrap(epoch + 1)
+
+    def _deadlock_report(self, recs, pcs, done, epoch) -> str:  # noqa: ANN001
+        lines = ["deadlock: no SM can run its next instruction"]
+        for s in range(self.n_sm):
+            if done[s]:
+                continue
+            rec = recs[s][pcs[s]]
+            cid, target, total = rec[1], rec[2], rec[3]
+            val = self.counters[isa.COUNTER_BASE + cid]
+            lines.append(f"  SM {s} at instruction {pcs[s]} {isa.describe(rec)} waits "
+                         f"for counter {cid} ({self.counter_names[cid]}) >= "
+                         f"{epoch * total + target}, it is {val}")
+        return "\n".join(lines)
+
+    # ---- exactly-once check ---------------------------------------------------------------------
+    def _check_counts(self, lengths: list[int], ring_before: torch.Tensor | None) -> None:
+        p, cfg, b = self.prog, self.cfg, self.prog.buffers
+        shape = p.step_shape()
+        argmax = next(i for i in p.instrs if i.op == isa.Op.ARGMAX)
+        flags, n_tiles = argmax.operands["FLAGS"], argmax.operands["N_TILES"]
+        expect = {k: torch.zeros_like(t.count) for k, t in self.tracks.items()}
+
+        def add(arena: str, name: str, extent: tuple[int, ...] | None = None, times: int = 1
+                ) -> None:
+            r = getattr(b, arena)[name]
+            idx = tuple(slice(0, e) for e in extent) if extent is not None else ()
+            expect[arena][r.offset : r.offset + r.numel].view(r.shape)[idx] += times
+
+        add("f32", "h", times=1 + len(cfg.blocks))  # the embedding, then each block's residual
+        add("f32", "logits")
+        add("f32", "part_argmax", (n_tiles,))
+        add("i32", "tokens_out")
+        if flags & isa.FLAG_ADVANCE:
+            add("i32", "lengths")
+        if flags & isa.FLAG_FEEDBACK:
+            add("i32", "tokens_in")
+        frame = {nd.name for nd in frame_needs(cfg, shape)}
+        for blk in cfg.blocks:
+            kd = kind(blk.kind)
+            for nd in kd.needs(blk, cfg, shape):
+                if nd.const or nd.persistent or nd.group == STREAM or nd.name in frame:
+                    continue
+                r = getattr(b, nd.arena)[nd.name]  # the block's view: the region's start
+                expect[nd.arena][r.offset : r.offset + math.prod(nd.shape)] += 1
+            if kd.kv_cache:
+                slot = b.kv_slot[blk.layer]
+                for kv in ("k", "v"):
+                    e = expect[kv].view(getattr(self, kv).shape)
+                    for bi, n0 in enumerate(lengths):
+                        e[slot, bi, :, n0 : n0 + p.tokens] = 1
+            if kd.recurrent:
+                self._expect_state(blk, expect, ring_before)
+        for k, tr in self.tracks.items():
+            bad = tr.count != expect[k]
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0][0])
+                raise WriteCountError(
+                    f"{k}[{i}] was written {int(tr.count[i])} times this step, expected "
+                    f"{int(expect[k][i])} ({int(bad.sum())} elements differ)")
+
+    def _expect_state(self, blk, expect: dict, ring_before) -> None:  # noqa: ANN001
+        """A recurrent layer: conv window once; recurrent: state once; ReplaySSM: the new ring
+        entries and the ring count once, the state of a sequence once if it folded."""
+        p, b = self.prog, self.prog.buffers
+        regs, st = b.state[blk.layer], expect["state"]
+
+        def mark(name: str, idx=()) -> None:  # noqa: ANN001
+            r = regs[name]
+            st[r.offset : r.offset + r.numel].view(r.shape)[idx] = 1
+
+        mark("conv")
+        if not b.ring_cap:
+            mark("state")
+            return
+        row = b.row("rec", blk.layer)
+        units = kind(blk.kind).units(blk.cfg)
+        cnt = b.i32["ring_count"]
+        expect["i32"][cnt.offset : cnt.offset + cnt.numel].view(cnt.shape)[row, :, :units] = 1
+        for bi in range(p.batch):
+            n0 = int(ring_before[row, bi, 0])
+            if n0 + p.tokens >= p.replay_window:
+                mark("state", bi)
+            for name in regs:
+                if name not in ("conv", "state"):
+                    mark(name, (bi, slice(n0, n0 + p.tokens)))
+
+
+def _kv_of(c) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 (a reference layer cache)
+    """K and V [B, heads, S, dims] of a reference layer cache: attention (k, v) or MLA (the
+    latent c [B, S, r] and k_rope [B, S, dr], one head)."""
+    if hasattr(c, "k_rope"):
+        return c.c[:, None], c.k_rope[:, None]
+    return c.k, c.v

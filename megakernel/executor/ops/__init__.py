@@ -1,0 +1,1 @@
+"""The executor's op functions, one per opcode, grouped by layer kind (see executor/core.py)."""

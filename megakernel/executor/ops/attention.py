@@ -1,0 +1,100 @@
+"""QKV and ATTN_PARTIAL (layers/attention.py): every attention variant, by the program header
+(q/k norm form, rotary dims, output gate, q/k/v bias)."""
+
+from __future__ import annotations
+
+import torch
+
+from megakernel.executor.core import Executor, op
+
+
+def rope(ex: Executor, x: torch.Tensor, pos: torch.Tensor, rope_off: int) -> torch.Tensor:
+    """Rotate-half RoPE on the first R (header ROTARY_DIM) dims of x [N, D] at positions [N],
+    with the fp32 tables cos, sin [S_max, R/2] at `rope_off` (-1: no RoPE)."""
+    r = ex.prog.header["ROTARY_DIM"]
+    if rope_off < 0 or r == 0:
+        return x
+    half, s = r // 2, ex.prog.max_seq_len
+    cos_h = ex.f32[rope_off : rope_off + s * half].view(s, half)
+    sin_h = ex.f32[rope_off + s * half : rope_off + 2 * s * half].view(s, half)
+    cos = torch.cat((cos_h[pos], cos_h[pos]), dim=-1)  # [N, R]
+    sin = torch.cat((sin_h[pos], sin_h[pos]), dim=-1)
+    rot, rest = x[:, :r], x[:, r:]
+    rotated = torch.cat((-rot[:, half:], rot[:, :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+@op("QKV")
+def qkv(ex: Executor, d: dict, epoch: int) -> None:
+    p, hdr = ex.prog, ex.prog.header
+    n, t_, dh, hq, g = p.rows, p.tokens, hdr["D"], hdr["HQ"], hdr["HQ"] // hdr["HKV"]
+    ng = g if hdr["OUTPUT_GATE"] else 0  # gate head slots per group
+    acc = ex.matvec(d)  # [N, NROWS]
+    if hdr["QKV_BIAS"]:  # the bias follows the layer's matrix directly
+        b0 = d["W"] - d["ROW0"] * d["K"] + hdr["QKV_ROWS"] * d["K"] + d["ROW0"]
+        acc = acc + ex.weights[b0 : b0 + d["NROWS"]].float()
+    acc = acc.view(n, -1, dh)  # [N, head slots, D]
+    lengths = ex.read("i32", p.buffers.i32["lengths"].offset, (p.batch,), scratch=False)
+    pos = (lengths.long()[:, None] + torch.arange(t_)).reshape(-1)  # [N]
+    slot_kv, kv = p.buffers.kv_slot[d["LAYER"]], p.buffers.kv_shape
+    for j in range(acc.shape[1]):
+        grp, jj = divmod(d["ROW0"] // dh + j, g + ng + 2)
+        x = acc[:, j]  # [N, D]
+        if jj < g or jj == g + ng:  # q or k: q/k norm, RoPE
+            if d["QK_NORM_OFF"] >= 0:
+                w = ex.norm_weight(d["QK_NORM_OFF"] + (0 if jj < g else dh), dh)
+                x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ex.eps) * w
+            x = rope(ex, x, pos, d["ROPE_OFF"])
+        if jj < g:
+            ex.write("bf16", d["OUT_OFF"], (n, hq, dh), (slice(None), grp * g + jj), x)
+        elif jj < g + ng:
+            ex.write("f32", hdr["F32_GATE_OFF"], (n, hq, dh), (slice(None), grp * g + jj - g), x)
+        else:
+            buf = "k" if jj == g + ng else "v"
+            for row in range(n):
+                ex.write(buf, 0, kv, (slot_kv, row // t_, grp, int(pos[row])), x[row])
+
+
+@op("ATTN_PARTIAL")
+def attn_partial(ex: Executor, d: dict, epoch: int) -> None:
+    p, hdr = ex.prog, ex.prog.header
+    n, t_, dh, hq = p.rows, p.tokens, hdr["D"], hdr["HQ"]
+    g = hq // hdr["HKV"]
+    b, grp, s, ns = d["B_IDX"], d["KV_HEAD"], d["SPLIT"], d["N_SPLITS"]
+    slot, kv = p.buffers.kv_slot[d["LAYER"]], p.buffers.kv_shape
+    length = int(ex.read("i32", d["LEN_OFF"], (p.batch,), b, scratch=False))
+    ctx = length + t_
+    k0, k1 = s * ctx // ns, (s + 1) * ctx // ns
+    rows = slice(b * t_, (b + 1) * t_)
+    heads = slice(grp * g, (grp + 1) * g)
+    q = ex.read("bf16", d["Q_OFF"], (n, hq, dh), (rows, heads)).float()  # [T, G, D]
+    mid = min(max(k0, length), k1)  # keys below `length` are from earlier steps
+    kk = torch.cat((ex.read("k", 0, kv, (slot, b, grp, slice(k0, mid)), scratch=False),
+                    ex.read("k", 0, kv, (slot, b, grp, slice(mid, k1))))).float()
+    vv = torch.cat((ex.read("v", 0, kv, (slot, b, grp, slice(k0, mid)), scratch=False),
+                    ex.read("v", 0, kv, (slot, b, grp, slice(mid, k1))))).float()
+    scores = torch.einsum("tgd,sd->tgs", q, kk) * dh**-0.5  # [T, G, nk]
+    qpos = length + torch.arange(t_)
+    visible = torch.arange(k0, k1)[None, :] <= qpos[:, None]  # [T, nk]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    m = scores.amax(dim=-1) if k1 > k0 else torch.full((t_, g), float("-inf"))
+    safe_m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    pr = torch.exp(scores - safe_m[..., None])  # exp(-inf) = 0 for masked keys
+    o = torch.einsum("tgs,sd->tgd", pr, vv)
+    ex.write("f32", d["PO_OFF"], (ns, n, hq, dh), (s, rows, heads), o)
+    ex.write("f32", d["PML_OFF"], (ns, n, hq, 2), (s, rows, heads),
+             torch.stack((m, pr.sum(-1)), dim=-1))
+    old = ex.release(d["SIGNAL_CID"], acquire=True)  # the (b, g) ticket
+    if not ex.last_of(old, epoch, ns):
+        return
+    # the last split of (b, grp): merge splits 0..S-1 in order
+    po = ex.read("f32", d["PO_OFF"], (ns, n, hq, dh), (slice(None), rows, heads))
+    pml = ex.read("f32", d["PML_OFF"], (ns, n, hq, 2), (slice(None), rows, heads))
+    ms, ls = pml[..., 0], pml[..., 1]  # [S, T, G]
+    wgt = torch.exp(ms - ms.amax(dim=0))  # [S, T, G]; 0 for empty splits
+    out = (po * wgt[..., None]).sum(0) / (ls * wgt).sum(0)[..., None]  # [T, G, D]
+    if hdr["OUTPUT_GATE"]:
+        out = out * torch.sigmoid(ex.read("f32", hdr["F32_GATE_OFF"], (n, hq, dh),
+                                          (rows, heads)))
+    ex.write("bf16", d["OUT_OFF"], (n, hq, dh), (rows, heads), out)
+    ex.release(d["DONE_CID"])

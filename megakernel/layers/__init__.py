@@ -1,0 +1,42 @@
+"""Layer kinds: one module per kind of residual block (attention, MLA, gated delta rule, KDA,
+Mamba2, SwiGLU MLP, relu^2 MLP, MoE), each holding everything the host knows about it: its config,
+its checkpoint tensors and their init, its packing into the weight arena, the buffers, caches and
+recurrent state it declares, its opcodes and stage builder, and its bytes for the cost model.
+
+`kind(name)` returns the registered `LayerKind` (importing `megakernel.layers.<name>` on first
+use); `all_kinds()` imports every module of this package, so a new kind is one new module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from megakernel.layers.base import KINDS, LayerKind, register_kind
+
+__all__ = ["KINDS", "LayerKind", "all_kinds", "kind", "register_kind"]
+
+_NOT_KINDS = {"base", "frame", "recurrent"}
+
+
+def kind(name: str) -> type[LayerKind]:
+    """The layer kind registered as `name`."""
+    if name not in KINDS:
+        try:
+            importlib.import_module(f"megakernel.layers.{name}")
+        except ModuleNotFoundError:
+            pass
+    if name not in KINDS:
+        all_kinds()
+        if name not in KINDS:
+            raise KeyError(f"unknown layer kind {name!r}; known: {', '.join(sorted(KINDS))}")
+    return KINDS[name]
+
+
+def all_kinds() -> dict[str, type[LayerKind]]:
+    """Every layer kind (imports each module of this package once)."""
+    for m in pkgutil.iter_modules(__path__):
+        if m.name not in _NOT_KINDS:
+            importlib.import_module(f"megakernel.layers.{m.name}")
+    importlib.import_module("megakernel.layers.frame")
+    return dict(KINDS)

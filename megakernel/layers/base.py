@@ -1,0 +1,193 @@
+"""The layer-kind interface and its registry.
+
+A `LayerKind` is a class of class methods and declarations, registered by name with
+`@register_kind`. A model's blocks (models/config.py `Block`) name their kind; everything the host
+does with a block goes through the kind:
+
+checkpoint   `shapes` (Hugging Face tensor names relative to the block's prefix -> shape),
+             `init_role` (how random weights are drawn, models/weights.py), `fp32_params`
+             (tensors transformers keeps in fp32, not rounded in the reference's bf16 mode)
+packing      `vectors` (small tensors, packed at the head of the arena so that 32-bit operands
+             reach them) and `matrices` (everything streamed as slabs), `pack` (checkpoint
+             tensors -> packed tensors), `tables` (fp32 constants stored in the f32 arena)
+buffers      `needs` (activation scratch, constants, per-layer tables), `kv` (the per-layer
+             cache it keeps), `state` (persistent fp32 recurrent state: conv window, state,
+             ReplaySSM ring)
+program      its opcodes (isa.registry, declared in the kind's module), `stages` (the block's
+             work as stages, waiting on the block input), `flow` (which opcode of the block
+             waits on which: the verifier's dataflow check), `coverage` (work units of the
+             opcodes without a weight slab, checked once per step by the verifier)
+cost         `step_bytes` (bytes by category, for the per-family byte accounting)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from megakernel.models.config import Block, ModelConfig
+    from megakernel.program.stages import Stage
+
+KINDS: dict[str, type[LayerKind]] = {}
+
+# buffer groups: regions of one arena are laid out group by group, in declaration order within a
+# group (so that adding a kind never moves the regions of the others)
+STREAM, SCRATCH, OUTPUT, CONST = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Need:
+    """A region a block needs in one of the typed arenas ("f32", "bf16", "i32").
+
+    Blocks that need the same name share one region, sized to the largest; a block uses the
+    region's first prod(shape) elements as a tensor of its own `shape` (so a matvec input is
+    contiguous [N, K] whichever block wrote it). `table`: the region
+    has one row of `shape` per block that declares it with this table name (rows in block order;
+    `ProgramBuffers.row(table, layer)`). `const`: host-written constants (kept when scratch is
+    poisoned). `persistent`: carried from step to step (not scratch).
+    """
+
+    arena: str
+    name: str
+    shape: tuple[int, ...]
+    group: int = SCRATCH
+    const: bool = False
+    persistent: bool = False
+    table: str | None = None
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a block's buffers depend on: rows and cache sizes of one program."""
+
+    batch: int
+    tokens: int
+    max_seq_len: int
+    n_splits: int
+    num_sms: int
+    ring_cap: int  # ReplaySSM ring entries per (layer, sequence); 0: recurrent update
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens
+
+
+def register_kind(cls: type[LayerKind]) -> type[LayerKind]:
+    """Class decorator: register a layer kind under `cls.name`."""
+    if cls.name in KINDS and KINDS[cls.name] is not cls:
+        raise ValueError(f"layer kind {cls.name!r} registered twice")
+    KINDS[cls.name] = cls
+    return cls
+
+
+class LayerKind:
+    """Base class of the layer kinds; see the module docstring for what each hook means."""
+
+    name: ClassVar[str] = ""
+    config: ClassVar[type] = object
+    recurrent: ClassVar[bool] = False  # conv window, state and ReplaySSM ring per layer
+    kv_cache: ClassVar[bool] = False  # a K/V (or latent) cache slot per layer
+    fp32_params: ClassVar[tuple[str, ...]] = ()  # local names kept fp32 by transformers
+    # opcode name -> the opcode of the same block it waits on (None: the block's input)
+    flow: ClassVar[dict[str, str | None]] = {}
+    out_op: ClassVar[str] = ""  # the opcode whose counter ends the block
+
+    # ---- checkpoint ------------------------------------------------------------------------------
+    @classmethod
+    def shapes(cls, blk: Block, model: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Local tensor name (after `blk.prefix`) -> shape, in checkpoint order."""
+        raise NotImplementedError
+
+    @classmethod
+    def init_role(cls, local: str, blk: Block) -> str:
+        """Random-init role of a tensor (models/weights.py ROLES); default by name and rank."""
+        if local.endswith("bias") and not local.endswith("dt_bias"):
+            return "bias"
+        return "proj"
+
+    @classmethod
+    def check(cls, blk: Block, model: ModelConfig) -> None:
+        """ConfigError naming a shape of this block that megakernel does not support."""
+
+    # ---- packing ---------------------------------------------------------------------------------
+    @classmethod
+    def vectors(cls, blk: Block, model: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+        """Small packed tensors (beside the block's input norm): key suffix -> shape."""
+        return []
+
+    @classmethod
+    def matrices(cls, blk: Block, model: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+        """Packed matrices streamed as slabs: key suffix -> shape."""
+        raise NotImplementedError
+
+    @classmethod
+    def pack(cls, blk: Block, model: ModelConfig, w: Any) -> dict[str, torch.Tensor]:
+        """Packed tensors by key suffix; `w(local)` is the checkpoint tensor (bf16)."""
+        raise NotImplementedError
+
+    @classmethod
+    def tables(cls, blk: Block, model: ModelConfig, w: Any) -> dict[str, torch.Tensor]:
+        """fp32 rows of per-layer tables (Need.table) by region name; `w(local)` is the
+        checkpoint tensor in fp32."""
+        return {}
+
+    # ---- buffers ---------------------------------------------------------------------------------
+    @classmethod
+    def needs(cls, blk: Block, model: ModelConfig, shape: StepShape) -> list[Need]:
+        return []
+
+    @classmethod
+    def constants(cls, blk: Block, model: ModelConfig, shape: StepShape
+                  ) -> dict[str, torch.Tensor]:
+        """Host-computed fp32 constants (CONST regions it needs) by region name."""
+        return {}
+
+    @classmethod
+    def kv(cls, blk: Block, model: ModelConfig, batch: int, max_seq_len: int
+           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-slot shapes of the K and V caches (kv_cache kinds): [B, heads, S_max, dims]."""
+        raise NotImplementedError
+
+    @classmethod
+    def state(cls, blk: Block, model: ModelConfig, batch: int, ring_cap: int
+              ) -> list[tuple[str, tuple[int, ...]]]:
+        """The layer's blocks of the persistent fp32 state arena (recurrent kinds), in order:
+        "conv" [B, C, K-1], "state" [B, ...], then (ring_cap > 0) the ring entries."""
+        return []
+
+    # ---- program ---------------------------------------------------------------------------------
+    @classmethod
+    def header(cls, blk: Block, model: ModelConfig) -> dict[str, int]:
+        """Program header fields of this kind (the same for every block of the kind)."""
+        return {}
+
+    @classmethod
+    def stages(cls, blk: Block, ctx: Any, wait: int) -> tuple[list[Stage], int]:
+        """The block's stages, the first waiting on counter `wait` (the block input); returns
+        them and the counter that ends the block."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_record(cls, d: dict, blk: Block, prog: Any, where: str) -> None:
+        """ProgramError (program/verify.py) naming a record of this block that breaks one of the
+        kind's invariants."""
+
+    @classmethod
+    def coverage(cls, blk: Block, prog: Any) -> dict[str, int]:
+        """Work units per step of the block's opcodes without a weight slab, by opcode name;
+        `cover` maps a record of one of them to its unit (each unit once per step)."""
+        return {}
+
+    @classmethod
+    def cover(cls, d: dict, blk: Block, prog: Any) -> tuple[int, int]:
+        """The units [lo, hi) a record of an opcode in `coverage` covers."""
+        raise NotImplementedError
+
+    # ---- cost -------------------------------------------------------------------------------------
+    @classmethod
+    def step_bytes(cls, blk: Block, prog: Any) -> dict[str, float]:
+        """Bytes one step moves for this block, by category (program/bytes.py)."""
+        return {}

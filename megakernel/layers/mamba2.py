@@ -1,0 +1,169 @@
+"""Mamba2 SSD mixer (Nemotron-H `M` blocks).
+
+    [z | xBC | dt] = in_proj x;  xBC = silu(conv(xBC) + bias) -> x [H, P], B [G, N], C [G, N]
+    dt = softplus(dt + dt_bias);  A = -exp(A_log);  head h reads group h // (H / G)
+    y = e^{dt A} S C + dt (B . C) x + D x;   S <- e^{dt A} S + x (dt B)^T        (state S [P, N])
+    out = out_proj(bf16(w * GroupRMSNorm(y * silu(z))))   (group size H P / G)
+Packed: proj [P', H] = in_proj rows [z | xBC | dt], zero rows up to a multiple of 16; conv [C (K +
+1)] = conv1d taps [C, K] then its bias [C] (zeros without one); out_norm [H P]; o [H, H P]. fp32
+params row: A_log [H], D [H], dt_bias [H]. Ring entries per token: x [H, P], B [G, N], dt [H].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megakernel.isa.registry import OpSpec, register
+from megakernel.layers.base import register_kind
+from megakernel.layers.recurrent import RecurrentKind, core_operands
+from megakernel.models.config import ConfigError, positive
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba2 SSD mixer: in_proj -> [z | xBC | dt], conv over xBC, state [H, P, N] per head."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int = 4
+    use_conv_bias: bool = True
+    # Lower clamp on dt in the chunked (prefill) path, as HF's mixer does (time_step_min); the
+    # single-token update (HF and mamba_ssm alike) does not clamp.
+    dt_min: float = 0.0
+
+    def __post_init__(self) -> None:
+        positive(self, "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel")
+        if self.num_heads % self.n_groups:
+            raise ConfigError(f"mamba_num_heads ({self.num_heads}) must be a multiple of n_groups "
+                              f"({self.n_groups})")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"conv kernel must be >= 2, got {self.conv_kernel}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: [x (d_inner) | B (G*N) | C (G*N)]."""
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def in_proj_size(self) -> int:
+        return self.d_inner + self.conv_dim + self.num_heads
+
+
+_UNIT = ("GROUP", "group j (heads j*R .. j*R+R-1, R = H / G)")
+_NOTES = ("Per sequence b and group j: causal conv (+ bias) of the x channels of the group's "
+          "heads and its B, C channels over the fp32 window, silu; dt = softplus(dt + dt_bias); "
+          "A = -exp(A_log). CONV_W: taps [C, K] then bias [C]; PARAM_OFF: A_log [H], D [H], "
+          "dt_bias [H]. Output: bf16(w * RMSNorm over the group of (y * silu(z))) into ssm_out "
+          "[N, H P]. State block: conv [B, C, K-1], S [B, H, P, N], ring x [B, CAP, H, P], "
+          "B [B, CAP, G, N], dt [B, CAP, H].")
+MAMBA_CORE = register(OpSpec(
+    20, "MAMBA_CORE", "mamba2", "conv + SSD recurrent update + gated group RMSNorm of one "
+    "(sequence, group)", core_operands(_UNIT, False),
+    notes=_NOTES + " Recurrent: per token y = e^{dt A} S C + dt (B . C) x + D x, S <- e^{dt A} S "
+    "+ x (dt B)^T.", reach=True))
+MAMBA_REPLAY = register(OpSpec(
+    21, "MAMBA_REPLAY", "mamba2", "conv + SSD by ReplaySSM (committed state + ring, fold every L) "
+    "+ gated group RMSNorm of one (sequence, group)", core_operands(_UNIT, True),
+    notes=_NOTES + " ReplaySSM: with n committed entries (x, B, dt) and Lam(t, j) = A * sum of dt "
+    "over (j, t]: y_t = e^Lam(t,c) S_c C_t + sum_{j<=t} dt_j e^Lam(t,j) (B_j . C_t) x_j + D x_t; "
+    "appends the T entries; folds when n + T >= L (S_c <- e^Lam(n+T,c) S_c + sum_j x_j (dt_j "
+    "e^Lam(n+T,j) B_j)^T, count 0).", reach=True))
+
+
+@register_kind
+class Mamba2(RecurrentKind):
+    name = "mamba2"
+    config = Mamba2Config
+    unit_name = "GROUP"
+    core_op, replay_op = MAMBA_CORE, MAMBA_REPLAY
+    flow = RecurrentKind.flow_of("MAMBA_CORE", "MAMBA_REPLAY")
+    out_op = "OPROJ"
+
+    @classmethod
+    def units(cls, cfg: Mamba2Config) -> int:
+        return cfg.n_groups
+
+    @classmethod
+    def state_shape(cls, cfg: Mamba2Config) -> tuple[int, ...]:
+        return (cfg.num_heads, cfg.head_dim, cfg.state_size)
+
+    @classmethod
+    def ring_shapes(cls, cfg: Mamba2Config) -> list[tuple[str, tuple[int, ...]]]:
+        return [("x", (cfg.num_heads, cfg.head_dim)), ("B", (cfg.n_groups, cfg.state_size)),
+                ("dt", (cfg.num_heads,))]
+
+    @classmethod
+    def out_dim(cls, cfg: Mamba2Config) -> int:
+        return cfg.d_inner
+
+    @classmethod
+    def n_params(cls, cfg: Mamba2Config) -> int:
+        return 3 * cfg.num_heads
+
+    @classmethod
+    def proj_rows(cls, cfg: Mamba2Config) -> int:
+        return cfg.in_proj_size
+
+    @classmethod
+    def unit_channels(cls, cfg: Mamba2Config) -> int:
+        return cfg.conv_dim // cfg.n_groups
+
+    @classmethod
+    def unit_weight_bytes(cls, cfg: Mamba2Config) -> int:
+        return cls.unit_channels(cfg) * (cfg.conv_kernel + 1) * 2
+
+    @classmethod
+    def unit_gates(cls, cfg: Mamba2Config) -> int:
+        return cfg.num_heads // cfg.n_groups
+
+    # ---- checkpoint --------------------------------------------------------------------------
+    @classmethod
+    def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+        m, h = blk.cfg, model.hidden_size
+        out = {"in_proj.weight": (m.in_proj_size, h),
+               "conv1d.weight": (m.conv_dim, 1, m.conv_kernel)}
+        if m.use_conv_bias:
+            out["conv1d.bias"] = (m.conv_dim,)
+        out.update({"dt_bias": (m.num_heads,), "A_log": (m.num_heads,), "D": (m.num_heads,),
+                    "norm.weight": (m.d_inner,), "out_proj.weight": (h, m.d_inner)})
+        return out
+
+    @classmethod
+    def init_role(cls, local: str, blk) -> str:  # noqa: ANN001
+        return {"conv1d.weight": "conv", "conv1d.bias": "bias", "dt_bias": "dt_bias",
+                "A_log": "A_log", "D": "D", "norm.weight": "norm_plain",
+                "out_proj.weight": "out"}.get(local, "proj")
+
+    # ---- packing -----------------------------------------------------------------------------
+    @classmethod
+    def vectors(cls, blk, model) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+        m = blk.cfg
+        return [("out_norm", (m.d_inner,)), ("conv", (m.conv_dim * (m.conv_kernel + 1),))]
+
+    @classmethod
+    def matrices(cls, blk, model) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+        m, h = blk.cfg, model.hidden_size
+        return [("proj", (cls.proj_width(m), h)), ("o", (h, m.d_inner))]
+
+    @classmethod
+    def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        m = blk.cfg
+        proj = w("in_proj.weight")
+        bias = w("conv1d.bias") if m.use_conv_bias else proj.new_zeros(m.conv_dim)
+        pad = cls.proj_width(m) - proj.shape[0]
+        return {"out_norm": w("norm.weight"),
+                "conv": torch.cat((w("conv1d.weight")[:, 0].reshape(-1), bias)),
+                "proj": torch.cat((proj, proj.new_zeros(pad, proj.shape[1]))),
+                "o": w("out_proj.weight")}
+
+    @classmethod
+    def tables(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        return {"ssm_params": torch.cat((w("A_log"), w("D"), w("dt_bias")))}

@@ -1,0 +1,301 @@
+"""Mixture of experts (Kimi Linear; DeepSeek-V3 style routing) with shared experts.
+
+Routing per token, all fp32 (router weight kept fp32):
+    s = sigmoid(W_r x);  choice = s + e_score_correction_bias
+    group score = sum of the top-2 choices in each of n_group groups; keep the topk_group best
+    experts = top_k of choice within the kept groups;  weight_e = s_e (not the biased choice)
+    weights /= sum(weights) + 1e-20 (norm_topk_prob);  weights *= routed_scaling_factor
+    out = sum_e weight_e * SwiGLU_e(x) + SharedSwiGLU(x)
+Experts are accumulated in increasing expert index, then the shared expert is added (as HF does).
+
+Program: ROUTER writes the expert ids [N, top_k] and weights at run time; every expert (the shared
+one as expert E, slot top_k) has EXPERT_GATEUP and EXPERT_DOWN slabs that work only on the rows
+routed to it; MOE_COMBINE adds the weighted sum into h. Packed per expert x: gateup [2 I, H]
+(layers/swiglu.py block order), down [H, I]. fp32 router table row: W_r [E, H] then the bias [E].
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from megakernel.isa.records import GATEUP_BLOCK, ROW_ALIGN
+from megakernel.isa.registry import MATVEC, OpSpec, register
+from megakernel.layers.base import CONST, LayerKind, Need, StepShape, register_kind
+from megakernel.layers.swiglu import gateup_rows
+from megakernel.models.config import ConfigError, positive
+from megakernel.program.stages import Instr, Stage
+
+EXPERT_SLABS = 8  # at most this many slabs per expert matrix
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed SwiGLU experts with sigmoid, bias-corrected, group-limited top-k routing plus
+    always-on shared experts (Kimi / DeepSeek-V3 style)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert
+    num_shared_experts: int = 1  # shared MLP width = intermediate_size * num_shared_experts
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        positive(self, "num_experts", "top_k", "intermediate_size", "n_group", "topk_group")
+        if self.num_shared_experts < 0:
+            raise ConfigError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.num_experts % self.n_group:
+            raise ConfigError(f"num_experts ({self.num_experts}) must be a multiple of n_group "
+                              f"({self.n_group})")
+        if self.num_experts // self.n_group < 2:
+            raise ConfigError("group-limited routing needs at least 2 experts per group")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group ({self.topk_group}) > n_group ({self.n_group})")
+        if self.top_k > self.num_experts // self.n_group * self.topk_group:
+            raise ConfigError(f"top_k ({self.top_k}) exceeds the experts in the "
+                              f"{self.topk_group} chosen groups")
+
+    @property
+    def slots(self) -> int:
+        """Expert slots per row: top_k routed, then the shared expert."""
+        return self.top_k + (1 if self.num_shared_experts else 0)
+
+
+ROUTER = register(OpSpec(
+    25, "ROUTER", "moe", "RMSNorm(h) -> fp32 router -> group-limited top-k expert ids and weights",
+    (
+        ("NORM_OFF", "weights: the block's RMSNorm [H]"),
+        ("IN_OFF", "f32: h [N, H]"),
+        ("K", "H"),
+        ("ROUTER_OFF", "f32: router weight [E, H] then e_score_correction_bias [E] (fp32)"),
+        ("IDS_OFF", "i32: expert ids [N, top_k]"),
+        ("WTS_OFF", "f32: expert weights [N, top_k]"),
+    ),
+    notes="All N rows: s = sigmoid(W_r bf16(RMSNorm(h))); choice = s + bias; the header's "
+    "MOE_TOPK_GROUP best of MOE_N_GROUP groups (group score: sum of its top-2 choices), then the "
+    "top_k experts of those groups by choice; weights s_e / (sum + 1e-20) * scaling (header)."))
+_EXPERT = (("EXPERT", "expert e (E = the shared expert)"),
+           ("IDS_OFF", "i32: expert ids [N, top_k]"))
+EXPERT_GATEUP = register(OpSpec(
+    26, "EXPERT_GATEUP", "moe", "gate/up slab of one expert for the tokens routed to it "
+    "(run-time ids)", MATVEC + _EXPERT,
+    notes="For the rows (n, s) with ids[n, s] == EXPERT (shared: every n, s = top_k), RMSNorm(h[n]) "
+    "-> slab of the expert's interleaved gate/up -> act_moe[n, s, ROW0/2 + c] (bf16 [N, top_k + 1,"
+    " I_e]); no row selected: no work (its weights are not streamed).",
+    slab=True, matvec="expert_gateup"))
+EXPERT_DOWN = register(OpSpec(
+    27, "EXPERT_DOWN", "moe", "down slab of one expert for the tokens routed to it (run-time ids)",
+    MATVEC + _EXPERT,
+    notes="Rows as EXPERT_GATEUP; IN_OFF = bf16 act_moe [N, top_k + 1, I_e], OUT_OFF = f32 moe_y "
+    "[N, top_k + 1, H]: moe_y[n, s, ROW0 + r] = acc.", slab=True, matvec="expert_down"))
+MOE_COMBINE = register(OpSpec(
+    28, "MOE_COMBINE", "moe", "weighted sum of the routed experts (+ shared) added into h",
+    (
+        ("ROW0", "first column of h"),
+        ("NROWS", "columns"),
+        ("Y_OFF", "f32: moe_y [N, top_k + 1, H]"),
+        ("IDS_OFF", "i32: expert ids [N, top_k]"),
+        ("WTS_OFF", "f32: expert weights [N, top_k]"),
+        ("OUT_OFF", "f32: h [N, H]"),
+    ),
+    notes="h[n, cols] += (sum over the top_k slots in increasing expert id of w * moe_y[n, s]) + "
+    "moe_y[n, top_k] (the shared expert, header MOE_SHARED = 1)."))
+
+
+@register_kind
+class MoE(LayerKind):
+    name = "moe"
+    config = MoEConfig
+    fp32_params = ("gate.weight", "gate.e_score_correction_bias")
+    flow = {"ROUTER": None, "EXPERT_GATEUP": "ROUTER", "EXPERT_DOWN": "EXPERT_GATEUP",
+            "MOE_COMBINE": "EXPERT_DOWN"}
+    out_op = "MOE_COMBINE"
+
+    @classmethod
+    def check(cls, blk, model) -> None:  # noqa: ANN001
+        e = blk.cfg
+        if e.num_shared_experts > 1:
+            raise ConfigError(f"{e.num_shared_experts} shared experts: megakernel supports at "
+                              "most one (it runs as expert slot top_k)")
+        if e.intermediate_size % GATEUP_BLOCK:
+            raise ConfigError(f"moe_intermediate_size = {e.intermediate_size} must be a multiple "
+                              f"of {GATEUP_BLOCK}")
+
+    @classmethod
+    def experts(cls, e: MoEConfig) -> range:
+        """Packed experts: the routed ones, then (index E) the shared one."""
+        return range(e.num_experts + (1 if e.num_shared_experts else 0))
+
+    # ---- checkpoint --------------------------------------------------------------------------
+    @classmethod
+    def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+        e, h = blk.cfg, model.hidden_size
+        out: dict[str, tuple[int, ...]] = {"gate.weight": (e.num_experts, h),
+                                           "gate.e_score_correction_bias": (e.num_experts,)}
+        for x in range(e.num_experts):
+            out.update({f"experts.{x}.w1.weight": (e.intermediate_size, h),
+                        f"experts.{x}.w2.weight": (h, e.intermediate_size),
+                        f"experts.{x}.w3.weight": (e.intermediate_size, h)})
+        if e.num_shared_experts:
+            i = e.intermediate_size * e.num_shared_experts
+            out.update({"shared_experts.gate_proj.weight": (i, h),
+                        "shared_experts.up_proj.weight": (i, h),
+                        "shared_experts.down_proj.weight": (h, i)})
+        return out
+
+    @classmethod
+    def init_role(cls, local: str, blk) -> str:  # noqa: ANN001
+        if local == "gate.e_score_correction_bias":
+            return "bias"
+        return "out" if local.endswith(("w2.weight", "down_proj.weight")) else "proj"
+
+    # ---- packing -----------------------------------------------------------------------------
+    @classmethod
+    def matrices(cls, blk, model) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+        e, h = blk.cfg, model.hidden_size
+        out = []
+        for x in cls.experts(e):
+            out += [(f"x{x}.gateup", (2 * e.intermediate_size, h)),
+                    (f"x{x}.down", (h, e.intermediate_size))]
+        return out
+
+    @classmethod
+    def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        e = blk.cfg
+        names = [(f"experts.{x}.w1.weight", f"experts.{x}.w3.weight", f"experts.{x}.w2.weight")
+                 for x in range(e.num_experts)]
+        if e.num_shared_experts:
+            names.append(tuple(f"shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")))
+        out = {}
+        for x, (g, u, d) in enumerate(names):
+            out[f"x{x}.gateup"] = gateup_rows(w(g), w(u))
+            out[f"x{x}.down"] = w(d)
+        return out
+
+    @classmethod
+    def tables(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        return {"router": torch.cat((w("gate.weight").reshape(-1),
+                                     w("gate.e_score_correction_bias")))}
+
+    # ---- buffers -----------------------------------------------------------------------------
+    @classmethod
+    def needs(cls, blk, model, shape: StepShape) -> list[Need]:  # noqa: ANN001
+        e, n, h = blk.cfg, shape.rows, model.hidden_size
+        return [Need("f32", "router", (e.num_experts * h + e.num_experts,), CONST, const=True,
+                     table="moe"),
+                Need("f32", "moe_w", (n, e.top_k)), Need("f32", "moe_y", (n, e.slots, h)),
+                Need("bf16", "act_moe", (n, e.slots, e.intermediate_size)),
+                Need("i32", "moe_ids", (n, e.top_k))]
+
+    # ---- program -----------------------------------------------------------------------------
+    @classmethod
+    def header(cls, blk, model) -> dict[str, int]:  # noqa: ANN001
+        e = blk.cfg
+        return dict(MOE_E=e.num_experts, MOE_TOPK=e.top_k, MOE_I=e.intermediate_size,
+                    MOE_N_GROUP=e.n_group, MOE_TOPK_GROUP=e.topk_group,
+                    MOE_NORM=int(e.norm_topk_prob), MOE_SHARED=int(e.num_shared_experts > 0),
+                    MOE_SCALE_F32_BITS=struct.unpack("<i", struct.pack(
+                        "<f", e.routed_scaling_factor))[0])
+
+    @classmethod
+    def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
+        """Router -> expert gate/up slabs -> expert down slabs -> combine (added into h)."""
+        e, layer, key = blk.cfg, blk.layer, blk.key
+        n, hid, lay, ctr = ctx.rows, ctx.model.hidden_size, ctx.lay, ctx.ctr
+        f32, bf, i32 = ctx.buf.f32, ctx.buf.bf16, ctx.buf.i32
+        n_exp, norm = e.num_experts, lay[f"{key}.norm"].offset
+        c_r, c_gu, c_dn, c_c = (ctr(f"L{layer}.router"), ctr(f"L{layer}.xgu"),
+                                ctr(f"L{layer}.xdn"), ctr(f"L{layer}.down"))
+        router = f32["router"]
+        router_off = router.offset + ctx.buf.row("moe", layer) * router.shape[1]
+        ids = i32["moe_ids"].offset
+
+        def mk_router(u0: int, u1: int) -> Instr:
+            return Instr(ROUTER, layer, dict(
+                NORM_OFF=norm, IN_OFF=f32["h"].offset, K=hid, ROUTER_OFF=router_off,
+                IDS_OFF=ids, WTS_OFF=f32["moe_w"].offset),
+                wait=wait, signal=c_r, w_bytes=(n_exp * hid + n_exp) * 4, l2_bytes=n * hid * 4,
+                store_bytes=n * e.top_k * 8, fp32_flops=2.0 * n * n_exp * hid)
+
+        out = [Stage(f"L{layer}.router", ROUTER, layer, 1, False, mk_router)]
+        # expected share of a routed expert's slabs that is streamed: P(some token picks it)
+        p_used = 1.0 - (1.0 - e.top_k / n_exp) ** n
+        ie = e.intermediate_size
+
+        def share(x: int) -> float:
+            return 1.0 if x == n_exp else p_used
+
+        def cut(rows: int, base: int) -> tuple[int, int]:
+            """(units, rows per unit): an expert matrix is cut into at most EXPERT_SLABS slabs,
+            so that hundreds of experts do not each become one slab per SM."""
+            nb = rows // base
+            k = max(x for x in range(1, EXPERT_SLABS + 1) if nb % x == 0)
+            return k, rows // k
+
+        gu_units, gu = cut(2 * ie, 2 * GATEUP_BLOCK)
+        dn_units, dn_rows = cut(hid, ROW_ALIGN)
+
+        def mk_gu(x: int):  # noqa: ANN202
+            def mk(u0: int, u1: int) -> Instr:
+                r0, rows = u0 * gu, (u1 - u0) * gu
+                ins = ctx.matvec(EXPERT_GATEUP, layer, lay[f"{key}.x{x}.gateup"].offset, r0, rows,
+                                 hid, norm, f32["h"].offset, bf["act_moe"].offset, c_r, c_gu,
+                                 n * rows, EXPERT=x, IDS_OFF=ids)
+                return _weighted(ins, share(x))
+            return mk
+
+        def mk_dn(x: int):  # noqa: ANN202
+            def mk(u0: int, u1: int) -> Instr:
+                r0, rows = u0 * dn_rows, (u1 - u0) * dn_rows
+                ins = ctx.matvec(EXPERT_DOWN, layer, lay[f"{key}.x{x}.down"].offset, r0, rows,
+                                 ie, -1, bf["act_moe"].offset, f32["moe_y"].offset, c_gu, c_dn,
+                                 n * rows * 4, EXPERT=x, IDS_OFF=ids)
+                return _weighted(ins, share(x))
+            return mk
+
+        for x in cls.experts(e):
+            out.append(Stage(f"L{layer}.x{x}.gateup", EXPERT_GATEUP, layer, gu_units, True,
+                             mk_gu(x), gu))
+        for x in cls.experts(e):
+            out.append(Stage(f"L{layer}.x{x}.down", EXPERT_DOWN, layer, dn_units, True, mk_dn(x),
+                             dn_rows))
+
+        def mk_comb(u0: int, u1: int) -> Instr:
+            r0, rows = u0 * ROW_ALIGN, (u1 - u0) * ROW_ALIGN
+            return Instr(MOE_COMBINE, layer, dict(
+                ROW0=r0, NROWS=rows, Y_OFF=f32["moe_y"].offset, IDS_OFF=ids,
+                WTS_OFF=f32["moe_w"].offset, OUT_OFF=f32["h"].offset),
+                wait=c_dn, signal=c_c, l2_bytes=n * e.slots * rows * 4 + n * e.top_k * 8,
+                store_bytes=n * rows * 4)
+
+        out.append(Stage(f"L{layer}.combine", MOE_COMBINE, layer, hid // ROW_ALIGN, True, mk_comb,
+                         ROW_ALIGN))
+        return out, c_c
+
+    @classmethod
+    def coverage(cls, blk, prog) -> dict[str, int]:  # noqa: ANN001
+        return {"ROUTER": 1, "MOE_COMBINE": prog.cfg.hidden_size}
+
+    @classmethod
+    def cover(cls, d: dict, blk, prog) -> tuple[int, int]:  # noqa: ANN001
+        if "ROW0" in d:
+            return d["ROW0"], d["ROW0"] + d["NROWS"]
+        return 0, 1
+
+    @classmethod
+    def step_bytes(cls, blk, prog) -> dict[str, float]:  # noqa: ANN001
+        e = blk.cfg
+        return {"weights": (e.num_experts * prog.cfg.hidden_size + e.num_experts) * 4}
+
+
+def _weighted(ins: Instr, share: float) -> Instr:
+    """An expert slab's cost attributes times the chance it is streamed at all."""
+    ins.w_bytes = int(ins.w_bytes * share)
+    ins.tensor_flops *= share
+    ins.fp32_flops *= share
+    return ins

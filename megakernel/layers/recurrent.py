@@ -1,0 +1,203 @@
+"""What the recurrent layer kinds (gated delta rule, KDA, Mamba2) share: a fused input projection
+(PROJ, fp32), a core instruction per (sequence, unit) that runs the short causal conv over an fp32
+window, the state update (recurrent) or ReplaySSM, and the gated output norm, then out_proj.
+
+Per recurrent layer the persistent fp32 state arena holds, in order: the conv window [B, C, K-1]
+(oldest input first), the state [B, ...], and with ReplaySSM (fold window L) the ring entries
+[B, L - 1 + T, ...]. A core record's STATE is the 64-bit element offset of that block; the ring
+count of (layer, sequence, unit) lives in i32 ring_count [layers, B, units] (persistent).
+
+Buffers: f32 proj [N, P] (the layer's projection, zero-padded to a multiple of 16 columns),
+f32 ssm_params [layers, n] (the layer's fp32 constants: A_log, dt_bias, D), bf16 ssm_out [N, out]
+(the gated-norm output, out_proj's input).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+from megakernel.isa.records import ROW_ALIGN
+from megakernel.layers.base import CONST, LayerKind, Need, StepShape
+from megakernel.layers.frame import OPROJ, proj_stage, residual_stage
+from megakernel.program.stages import Instr, Stage
+
+CORE_OPERANDS = (
+    ("B_IDX", "sequence b"),
+    ("UNIT", "the unit of the layer this record runs"),  # renamed per kind (K_HEAD, GROUP, HEAD)
+    ("PROJ_OFF", "f32: proj [N, P]"),
+    ("CONV_W", "weights: the conv taps (and per-kind extras, see the kind)"),
+    ("PARAM_OFF", "f32: this layer's row of ssm_params"),
+    ("NORM_W", "weights: the output norm weight"),
+    ("STATE_LO", "state: this layer's block (conv window, state, ring), low 32 bits"),
+    ("STATE_HI", "high 32 bits"),
+    ("OUT_OFF", "bf16: ssm_out [N, out]"),
+)
+REPLAY_OPERANDS = (("COUNT_OFF", "i32: ring entries [B, units] of this layer (persistent)"),)
+
+
+def core_operands(unit: tuple[str, str], replay: bool) -> tuple[tuple[str, str], ...]:
+    ops = tuple(unit if n == "UNIT" else (n, d) for n, d in CORE_OPERANDS)
+    return ops + (REPLAY_OPERANDS if replay else ())
+
+
+class RecurrentKind(LayerKind):
+    """Base of the recurrent kinds; a kind sets its opcodes and the per-config sizes below."""
+
+    recurrent = True
+    fp32_params = ("A_log", "dt_bias", "D")
+    unit_name: ClassVar[str] = "UNIT"
+    core_op: ClassVar[int]
+    replay_op: ClassVar[int]
+
+    # ---- per-kind sizes (cfg = the kind's config) ----------------------------------------------
+    @classmethod
+    def units(cls, cfg) -> int:  # noqa: ANN001
+        """Core instructions per sequence (key heads, groups, heads)."""
+        raise NotImplementedError
+
+    @classmethod
+    def conv_dim(cls, cfg) -> int:  # noqa: ANN001
+        return cfg.conv_dim
+
+    @classmethod
+    def state_shape(cls, cfg) -> tuple[int, ...]:  # noqa: ANN001
+        raise NotImplementedError
+
+    @classmethod
+    def ring_shapes(cls, cfg) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+        """Per-token ring entries (name, shape) of one sequence."""
+        raise NotImplementedError
+
+    @classmethod
+    def out_dim(cls, cfg) -> int:  # noqa: ANN001
+        raise NotImplementedError
+
+    @classmethod
+    def n_params(cls, cfg) -> int:  # noqa: ANN001
+        raise NotImplementedError
+
+    @classmethod
+    def proj_rows(cls, cfg) -> int:  # noqa: ANN001
+        """Rows of the fused projection before padding."""
+        raise NotImplementedError
+
+    @classmethod
+    def unit_channels(cls, cfg) -> int:  # noqa: ANN001
+        """Conv channels one core instruction reads (and its window columns)."""
+        raise NotImplementedError
+
+    @classmethod
+    def unit_weight_bytes(cls, cfg) -> int:  # noqa: ANN001
+        """Weight bytes one core instruction streams (its conv taps and extras)."""
+        raise NotImplementedError
+
+    @classmethod
+    def unit_gates(cls, cfg) -> int:  # noqa: ANN001
+        """Per-token gate inputs one core instruction reads (beta, g or dt per value head)."""
+        raise NotImplementedError
+
+    # ---- shared --------------------------------------------------------------------------------
+    @classmethod
+    def proj_width(cls, cfg) -> int:  # noqa: ANN001
+        return -(-cls.proj_rows(cfg) // ROW_ALIGN) * ROW_ALIGN
+
+    @classmethod
+    def entry_bytes(cls, cfg) -> int:  # noqa: ANN001
+        """Ring bytes one token adds for one unit."""
+        return sum(math.prod(s) for _, s in cls.ring_shapes(cfg)) * 4 // cls.units(cfg)
+
+    @classmethod
+    def needs(cls, blk, model, shape: StepShape) -> list[Need]:  # noqa: ANN001
+        c, n = blk.cfg, shape.rows
+        return [Need("f32", "proj", (n, cls.proj_width(c))),
+                Need("bf16", "ssm_out", (n, cls.out_dim(c))),
+                Need("f32", "ssm_params", (cls.n_params(c),), CONST, const=True, table="rec"),
+                Need("i32", "ring_count", (shape.batch, cls.units(c)), persistent=True,
+                     table="rec")]
+
+    @classmethod
+    def state(cls, blk, model, batch: int, ring_cap: int):  # noqa: ANN001, ANN206
+        c = blk.cfg
+        out = [("conv", (batch, cls.conv_dim(c), c.conv_kernel - 1)),
+               ("state", (batch, *cls.state_shape(c)))]
+        if ring_cap:
+            out += [(name, (batch, ring_cap, *s)) for name, s in cls.ring_shapes(c)]
+        return out
+
+    @classmethod
+    def flow_of(cls, core: str, replay: str) -> dict[str, object]:
+        return {"PROJ": None, core: "PROJ", replay: "PROJ", "OPROJ": (core, replay)}
+
+    @classmethod
+    def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
+        c, layer, key = blk.cfg, blk.layer, blk.key
+        proj, c_p = proj_stage(ctx, blk, cls.proj_width(c), wait)
+        f32, bf, i32, buf = ctx.buf.f32, ctx.buf.bf16, ctx.buf.i32, ctx.buf
+        units, tokens, window = cls.units(c), ctx.tokens, ctx.replay_window
+        op = cls.replay_op if window else cls.core_op
+        row = buf.row("rec", layer)
+        params = f32["ssm_params"]
+        counts = i32["ring_count"]
+        st_bytes = math.prod(cls.state_shape(c)) // units * 4  # one unit's state
+        entry = cls.entry_bytes(c)
+        ch = cls.unit_channels(c)
+        win_bytes = ch * (c.conv_kernel - 1) * 4
+        unit_w = cls.unit_weight_bytes(c)
+        out_cols = cls.out_dim(c) // units
+        c_core = ctx.ctr(f"L{layer}.core")
+        common = {"PROJ_OFF": f32["proj"].offset, "CONV_W": ctx.lay[f"{key}.conv"].offset,
+                  "PARAM_OFF": params.offset + row * params.shape[1],
+                  "NORM_W": ctx.lay[f"{key}.out_norm"].offset,
+                  "STATE": buf.state[layer]["conv"].offset, "OUT_OFF": bf["ssm_out"].offset}
+        if window:
+            common["COUNT_OFF"] = counts.offset + row * counts.shape[1] * counts.shape[2]
+            # committed state + on average (L - 1) / 2 ring entries are read before the wait;
+            # T entries are appended; the state is written at one step in L / T
+            pre = st_bytes + (window - 1) * entry // 2
+            st_store = tokens * entry + st_bytes * min(1.0, tokens / window)
+        else:
+            pre, st_store = st_bytes, st_bytes
+
+        def mk_core(u0: int, u1: int) -> Instr:
+            b, unit = divmod(u0, units)
+            return Instr(op, layer, {"B_IDX": b, cls.unit_name: unit, **common},
+                         wait=c_p, signal=c_core,
+                         # state, ring and window do not depend on this step: prefetchable
+                         w_bytes=pre + win_bytes + unit_w,
+                         l2_bytes=tokens * (ch + out_cols + 2 * cls.unit_gates(c)) * 4,
+                         store_bytes=int(st_store) + win_bytes + tokens * out_cols * 2,
+                         fp32_flops=tokens * (6.0 * st_bytes / 4 + 2.0 * ch * c.conv_kernel))
+
+        core = Stage(f"L{layer}.core", op, layer, ctx.batch * units, False, mk_core)
+        o, c_o = residual_stage(ctx, OPROJ, blk, "o", cls.out_dim(c), bf["ssm_out"].offset,
+                                c_core, f"L{layer}.oproj")
+        return [proj, core, o], c_o
+
+    @classmethod
+    def coverage(cls, blk, prog) -> dict[str, int]:  # noqa: ANN001
+        from megakernel import isa
+
+        op = cls.replay_op if prog.replay_window else cls.core_op
+        return {isa.spec(op).name: prog.batch * cls.units(blk.cfg)}
+
+    @classmethod
+    def cover(cls, d: dict, blk, prog) -> tuple[int, int]:  # noqa: ANN001
+        u = d["B_IDX"] * cls.units(blk.cfg) + d[cls.unit_name]
+        return u, u + 1
+
+    @classmethod
+    def step_bytes(cls, blk, prog) -> dict[str, float]:  # noqa: ANN001
+        c, b, units = blk.cfg, prog.batch, cls.units(blk.cfg)
+        state = b * math.prod(cls.state_shape(c)) * 4
+        conv = b * cls.conv_dim(c) * (c.conv_kernel - 1) * 4
+        window, entry = prog.replay_window, cls.entry_bytes(c)
+        out = {"weights": b * units * cls.unit_weight_bytes(c), "state_read": state,
+               "conv_read": conv, "conv_written": conv}
+        if window:
+            out.update(ring_read=b * units * ((window - 1) * entry // 2),
+                       ring_written=prog.rows * units * entry,
+                       state_written=int(state * min(1.0, prog.tokens / window)))
+        else:
+            out["state_written"] = state
+        return out

@@ -1,0 +1,82 @@
+"""relu^2 MLP (Nemotron-H `-` blocks): h += down(relu(up x)^2), x = RMSNorm(h), no gate.
+
+Packed: up [I, H], down [H, I]. Rounding: relu(up x)^2 in fp32, rounded to bf16 (down's input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megakernel.isa.records import ROW_ALIGN
+from megakernel.isa.registry import MATVEC, OpSpec, register
+from megakernel.layers.base import LayerKind, Need, StepShape, register_kind
+from megakernel.layers.frame import DOWN, residual_stage
+from megakernel.models.config import ConfigError, positive
+from megakernel.program.stages import Instr, Stage
+
+
+@dataclass(frozen=True)
+class Relu2Config:
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        positive(self, "intermediate_size")
+
+
+UP_RELU2 = register(OpSpec(
+    19, "UP_RELU2", "relu2", "RMSNorm(h) -> slab of up_proj -> relu(x)^2 (bf16)", MATVEC,
+    notes="OUT_OFF = bf16 act [N, I]: act[n, ROW0 + r] = bf16(relu(acc)^2).",
+    slab=True, matvec="relu2"))
+
+
+@register_kind
+class Relu2MLP(LayerKind):
+    name = "relu2"
+    config = Relu2Config
+    flow = {"UP_RELU2": None, "DOWN": "UP_RELU2"}
+    out_op = "DOWN"
+
+    @classmethod
+    def check(cls, blk, model) -> None:  # noqa: ANN001
+        if blk.cfg.intermediate_size % ROW_ALIGN:
+            raise ConfigError(f"intermediate_size = {blk.cfg.intermediate_size} must be a "
+                              f"multiple of {ROW_ALIGN}")
+
+    @classmethod
+    def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+        i, h = blk.cfg.intermediate_size, model.hidden_size
+        return {"up_proj.weight": (i, h), "down_proj.weight": (h, i)}
+
+    @classmethod
+    def init_role(cls, local: str, blk) -> str:  # noqa: ANN001
+        return "out" if local == "down_proj.weight" else "proj"
+
+    @classmethod
+    def matrices(cls, blk, model) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+        i, h = blk.cfg.intermediate_size, model.hidden_size
+        return [("up", (i, h)), ("down", (h, i))]
+
+    @classmethod
+    def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        return {"up": w("up_proj.weight"), "down": w("down_proj.weight")}
+
+    @classmethod
+    def needs(cls, blk, model, shape: StepShape) -> list[Need]:  # noqa: ANN001
+        return [Need("bf16", "act", (shape.rows, blk.cfg.intermediate_size))]
+
+    @classmethod
+    def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
+        inter, layer, n, hid = blk.cfg.intermediate_size, blk.layer, ctx.rows, ctx.model.hidden_size
+        w_off, norm = ctx.lay[f"{blk.key}.up"].offset, ctx.lay[f"{blk.key}.norm"].offset
+        act, c_up = ctx.buf.bf16["act"].offset, ctx.ctr(f"L{layer}.up")
+
+        def mk_up(u0: int, u1: int) -> Instr:
+            r0, rows = u0 * ROW_ALIGN, (u1 - u0) * ROW_ALIGN
+            return ctx.matvec(UP_RELU2, layer, w_off, r0, rows, hid, norm,
+                              ctx.buf.f32["h"].offset, act, wait, c_up, n * rows * 2)
+
+        up = Stage(f"L{layer}.up", UP_RELU2, layer, inter // ROW_ALIGN, True, mk_up, ROW_ALIGN)
+        dn, c_dn = residual_stage(ctx, DOWN, blk, "down", inter, act, c_up, f"L{layer}.down")
+        return [up, dn], c_dn

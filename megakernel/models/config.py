@@ -1,0 +1,324 @@
+"""What every model family shares: `ModelConfig`, the residual `Block`s it is made of, RoPE.
+
+A model family is a frozen dataclass subclass of `ModelConfig` holding the family's own
+hyperparameters (registered in models/registry.py); `blocks` composes them into residual blocks,
+each `h += op(norm(h))` with `op` one layer kind (megakernel/layers/). Everything downstream (the
+checkpoint loader, the reference, the program compiler, the executor, the kernel build) reads the
+blocks, never the family. A dense transformer is a stack of (attention, SwiGLU) blocks; a hybrid
+mixes recurrent and attention blocks; nothing else distinguishes them.
+
+Anything not implemented is refused here by name (`ConfigError`), rather than computed wrongly
+later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+NORM_KINDS = ("rms", "rms_1p")  # x * rsqrt(mean x^2 + eps) * w, or * (1 + w) (zero-centred)
+ROPE_TYPES = ("default", "llama3")
+
+
+class ConfigError(ValueError):
+    """A config names an architecture, field value or shape that megakernel does not support."""
+
+
+def positive(obj: Any, *names: str) -> None:
+    """ConfigError unless every named field of `obj` is a positive int (not a bool)."""
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{type(obj).__name__}.{n} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `rope_type` is "default" or "llama3" (Llama 3.1 scaling)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"unsupported rope type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        if not self.theta > 0:
+            raise ConfigError(f"rope theta must be positive, got {self.theta}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(
+                "llama3 rope needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}")
+
+    def inv_freq(self, dims: int) -> list[float]:
+        """Inverse frequencies [dims // 2] in float64 for `dims` rotated dimensions, with llama3
+        scaling applied."""
+        inv = [1.0 / (self.theta ** (2 * i / dims)) for i in range(dims // 2)]
+        if self.rope_type == "default":
+            return inv
+        old = self.original_max_position_embeddings
+        low_wavelen = old / self.low_freq_factor
+        high_wavelen = old / self.high_freq_factor
+        out = []
+        for f in inv:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / self.factor)
+            else:
+                smooth = (old / wavelen - self.low_freq_factor) / (
+                    self.high_freq_factor - self.low_freq_factor)
+                out.append((1 - smooth) * f / self.factor + smooth * f)
+        return out
+
+
+@dataclass(frozen=True)
+class Block:
+    """One residual block: h += op(norm(h)), op being layer kind `kind` with config `cfg`.
+
+    layer:  decoder layer index (several blocks may share one: attention then MLP)
+    name:   the block's name within its layer ("attn", "mlp", "mixer", "ffn"); packed weights
+            and counters are keyed `L{layer}.{name}.*`
+    prefix: Hugging Face name prefix of the op's tensors, e.g. "model.layers.3.self_attn."
+    norm:   Hugging Face name of the block's input RMSNorm weight
+    """
+
+    layer: int
+    name: str
+    kind: str
+    cfg: Any
+    prefix: str
+    norm: str
+
+    @property
+    def key(self) -> str:
+        return f"L{self.layer}.{self.name}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Fields every family shares; a family subclass adds its own, implements `make_blocks` and
+    has `num_layers` (a field or a property).
+
+    Class attributes a family sets: `family` (registry name), `norm_kind` (its RMSNorm form),
+    `embed_name`, `final_norm_name`, `lm_head_name` (Hugging Face tensor names).
+    """
+
+    family: ClassVar[str] = ""
+    norm_kind: ClassVar[str] = "rms"
+    # random init (models/weights.py): q/k projections and norms drawn at qk_gain, residual
+    # outputs at residual_gain
+    qk_gain: ClassVar[float] = 1.0
+    residual_gain: ClassVar[float] = 1.0
+    embed_name: ClassVar[str] = "model.embed_tokens.weight"
+    final_norm_name: ClassVar[str] = "model.norm.weight"
+    lm_head_name: ClassVar[str] = "lm_head.weight"
+
+    vocab_size: int
+    hidden_size: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        positive(self, "vocab_size", "hidden_size", "max_position_embeddings")
+        if (isinstance(self.rms_norm_eps, bool) or not isinstance(self.rms_norm_eps, float | int)
+                or not self.rms_norm_eps > 0):
+            raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(
+                f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        if self.norm_kind not in NORM_KINDS:
+            raise ConfigError(f"unknown norm kind {self.norm_kind!r}")
+        if not self.blocks:
+            raise ConfigError("a model needs at least one layer")
+
+    # ---- composition ---------------------------------------------------------------------------
+    def make_blocks(self) -> tuple[Block, ...]:
+        raise NotImplementedError
+
+    @cached_property
+    def blocks(self) -> tuple[Block, ...]:
+        """The model's residual blocks in execution order."""
+        return tuple(self.make_blocks())
+
+    def kind_configs(self, kind: str) -> list[Any]:
+        """Distinct configs of the blocks of `kind`, in first-use order."""
+        out: list[Any] = []
+        for b in self.blocks:
+            if b.kind == kind and b.cfg not in out:
+                out.append(b.cfg)
+        return out
+
+    def kind_config(self, kind: str) -> Any:
+        """The config shared by every block of `kind` (ConfigError when none or several)."""
+        cfgs = self.kind_configs(kind)
+        if len(cfgs) != 1:
+            raise ConfigError(f"{self.name or self.family} has {len(cfgs)} distinct {kind!r} "
+                              "layer configs; expected exactly one")
+        return cfgs[0]
+
+    def has_kind(self, kind: str) -> bool:
+        return any(b.kind == kind for b in self.blocks)
+
+    def recurrent_layers(self) -> list[int]:
+        """Decoder layers with a recurrent block (conv window, state, ReplaySSM ring)."""
+        from megakernel.layers import kind
+
+        return sorted({b.layer for b in self.blocks if kind(b.kind).recurrent})
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_parameters(self) -> int:
+        """Parameter count, counting a tied embedding once."""
+        from megakernel.models.weights import expected_shapes
+
+        return sum(math.prod(s) for s in expected_shapes(self).values())
+
+    # ---- Hugging Face interop (per family) -----------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> ModelConfig:
+        raise NotImplementedError
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def canonical_name(cls, name: str) -> str | None:
+        """Our name for a tensor found in a checkpoint; None to skip it (buffers some exporters
+        write, vision towers, MTP heads)."""
+        return None if name.endswith("rotary_emb.inv_freq") else name
+
+
+# ---- Hugging Face config parsing helpers --------------------------------------------------------
+def refuse(d: dict[str, Any], **expected: Any) -> None:
+    """ConfigError when a field is present with a value other than the one we implement."""
+    for k, want in expected.items():
+        if k in d and d[k] is not None and d[k] != want:
+            raise ConfigError(f"unsupported config field {k}={d[k]!r}; only {want!r}")
+
+
+def first(d: dict[str, Any], *keys: str, default: Any) -> Any:
+    """The value of the first of `keys` present (and not None) in `d`, else `default`."""
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
+def first_key(d: dict[str, Any], *keys: str) -> str:
+    """The first of `keys` present (and not None) in `d`, else the first of `keys`: the field to
+    read (and to name in errors) when a value has several spellings."""
+    return next((k for k in keys if d.get(k) is not None), keys[0])
+
+
+def as_int(d: dict[str, Any], key: str, default: Any = ...) -> int:
+    """d[key] as an int; ConfigError naming the field when it is missing or not an integer."""
+    if key not in d or d[key] is None:
+        if default is ...:
+            raise ConfigError(f"config is missing required field {key!r}")
+        return default
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
+        raise ConfigError(f"config field {key!r} must be an integer, got {v!r}")
+    return int(v)
+
+
+def as_float(d: dict[str, Any], key: str, default: Any = ...) -> float:
+    """d[key] as a float; ConfigError naming the field when it is missing or not a number."""
+    if key not in d or d[key] is None:
+        if default is ...:
+            raise ConfigError(f"config is missing required field {key!r}")
+        return float(default)
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ConfigError(f"config field {key!r} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def as_bool(d: dict[str, Any], key: str, default: bool = False) -> bool:
+    """d[key] as a bool (JSON true / false; absent or null: `default`); ConfigError naming the
+    field otherwise (the string "false" is not false)."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(f"config field {key!r} must be true or false, got {v!r}")
+    return v
+
+
+def as_dict(d: dict[str, Any], key: str) -> dict[str, Any]:
+    """d[key] as a dict (absent or null: empty); ConfigError naming the field otherwise."""
+    v = d.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"config field {key!r} must be an object, got {v!r}")
+    return dict(v)
+
+
+def as_list(d: dict[str, Any], key: str) -> list[Any] | None:
+    """d[key] as a list (absent or null: None); ConfigError naming the field otherwise."""
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise ConfigError(f"config field {key!r} must be a list, got {v!r}")
+    return v
+
+
+def map_types(types: Any, n: int, mapping: dict[str, str], field: str = "layer_types"
+              ) -> tuple[str, ...]:
+    """Hugging Face layer type names -> ours, checking the count; `field` names the list."""
+    if not isinstance(types, list | tuple):
+        raise ConfigError(f"config field {field!r} must be a list, got {types!r}")
+    if len(types) != n:
+        raise ConfigError(f"{field} has {len(types)} entries for {n} layers")
+    out = []
+    for i, t in enumerate(types):
+        if not isinstance(t, str) or t not in mapping:
+            raise ConfigError(
+                f"layer {i}: unsupported layer type {t!r}; supported: {', '.join(mapping)}")
+        out.append(mapping[t])
+    return tuple(out)
+
+
+def rope_from_hf(d: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
+    params = {**as_dict(d, "rope_scaling"), **as_dict(d, "rope_parameters")}
+    theta = as_float(d, "rope_theta", default_theta)
+    theta = as_float(params, "rope_theta", theta)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "llama3":
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        return RopeConfig(theta=theta)
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings") if params.get(k) is None]
+    if missing:
+        raise ConfigError(f"llama3 rope parameters are missing {missing[0]!r}")
+    return RopeConfig(
+        theta=theta, rope_type="llama3", factor=as_float(params, "factor"),
+        low_freq_factor=as_float(params, "low_freq_factor"),
+        high_freq_factor=as_float(params, "high_freq_factor"),
+        original_max_position_embeddings=as_int(params, "original_max_position_embeddings"))
+
+
+def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+    if rope.rope_type == "llama3":
+        out.update(factor=rope.factor, low_freq_factor=rope.low_freq_factor,
+                   high_freq_factor=rope.high_freq_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    return out

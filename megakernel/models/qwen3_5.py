@@ -1,0 +1,193 @@
+"""Qwen3.5 text decoder (Qwen3_5ForCausalLM / the text model of Qwen3_5ForConditionalGeneration):
+gated delta rule layers and gated full-attention layers (head_dim 256, partial RoPE, (1+w) q/k
+norms, sigmoid output gate), each followed by a SwiGLU; every RMSNorm but the GDN output norm is
+the zero-centred (1 + w) form.
+
+Published multimodal checkpoints prefix the text model with `model.language_model.` and carry
+`model.visual.*` and `mtp.*`: the prefix is mapped to `model.` and the rest skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megakernel.layers.attention import AttentionConfig
+from megakernel.layers.gdn import GDNConfig
+from megakernel.layers.swiglu import SwiGLUConfig
+from megakernel.models.config import (
+    Block,
+    ConfigError,
+    RopeConfig,
+    as_bool,
+    as_dict,
+    as_float,
+    as_int,
+    as_list,
+    map_types,
+    positive,
+    refuse,
+)
+from megakernel.models.hybrid import HybridConfig
+from megakernel.models.registry import register_family
+
+
+def _presets() -> dict[str, Qwen35Config]:
+    def mk(name: str, vocab: int, hidden: int, layers: int, inter: int, heads: int, kv: int,
+           head_dim: int, vk: int, vv: int, dk: int, dv: int, tie: bool, max_pos: int,
+           theta: float = 1e7, interval: int = 4) -> Qwen35Config:
+        return Qwen35Config(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+            layer_types=tuple("attention" if (i + 1) % interval == 0 else "gdn"
+                              for i in range(layers)),
+            rms_norm_eps=1e-6, tie_word_embeddings=tie, max_position_embeddings=max_pos,
+            attention=AttentionConfig(heads, kv, head_dim, head_dim // 4, RopeConfig(theta), True,
+                                      True),
+            gdn=GDNConfig(vk, vv, dk, dv, 4), name=name)
+
+    return {
+        # Qwen/Qwen3.5-{0.8B,2B,4B,9B}, text_config of config.json
+        "qwen3.5-0.8b": mk("qwen3.5-0.8b", 248320, 1024, 24, 3584, 8, 2, 256, 16, 16, 128, 128,
+                           True, 262144),
+        "qwen3.5-2b": mk("qwen3.5-2b", 248320, 2048, 24, 6144, 8, 2, 256, 16, 16, 128, 128, True,
+                         262144),
+        "qwen3.5-4b": mk("qwen3.5-4b", 248320, 2560, 32, 9216, 16, 4, 256, 16, 32, 128, 128,
+                         True, 262144),
+        "qwen3.5-9b": mk("qwen3.5-9b", 248320, 4096, 32, 12288, 16, 4, 256, 16, 32, 128, 128,
+                         False, 262144),
+        "qwen3.5-tiny": Qwen35Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128,
+            layer_types=("gdn", "gdn", "attention", "gdn"), rms_norm_eps=1e-6,
+            tie_word_embeddings=False, max_position_embeddings=512,
+            attention=AttentionConfig(4, 2, 64, 16, RopeConfig(1e6), True, True),
+            gdn=GDNConfig(2, 4, 16, 8, 4), name="qwen3.5-tiny"),
+    }
+
+
+@register_family(architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+                 model_types=("qwen3_5", "qwen3_5_text"), presets=_presets,
+                 real_presets=("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"))
+@dataclass(frozen=True, kw_only=True)
+class Qwen35Config(HybridConfig):
+    family = "qwen3_5"
+    norm_kind = "rms_1p"
+    mixers = ("gdn", "attention")
+
+    intermediate_size: int
+    attention: AttentionConfig
+    gdn: GDNConfig
+
+    def __post_init__(self) -> None:
+        positive(self, "intermediate_size")
+        if not (self.attention.qk_norm and self.attention.output_gate):
+            raise ConfigError("Qwen3.5 attention has q/k norm and an output gate")
+        super().__post_init__()
+
+    def ffn_type(self, i: int) -> str:
+        return "swiglu"
+
+    def make_blocks(self) -> tuple[Block, ...]:
+        mlp, out = SwiGLUConfig(self.intermediate_size), []
+        for i, t in enumerate(self.layer_types):
+            p = f"model.layers.{i}."
+            if t == "gdn":
+                out.append(Block(i, "mixer", "gdn", self.gdn, p + "linear_attn.",
+                                 p + "input_layernorm.weight"))
+            else:
+                out.append(Block(i, "mixer", "attention", self.attention, p + "self_attn.",
+                                 p + "input_layernorm.weight"))
+            out.append(Block(i, "mlp", "swiglu", mlp, p + "mlp.",
+                             p + "post_attention_layernorm.weight"))
+        return tuple(out)
+
+    @classmethod
+    def canonical_name(cls, name: str) -> str | None:
+        if name.startswith(("model.visual.", "mtp.", "model.mtp.")) or name.endswith(
+                "rotary_emb.inv_freq"):
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model."):]
+        return name
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> Qwen35Config:
+        """From a `qwen3_5_text` dict, or a `qwen3_5` dict with the text model in `text_config`."""
+        top = d
+        if d.get("model_type") == "qwen3_5" or "text_config" in d:
+            if not isinstance(d.get("text_config"), dict):
+                raise ConfigError("qwen3_5 config has no text_config object")
+            d = d["text_config"]
+        mt = d.get("model_type", "qwen3_5_text")
+        if mt != "qwen3_5_text":
+            raise ConfigError(f"unsupported Qwen3.5 text model_type {mt!r} (only dense "
+                              "qwen3_5_text)")
+        refuse(d, hidden_act="silu", attention_bias=False)
+        if as_int(d, "num_experts", 0):
+            raise ConfigError("Qwen3.5 MoE text models are not supported (num_experts > 0)")
+        if not as_bool(d, "attn_output_gate", True):
+            raise ConfigError("unsupported attn_output_gate=false (Qwen3.5 always gates "
+                              "attention)")
+        rope = {**as_dict(d, "rope_scaling"), **as_dict(d, "rope_parameters")}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"unsupported rope type {rope_type!r} for Qwen3.5; only 'default'")
+        theta = as_float(rope, "rope_theta", as_float(d, "rope_theta", 10000.0))
+        prf = as_float(rope, "partial_rotary_factor", as_float(d, "partial_rotary_factor", 0.25))
+        n = as_int(d, "num_hidden_layers")
+        layer_types = as_list(d, "layer_types")
+        if layer_types is None:
+            interval = as_int(d, "full_attention_interval", 4)
+            if interval <= 0:
+                raise ConfigError(f"full_attention_interval must be positive, got {interval}")
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(n)]
+        head_dim = as_int(d, "head_dim", 256)
+        heads = as_int(d, "num_attention_heads")
+        # the multimodal wrapper's tie flag wins over the text model's
+        tie = as_bool(top, "tie_word_embeddings", as_bool(d, "tie_word_embeddings"))
+        return cls(
+            vocab_size=as_int(d, "vocab_size"), hidden_size=as_int(d, "hidden_size"),
+            layer_types=map_types(layer_types, n, {"linear_attention": "gdn",
+                                                   "full_attention": "attention"}),
+            intermediate_size=as_int(d, "intermediate_size"),
+            rms_norm_eps=as_float(d, "rms_norm_eps", 1e-6), tie_word_embeddings=tie,
+            max_position_embeddings=as_int(d, "max_position_embeddings", 32768),
+            attention=AttentionConfig(
+                num_heads=heads, num_kv_heads=as_int(d, "num_key_value_heads", heads),
+                head_dim=head_dim, rotary_dim=int(head_dim * prf) // 2 * 2,
+                rope=RopeConfig(theta), qk_norm=True, output_gate=True),
+            gdn=GDNConfig(
+                num_k_heads=as_int(d, "linear_num_key_heads", 16),
+                num_v_heads=as_int(d, "linear_num_value_heads", 32),
+                k_head_dim=as_int(d, "linear_key_head_dim", 128),
+                v_head_dim=as_int(d, "linear_value_head_dim", 128),
+                conv_kernel=as_int(d, "linear_conv_kernel_dim", 4)),
+            name=name)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        a, g = self.attention, self.gdn
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": a.num_heads,
+            "num_key_value_heads": a.num_kv_heads,
+            "head_dim": a.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": {"rope_type": "default", "rope_theta": a.rope.theta,
+                                "partial_rotary_factor": a.rotary_dim / a.head_dim},
+            "layer_types": ["linear_attention" if t == "gdn" else "full_attention"
+                            for t in self.layer_types],
+            "linear_num_key_heads": g.num_k_heads,
+            "linear_num_value_heads": g.num_v_heads,
+            "linear_key_head_dim": g.k_head_dim,
+            "linear_value_head_dim": g.v_head_dim,
+            "linear_conv_kernel_dim": g.conv_kernel,
+        }

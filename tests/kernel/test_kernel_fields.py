@@ -1,0 +1,180 @@
+"""The device code reads records through the ISA registry (kernel/fields.py).
+
+Static (no DSL): every record word the kernel sources read is named through a field helper whose
+name the registry knows, no read uses a number or `COMMON_WORDS + N`, no opcode is tested by a
+range or named outside its own handler; the helpers follow the registry (an operand moved in a
+copied declaration moves the word); the opcode sets the kernel branches on are the registry's
+properties restricted to the opcodes a build handles. Compiled (DSL): a kernel traced against a
+registry with two operands swapped reads the swapped words.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megakernel import isa
+from megakernel.isa import registry
+from megakernel.kernel import fields
+from megakernel.kernel import spec as spec_mod
+from megakernel.kernel.fields import FieldError, OpTable, common, mv, one_of, slab_word, word
+from megakernel.models import preset
+
+KERNEL_DIR = Path(spec_mod.__file__).parent
+# the device-code modules (spec.py and fields.py are host-side tables and helpers)
+DEVICE_SOURCES = tuple(n for n in spec_mod.KERNEL_SOURCES if n not in ("spec.py", "fields.py"))
+HELPERS = {"word", "mv", "slab_word", "common"}
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {n: ast.parse((KERNEL_DIR / n).read_text(), n) for n in DEVICE_SOURCES}
+
+
+def _name(node: ast.AST) -> str:
+    return ast.unparse(node)
+
+
+def _field_reads(tree: ast.Module) -> list[ast.AST]:
+    """The word expressions of every record read: `rec[...]` and `record_word(queue, pc, ...)`."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and _name(node.value) == "rec":
+            out.append(node.slice)
+        elif isinstance(node, ast.Call) and _name(node.func) == "record_word":
+            out.append(node.args[2])
+    return out
+
+
+def _resolve(expr: ast.AST) -> int:
+    """The word a field-helper call names (KeyError from the registry when the name is wrong);
+    AssertionError unless it is such a call with literal names."""
+    assert isinstance(expr, ast.Call) and _name(expr.func) in HELPERS, \
+        f"record word read without a field helper: {_name(expr)}"
+    *head, last = expr.args
+    assert isinstance(last, ast.Constant) and isinstance(last.value, str), _name(expr)
+    fn = _name(expr.func)
+    if fn == "word":
+        assert len(head) == 1 and _name(head[0]).startswith("Op."), \
+            f"word() takes one opcode as Op.NAME: {_name(expr)}"
+        return word(getattr(isa.Op, _name(head[0])[3:]), last.value)
+    return getattr(fields, fn)(last.value)
+
+
+def test_every_record_read_is_named_through_the_registry():
+    reads = {n: _field_reads(t) for n, t in _trees().items()}
+    assert sum(map(len, reads.values())) >= 40  # the kernel does read its records this way
+    for n, exprs in reads.items():
+        for e in exprs:
+            w = _resolve(e)
+            assert 0 <= w < isa.RECORD_WORDS, (n, _name(e), w)
+    # the reads that used to be numbers, by the word the registry gives them
+    assert word(isa.Op.ATTN_PARTIAL, "DONE_CID") == 15 and mv("NROWS") == 9
+    assert slab_word("K") == mv("K") == 10 and common("LAYER") == 5
+
+
+def test_no_record_word_by_number_or_queue_read_around_the_helpers():
+    for n, tree in _trees().items():
+        src = (KERNEL_DIR / n).read_text()
+        assert "COMMON_WORDS" not in src, n  # `f = isa.COMMON_WORDS; rec[f + 3]`
+        inside = {id(x) for f in ast.walk(tree)
+                  if isinstance(f, ast.FunctionDef) and f.name == "record_word"
+                  for x in ast.walk(f)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and _name(node.func) in ("ld", "cute.arch.load")
+                    and id(node) not in inside):
+                assert not _name(node.args[0]).startswith("queue"), \
+                    f"{n}: a queue read outside record_word: {_name(node)}"
+
+
+def test_opcodes_are_not_tested_by_range_or_by_a_matvec_name():
+    """Opcode sets come from the registry (fields.OpTable); an opcode is named in a comparison
+    only by its own handler's dispatch (EMBED, ATTN_PARTIAL, ARGMAX, the queue's END)."""
+    for n, tree in _trees().items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            named = [_name(s)[3:] for s in sides if _name(s).startswith("Op.")]
+            if not named:
+                continue
+            assert all(isinstance(o, ast.Eq | ast.NotEq) for o in node.ops), \
+                f"{n}: opcode range test {_name(node)}"
+            for op in named:
+                assert op in fields.OWN_HANDLERS, f"{n}: {_name(node)} (dispatch matvec opcodes " \
+                    "by the registry's `matvec` epilogue)"
+
+
+def test_field_helpers_follow_the_registry(monkeypatch):
+    """Swap two operands in a copied declaration: the helper's words swap with them."""
+    qkv = isa.spec(isa.Op.QKV)
+    a, b = word(isa.Op.QKV, "QK_NORM_OFF"), word(isa.Op.QKV, "ROPE_OFF")
+    ops = list(qkv.operands)
+    ia, ib = qkv.names.index("QK_NORM_OFF"), qkv.names.index("ROPE_OFF")
+    ops[ia], ops[ib] = ops[ib], ops[ia]
+    monkeypatch.setitem(registry._SPECS, qkv.code, dataclasses.replace(qkv, operands=tuple(ops)))
+    assert (word(isa.Op.QKV, "QK_NORM_OFF"), word(isa.Op.QKV, "ROPE_OFF")) == (b, a)
+    with pytest.raises(KeyError, match="has no operand 'TILE'"):
+        word(isa.Op.QKV, "TILE")
+    with pytest.raises(KeyError):
+        mv("QK_NORM_OFF")  # not a shared matvec operand
+    with pytest.raises(KeyError):
+        common("ROW0")
+
+
+def test_shared_words_must_agree(monkeypatch):
+    """A handled slab opcode with its slab fields elsewhere cannot be streamed by the loader and
+    the lookahead, which read those words without decoding the opcode: refused."""
+    fake = registry.OpSpec(99, "FAKE_SLAB", "frame", "test", (
+        ("PAD", ""), ("W_LO", ""), ("W_HI", ""), ("NROWS", ""), ("K", "")), slab=True,
+        device=True)
+    monkeypatch.setitem(registry._SPECS, 99, fake)
+    with pytest.raises(FieldError, match="operand W_LO is not at one word"):
+        slab_word("W_LO")
+    with pytest.raises(FieldError, match="no handler for opcodes"):
+        OpTable(fields.device_ops())  # device=True, but the kernel has no handler for it
+
+
+def test_op_table_is_the_registry_restricted_to_the_build():
+    s = spec_mod.make_spec(preset("llama-tiny"), 1, 1, "sm_90a")
+    t = OpTable.for_spec(s)
+    specs = isa.specs()
+    assert t.handled == tuple(sorted(x.code for x in specs if x.device))
+    assert set(t.epilogue("qkv")) == {isa.Op.QKV} and set(t.epilogue("lmhead")) == {isa.Op.LMHEAD}
+    assert set(t.epilogue("residual")) == {isa.Op.OPROJ, isa.Op.DOWN}
+    assert set(t.epilogue("gateup")) == {isa.Op.GATEUP} and t.ticket == (isa.Op.ATTN_PARTIAL,)
+    # the predicates the kernel traces, evaluated on ints for every registered opcode
+    for x in specs:
+        assert one_of(x.code, t.slab) == (x.slab and x.device), x.name
+        assert one_of(x.code, t.matvec) == (x.matvec is not None and x.device), x.name
+    # the range test this replaced streamed a slab for every hybrid opcode (PROJ, GDN_CORE, ...)
+    old = [x.name for x in specs if x.code >= 2 and x.code not in (3, 9)]
+    assert [n for n in old if not isa.spec(getattr(isa.Op, n)).device]
+    assert not any(one_of(x.code, t.slab) for x in specs if not x.device)
+
+
+def test_matvec_operands_at_one_word():
+    for name in fields.MATVEC_NAMES:
+        assert {isa.field_index(op, name) for op in isa.matvec_ops()} == {mv(name)}
+    fields.check_registry()
+
+
+# ---- compiled (DSL) -----------------------------------------------------------------------------
+def test_traced_kernel_reads_the_registry_words(monkeypatch, tmp_path):
+    """The words are taken from the registry when the kernel is traced: with ARGMAX's LEN_OFF and
+    FLAGS swapped in the registry, the compiled kernel reads the other word for each."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
+    from megakernel.kernel.build import compile_to
+
+    s = spec_mod.make_spec(preset("llama-tiny"), 1, 1, "sm_90a", smem_stages=0)
+    ptx0 = Path(compile_to(s, str(tmp_path / "a"))[0]).read_text()
+    assert Path(compile_to(s, str(tmp_path / "c"))[0]).read_text() == ptx0  # deterministic
+    am = isa.spec(isa.Op.ARGMAX)
+    ops = list(am.operands)
+    i, j = am.names.index("LEN_OFF"), am.names.index("FLAGS")
+    ops[i], ops[j] = ops[j], ops[i]
+    monkeypatch.setitem(registry._SPECS, am.code, dataclasses.replace(am, operands=tuple(ops)))
+    ptx1 = Path(compile_to(s, str(tmp_path / "b"))[0]).read_text()
+    assert ptx0 != ptx1

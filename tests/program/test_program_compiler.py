@@ -1,0 +1,235 @@
+"""The program compiler: one compiler for every family; dense records pinned across the redesign;
+buffers, validation and the shapes real checkpoints have."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import torch
+
+from megakernel import isa
+from megakernel.isa import Op
+from megakernel.models import preset, presets, real_presets
+from megakernel.program.compiler import PlanError, compile_program
+from megakernel.program.gpus import GPUS, GPUError, gpu
+from megakernel.program.verify import check_program
+
+TOY = gpu("h100").with_sms(8)
+TINY = ["llama-tiny", "qwen3-tiny", "qwen2-tiny", "qwen3.5-tiny", "kimi-linear-tiny",
+        "nemotron-h-tiny"]
+
+# sha256 of the encoded records of dense programs as compiled before the one-stack redesign
+# (format 2 records, the dense compiler of that time): the redesign must not change them
+PINNED = {
+    ("llama-tiny", "h100", 1, 1):
+        "10aaf89140e1ae6b4f9dbd299fc9814c5240fa1d1a859e28c37d54a970964eef",
+    ("llama-tiny", "h100/8", 4, 1):
+        "eeceb47f1e5a9e0c464ce91ccbea462f574e8ee3431604cb34d18c32035bb265",
+    ("qwen3-tiny", "h100/8", 2, 3):
+        "e115f83ab2b13d2a3990f76cde8449bc2350c50dec0d031dac713700a588021f",
+    ("llama-mid", "h100/16", 4, 2):
+        "f485b347351118da491943102cd3e5bec2af6092ec2022a884fe7e95f8e4f427",
+    ("llama-3.2-1b", "h200", 1, 1):
+        "2b46752df4ad1db94a95f80b6ecda0221a398bc9bc74e361d5926969746a5da7",
+    ("qwen3-0.6b", "h200", 8, 1):
+        "4dc0dfc6f705d57cd5599a978be62923a82a17039986b8341c5dcebb2704788c",
+}
+
+
+def _gpu(spec: str):  # noqa: ANN202
+    name, _, sms = spec.partition("/")
+    return gpu(name).with_sms(int(sms)) if sms else gpu(name)
+
+
+@pytest.mark.parametrize("key", list(PINNED), ids=lambda k: f"{k[0]}-{k[1]}-B{k[2]}-T{k[3]}")
+def test_dense_programs_are_pinned(key: tuple) -> None:
+    name, g, b, t = key
+    prog = compile_program(preset(name), b, _gpu(g), tokens=t)
+    digest = hashlib.sha256(prog.records().contiguous().numpy().tobytes()).hexdigest()
+    assert digest == PINNED[key]
+
+
+def test_compile_is_deterministic() -> None:
+    for name, kw in (("llama-tiny", {}), ("kimi-linear-tiny", {"replay_window": 3})):
+        a = compile_program(preset(name), 3, TOY, tokens=2, **kw)
+        b = compile_program(preset(name), 3, TOY, tokens=2, **kw)
+        assert torch.equal(a.records(), b.records())
+        assert a.header == b.header
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "llama-mid"])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 4), (8, 1)])
+def test_small_programs_verify(name: str, batch: int, tokens: int) -> None:
+    prog = compile_program(preset(name), batch, TOY, tokens=tokens)
+    check_program(prog)
+    ops = prog.ops_histogram()
+    cfg = prog.cfg
+    assert ops["QKV"] == cfg.num_layers * (cfg.num_heads + 2 * cfg.num_kv_heads)
+    assert ops["ATTN_PARTIAL"] == cfg.num_layers * batch * cfg.num_kv_heads * prog.n_splits
+    assert ops["ARGMAX"] == 1 and ops["EMBED"] >= 1
+    assert prog.records()[:, -1, 0].eq(Op.END).all()  # every queue ends with END
+    hdr = prog.header
+    assert hdr["FORMAT_VERSION"] == isa.FORMAT_VERSION and hdr["N"] == batch * tokens
+
+
+@pytest.mark.parametrize("name,window", [(n, None) for n in TINY] + [
+    (n, 3) for n in ("qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny")])
+def test_every_family_compiles_and_verifies(name: str, window: int | None) -> None:
+    cfg = preset(name)
+    for batch, tokens in ((1, 1), (3, 2)):
+        prog = compile_program(cfg, batch, TOY, tokens=tokens, max_seq_len=64,
+                               replay_window=window)
+        check_program(prog)
+        ops = set(prog.ops_histogram())
+        if window:
+            assert any(o.endswith("_REPLAY") for o in ops) and not any(
+                o.endswith("_CORE") for o in ops)
+
+
+def test_counter_targets_match_their_producers() -> None:
+    for name in ("llama-tiny", "qwen3.5-tiny"):
+        prog = compile_program(preset(name), 3, TOY)
+        signals = [0] * len(prog.counters)
+        for ins in prog.instrs:
+            if ins.signal >= 0:
+                signals[ins.signal] += 1
+            if ins.op == Op.ATTN_PARTIAL and ins.operands["SPLIT"] == 0:
+                signals[ins.operands["DONE_CID"]] += 1
+        assert signals == [c.total for c in prog.counters]
+        for i in range(len(prog.instrs)):
+            d = isa.decode(prog.record(i))
+            if d["WAIT_CID"] >= 0:
+                assert d["WAIT_TARGET"] == d["WAIT_TOTAL"] == prog.counters[d["WAIT_CID"]].total
+
+
+DENSE_REAL = [n for n in real_presets() if preset(n).family in ("llama", "qwen3", "qwen2")]
+HYBRID_REAL = [n for n in real_presets() if n not in DENSE_REAL]
+
+
+@pytest.mark.parametrize("name", DENSE_REAL)
+def test_real_plans_are_deadlock_free(name: str) -> None:
+    """Every real dense preset x GPU x B in {1, 8, 64}: coverage, counters, dataflow,
+    deadlock."""
+    for g in GPUS:
+        for batch in (1, 8, 64):
+            prog = compile_program(preset(name), batch, gpu(g), policy="structure")
+            check_program(prog)
+
+
+@pytest.mark.parametrize("name", HYBRID_REAL)
+def test_real_hybrid_plans_verify(name: str) -> None:
+    """Every real hybrid preset on H200, recurrent and ReplaySSM, B in {1, 64} (Kimi: B = 1, its
+    ~120k instructions take seconds to verify)."""
+    for batch in ((1,) if name.startswith("kimi") else (1, 64)):
+        for window in (None, 16):
+            prog = compile_program(preset(name), batch, gpu("h200"), policy="structure",
+                                   replay_window=window)
+            check_program(prog)
+
+
+def test_cost_plan_of_8b_at_batch_64_is_fast_and_valid() -> None:
+    t0 = time.perf_counter()
+    prog = compile_program(preset("llama-3.1-8b"), 64, gpu("h200"))
+    elapsed = time.perf_counter() - t0
+    check_program(prog)
+    assert elapsed < 20, f"planning took {elapsed:.1f} s"
+    r = prog.cost
+    assert r.floor_s < r.predicted_s and 0 < r.efficiency < 1
+
+
+def test_real_hybrid_plans_verify_with_64_bit_state_offsets() -> None:
+    """At B = 256 the fp32 state arena of qwen3.5-9b passes 2^31 elements: records carry the
+    state offset in two words and the header its size."""
+    prog = compile_program(preset("qwen3.5-9b"), 256, gpu("h200"), policy="structure",
+                           max_seq_len=1024)
+    b = prog.buffers
+    assert b.state_numel > 2**31
+    assert isa.join64(prog.header["STATE_NUMEL_LO"], prog.header["STATE_NUMEL_HI"]) == \
+        b.state_numel
+    offsets = [isa.decode(r)["STATE"] for q in prog.records().tolist() for r in q
+               if r[0] == Op.GDN_CORE]
+    assert max(offsets) > 2**31
+    assert max(offsets) == max(s["conv"].offset for s in b.state.values())
+    check_program(prog)
+
+
+# ---- shapes real checkpoints have -----------------------------------------------------------------
+def test_any_vocab_size_is_served() -> None:
+    cfg = preset("llama-tiny").replace(vocab_size=1001)  # not a multiple of 16
+    prog = compile_program(cfg, 2, TOY)
+    check_program(prog)
+    lm = [i for i in prog.instrs if i.op == Op.LMHEAD]
+    assert sum(i.operands["NROWS"] for i in lm) == 1008  # the padded head
+    assert prog.layout["embed"].shape == (1008, cfg.hidden_size)  # tied: the embedding padded
+    untied = compile_program(preset("qwen3-tiny").replace(vocab_size=1001), 1, TOY)
+    assert untied.layout["lm_head"].shape[0] == 1008
+    assert untied.layout["embed"].shape[0] == 1001
+
+
+def test_head_dim_256_is_served() -> None:
+    prog = compile_program(preset("qwen3-tiny").replace(head_dim=256), 2, TOY)
+    check_program(prog)
+    assert prog.header["D"] == 256
+    check_program(compile_program(preset("qwen3.5-0.8b"), 1, gpu("h200"), policy="structure"))
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def test_plan_time_errors_name_the_problem() -> None:
+    h100 = gpu("h100")
+    with pytest.raises(PlanError, match="too many sequences for the cache"):
+        compile_program(preset("llama-3.1-8b"), 256, h100, max_seq_len=8192)
+    with pytest.raises(PlanError, match="unsupported head_dim 96"):
+        compile_program(preset("llama-tiny").replace(head_dim=96), 1, TOY)
+    with pytest.raises(PlanError, match="at most 256"):
+        compile_program(preset("llama-tiny"), 65, TOY, tokens=4)
+    with pytest.raises(PlanError, match="max_position_embeddings"):
+        compile_program(preset("llama-tiny"), 1, TOY, max_seq_len=100000)
+    with pytest.raises(PlanError, match="hidden_size = 200"):
+        compile_program(preset("llama-tiny").replace(hidden_size=200), 1, TOY)
+    with pytest.raises(PlanError, match="batch must be >= 1"):
+        compile_program(preset("llama-tiny"), 0, TOY)
+    with pytest.raises(PlanError, match="does not fit max sequence length"):
+        compile_program(preset("llama-tiny"), 1, TOY, max_seq_len=64, context=64)
+    with pytest.raises(PlanError, match="replay_window applies to models with recurrent"):
+        compile_program(preset("llama-tiny"), 1, TOY, replay_window=4)
+    with pytest.raises(PlanError, match="replay_window must be a positive integer"):
+        compile_program(preset("qwen3.5-tiny"), 1, TOY, replay_window=0)
+    with pytest.raises(GPUError, match="unknown GPU"):
+        gpu("a100")
+
+
+def test_presets_cover_the_tiny_models() -> None:
+    assert {"llama-tiny", "qwen3-tiny", "llama-mid", *TINY} <= set(presets())
+
+
+def test_buffer_plan_regions_are_disjoint_and_rope_is_one_region() -> None:
+    prog = compile_program(preset("qwen3-tiny"), 3, TOY, tokens=2, max_seq_len=37)
+    b = prog.buffers
+    for arena, size in ((b.f32, b.f32_numel), (b.bf16, b.bf16_numel), (b.i32, b.i32_numel)):
+        spans = sorted((r.offset, r.offset + r.numel) for r in arena.values())
+        assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
+        assert spans[-1][1] <= size
+    rope = b.f32["rope"]  # cos [S_max, D/2] then sin: one ROPE_OFF operand
+    assert rope.shape == (2, 37, prog.cfg.head_dim // 2)
+    assert prog.header["F32_ROPE_OFF"] == rope.offset
+    qkv = next(i for i in prog.instrs if i.op == Op.QKV)
+    assert qkv.operands["ROPE_OFF"] == rope.offset
+    assert set(b.constants) == {"rope"}
+
+
+def test_blocks_share_regions_sized_to_the_largest() -> None:
+    """Kimi Linear: KDA and MLA blocks share the fp32 projection buffer, one per-layer table row
+    each for the SSM parameters (KDA) and the routers (MoE)."""
+    prog = compile_program(preset("kimi-linear-tiny"), 2, TOY)
+    cfg, b = prog.cfg, prog.buffers
+    from megakernel.layers.kda import KimiDeltaAttention
+    from megakernel.layers.mla import MultiLatentAttention
+
+    widths = (KimiDeltaAttention.proj_width(cfg.kda),
+              -(-MultiLatentAttention.proj_rows(cfg.mla) // 16) * 16)
+    assert b.f32["proj"].shape == (2, max(widths))
+    assert b.f32["ssm_params"].shape[0] == len(cfg.recurrent_layers())
+    assert b.f32["router"].shape[0] == sum(1 for blk in cfg.blocks if blk.kind == "moe")
+    assert set(b.kv_slot) == {i for i, t in enumerate(cfg.layer_types) if t == "mla"}
