@@ -1,16 +1,18 @@
 """Hybrid models, recurrent update vs ReplaySSM: predicted bytes and step time per decode step.
 
-For each real-shaped hybrid preset and batch size, both modes of the recurrent layers (recurrent
-update; ReplaySSM folding every L tokens) are accounted by megakernel/program/hybrid_cost.py:
-bytes by kind (weights, MoE experts, KV / MLA latent cache, recurrent state read and written,
+For each real-shaped preset with recurrent layers and each batch size, both modes of the recurrent
+layers (the recurrent update; ReplaySSM folding every L tokens, `replay_window=L`) are compiled by
+the one compiler (`compile_program`) and accounted by `program/bytes.step_bytes_by_category`:
+bytes by category (weights, MoE experts, KV / MLA latent cache, recurrent state read and written,
 ReplaySSM ring, conv window) and the step time. Rows come from one of two sources:
 
 - compiled: the whole program is compiled and scheduled with the cost model;
-  bytes = `hybrid_bytes(prog)`, predicted = the cost model's replay (`hybrid_report`).
-- analytic: the compile is refused at plan time (the fp32 state arena overflows the int32
-  STATE_NUMEL header field) or too slow for a bench (`--compile-max-batch`). The bytes are still
-  `hybrid_bytes`, evaluated on a stand-in program: the instructions of a batch-1 compile without
-  the cost model (matrix slabs are the same at every batch), with each MoE expert slab
+  bytes = `step_bytes_by_category(prog)`, predicted = the cost model's replay (`prog.cost`).
+- analytic: the compiler refuses the plan (checked cheaply, before scheduling) or the compile is
+  too slow for a bench (programs of more than SLOW_INSTRUCTIONS instructions at batch 1, i.e.
+  Kimi Linear's ~120k, are compiled at batch 1 only; `--compile-max-batch`). The bytes are still
+  `step_bytes_by_category`, evaluated on a stand-in program: the instructions of a batch-1 compile
+  without the cost model (matrix slabs are the same at every batch), with each MoE expert slab
   re-weighted by the chance that one of the N rows picks it (the compiler's own rule). Only the
   copy-bandwidth floor (bytes / copy bandwidth) is given as a time; no schedule exists.
 
@@ -32,27 +34,38 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.hybrid.config import HybridConfig, preset  # noqa: E402
-from megakernel.program.compiler import PlanError  # noqa: E402
-from megakernel.program.gpus import GPU, gpu  # noqa: E402
-from megakernel.program.hybrid_compiler import (  # noqa: E402
-    HybridProgram,
-    compile_hybrid,
-    core_weight_bytes,
-    plan_buffers,
-    recurrent_shape,
+from megakernel import isa  # noqa: E402
+from megakernel.layers import kind  # noqa: E402
+from megakernel.layers.base import StepShape  # noqa: E402
+from megakernel.models import ModelConfig, preset, real_presets  # noqa: E402
+from megakernel.program.buffers import plan_buffers  # noqa: E402
+from megakernel.program.bytes import step_bytes_by_category  # noqa: E402
+from megakernel.program.compiler import (  # noqa: E402
+    Program,
+    check_memory,
+    compile_program,
+    default_splits,
     validate,
 )
-from megakernel.program.hybrid_cost import HybridBytes, hybrid_bytes, hybrid_report  # noqa: E402
-from megakernel.program.hybrid_isa import EXPERT_HOPS  # noqa: E402
+from megakernel.program.gpus import GPU, gpu  # noqa: E402
+from megakernel.program.pack import weight_layout  # noqa: E402
+from megakernel.program.stages import PlanError  # noqa: E402
 
-DEFAULT_MODELS = ("qwen3.5-0.8b", "qwen3.5-9b", "nemotron-h-8b", "kimi-linear-48b-a3b")
-# the cost-model scheduler places ~100k instructions for Kimi's 256 experts x 8 slabs x 26
-# layers: ~30 s per compile at batch 1, ~60 s at 256; other models take a few seconds
-COMPILE_MAX_BATCH = {"kimi-linear-48b-a3b": 1}  # others: 256 (MAX_ROWS)
-INT32_MAX = 2**31 - 1
+# a cost-model compile places every instruction on a simulated timeline: ~0.4 ms each, so Kimi
+# Linear's 256 experts x 8 slabs x 26 layers (~120k instructions at batch 1, more per row) take
+# about a minute at batch 1 and much longer above; the dense-MLP hybrids stay under 20k at
+# batch 1 (~50 s at batch 256)
+SLOW_INSTRUCTIONS = 50_000
+MAX_BATCH = isa.MAX_ROWS
 KINDS = ("weights", "per_seq_weights", "expert", "kv", "state_read", "state_written", "ring",
          "conv")
+
+Bytes = dict[str, int]  # step_bytes_by_category, integral
+
+
+def hybrid_presets() -> list[str]:
+    """The real-shaped presets with recurrent layers, in registry order."""
+    return [n for n in real_presets() if preset(n).recurrent_layers()]
 
 
 @dataclass
@@ -61,7 +74,8 @@ class Row:
     batch: int
     mode: str  # "recurrent" | "replay L=<L>"
     source: str  # "compiled" | "analytic (<why>)"
-    bytes: HybridBytes
+    bytes: Bytes
+    per_seq_weights: int  # the part of bytes["weights"] that grows with the batch
     floor_s: float
     predicted_s: float | None  # cost-model replay; None when not compiled
     compile_s: float | None = None
@@ -70,105 +84,132 @@ class Row:
         """The table's columns: bytes per step by kind, read + written where both exist; the
         weights split into matrices read once and the reads that grow with the batch."""
         b = self.bytes
-        per_seq = per_sequence_weight_bytes(preset(self.model), self.batch)
-        return dict(weights=b.weights - per_seq, per_seq_weights=per_seq, expert=b.expert,
-                    kv=b.kv_read + b.kv_written,
-                    state_read=b.state_read, state_written=b.state_written,
-                    ring=b.ring_read + b.ring_written, conv=b.conv_read + b.conv_written)
+        return dict(weights=b["weights"] - self.per_seq_weights,
+                    per_seq_weights=self.per_seq_weights, expert=b["expert"],
+                    kv=b["kv_read"] + b["kv_written"],
+                    state_read=b["state_read"], state_written=b["state_written"],
+                    ring=b["ring_read"] + b["ring_written"],
+                    conv=b["conv_read"] + b["conv_written"])
 
     def as_dict(self) -> dict:
         return dict(model=self.model, batch=self.batch, mode=self.mode, source=self.source,
-                    bytes=self.bytes.as_dict(), split=self.split(), floor_us=self.floor_s * 1e6,
+                    bytes=self.bytes, split=self.split(), floor_us=self.floor_s * 1e6,
                     predicted_us=None if self.predicted_s is None else self.predicted_s * 1e6,
                     compile_s=self.compile_s)
 
 
-def per_sequence_weight_bytes(cfg: HybridConfig, batch: int, tokens: int = 1) -> int:
-    """The part of hybrid_bytes' weights that grows with the batch: the N embedding rows, each
-    recurrent core's conv taps (+ Mamba2 bias, KDA f_b / g_b rows) once per sequence, and MLA's
-    kv_b once per sequence (same terms as hybrid_bytes)."""
-    rs = recurrent_shape(cfg)
-    out = batch * tokens * cfg.hidden_size * 2
-    out += batch * rs.units * len(cfg.recurrent_layers()) * core_weight_bytes(cfg)
-    n_mla = cfg.layer_types.count("mla")
-    if n_mla:
-        m = cfg.mla  # type: ignore[attr-defined]
-        out += n_mla * batch * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) \
-            * m.kv_lora_rank * 2
+def integral(cats: dict[str, float]) -> Bytes:
+    """The categories as ints (every term of the accounting is a whole number of bytes)."""
+    out = {}
+    for k, v in cats.items():
+        if v != int(v):
+            raise AssertionError(f"{k}: {v} is not a whole number of bytes")
+        out[k] = int(v)
     return out
 
 
-def _expert_share(cfg: HybridConfig, expert: int, n: int) -> float:
-    """The compiler's rule: a routed expert's slabs are streamed with probability
-    1 - (1 - top_k / E)^N; the shared expert (index E) always."""
-    e = cfg.moe  # type: ignore[attr-defined]
-    return 1.0 if expert == e.num_experts else 1.0 - (1.0 - e.top_k / e.num_experts) ** n
+def _step(cfg: ModelConfig, batch: int, tokens: int = 1, context: int = 0,
+          replay_window: int | None = None, instrs: list | None = None) -> SimpleNamespace:
+    """What the byte accounting reads of a program, without compiling one."""
+    return SimpleNamespace(cfg=cfg, batch=batch, tokens=tokens, rows=batch * tokens,
+                           context=context, replay_window=replay_window, instrs=instrs or [])
 
 
-def analytic_bytes(base: HybridProgram, batch: int, tokens: int = 1,
-                   replay_window: int | None = None) -> HybridBytes:
-    """`hybrid_bytes` at (batch, tokens, replay_window) from a program compiled at any batch.
+def per_sequence_weight_bytes(cfg: ModelConfig, batch: int, tokens: int = 1) -> int:
+    """The part of the weight bytes that grows with the batch: the N embedding rows plus what
+    the blocks charge above their batch-0 weights (each recurrent core's conv taps and extras
+    once per sequence, MLA's kv_b once per sequence); the same terms as step_bytes_by_category."""
+
+    def blocks(b: int) -> float:
+        st = _step(cfg, b, tokens)
+        return sum(kind(blk.kind).step_bytes(blk, st).get("weights", 0) for blk in cfg.blocks)
+
+    return int(batch * tokens * cfg.hidden_size * 2 + blocks(batch) - blocks(0))
+
+
+def expert_share(cfg: ModelConfig, expert: int, rows: int) -> float:
+    """The compiler's rule (layers/moe.py): a routed expert's slabs are streamed with
+    probability 1 - (1 - top_k / E)^N; the shared expert (index E) always."""
+    e = cfg.kind_config("moe")
+    return 1.0 if expert == e.num_experts else 1.0 - (1.0 - e.top_k / e.num_experts) ** rows
+
+
+def analytic_bytes(base: Program, batch: int, tokens: int = 1,
+                   replay_window: int | None = None) -> Bytes:
+    """`step_bytes_by_category` at (batch, tokens, replay_window) from a program compiled at any
+    batch (normally batch 1 without the cost model).
 
     Matrix slabs do not depend on the batch; MoE expert slabs are re-weighted for N = batch *
-    tokens rows exactly as the compiler weights them. Everything else hybrid_bytes derives from
-    the configuration.
+    tokens rows exactly as the compiler weights them. Everything else the accounting derives from
+    the configuration (and the cached context, which is the base program's).
     """
     n = batch * tokens
     instrs = []
     for ins in base.instrs:
         w = ins.w_bytes
-        if ins.op in EXPERT_HOPS:
+        s = isa.spec(ins.op)
+        if s.slab and s.kind == "moe":
             full = ins.operands["NROWS"] * ins.operands["K"] * 2  # bf16 slab
-            w = int(full * _expert_share(base.cfg, ins.operands["EXPERT"], n))
+            w = int(full * expert_share(base.cfg, ins.operands["EXPERT"], n))
         instrs.append(SimpleNamespace(op=ins.op, w_bytes=w))
-    stand_in = SimpleNamespace(cfg=base.cfg, batch=batch, tokens=tokens, instrs=instrs,
-                               replay_window=replay_window, context=base.context)
-    return hybrid_bytes(stand_in)  # type: ignore[arg-type]
+    stand_in = _step(base.cfg, batch, tokens, base.context, replay_window, instrs)
+    return integral(step_bytes_by_category(stand_in))
 
 
-def refusal(cfg: HybridConfig, batch: int, g: GPU, replay_window: int | None,
-            tokens: int = 1, max_seq_len: int | None = None) -> str | None:
-    """Why the compiler would refuse this plan (checked cheaply, before scheduling), or None."""
+def refusal(cfg: ModelConfig, batch: int, g: GPU, replay_window: int | None, tokens: int = 1,
+            max_seq_len: int | None = None, context: int | None = None) -> str | None:
+    """Why the compiler would refuse this plan (its own checks, run before scheduling: the
+    model/batch/window validation, the buffer plan and the GPU memory), or None."""
     if max_seq_len is None:
-        max_seq_len = min(cfg.max_position_embeddings, 4096)  # compile_hybrid's default
+        max_seq_len = min(cfg.max_position_embeddings, 4096)  # compile_program's default
+    if context is None:
+        context = min(1024, max_seq_len - tokens)
     try:
-        q = validate(cfg, batch, tokens, max_seq_len)
+        validate(cfg, batch, tokens, max_seq_len, g, replay_window)
+        ring_cap = replay_window - 1 + tokens if replay_window else 0
+        shape = StepShape(batch, tokens, max_seq_len, default_splits(cfg, batch, g, context),
+                          g.num_sms, ring_cap)
+        check_memory(cfg, plan_buffers(cfg, shape), weight_layout(cfg), g)
     except PlanError as e:
         return str(e)
-    buf = plan_buffers(q, batch, tokens, max_seq_len, g.num_sms, replay_window)
-    if buf.state_numel > INT32_MAX:
-        return f"state arena {buf.state_numel / 1e9:.2f}G fp32 > int32 STATE_NUMEL"
     return None
 
 
 def bench_model(name: str, batches: list[int], g: GPU, replay_window: int,
                 context: int | None, compile_max_batch: int | None) -> list[Row]:
+    """Both modes at every batch: compiled rows where the compiler serves them and the compile
+    fits a bench, analytic rows otherwise (module docstring)."""
     cfg = preset(name)
-    limit = COMPILE_MAX_BATCH.get(name, 256) if compile_max_batch is None else compile_max_batch
-    base = compile_hybrid(cfg, 1, g, context=context, policy="structure")
+    base = compile_program(cfg, 1, g, context=context, policy="structure")
+    limit = compile_max_batch
+    if limit is None:
+        limit = 1 if len(base.instrs) > SLOW_INSTRUCTIONS else MAX_BATCH
     rows = []
     for b in batches:
+        per_seq = per_sequence_weight_bytes(cfg, b)
         for L in (None, replay_window):
             mode = "recurrent" if L is None else f"replay L={L}"
             hb = analytic_bytes(base, b, replay_window=L)
-            why = refusal(cfg, b, g, L)
+            why = refusal(cfg, b, g, L, context=context)
             if why is None and b > limit:
                 why = f"compile > {limit} rows too slow for a bench"
             if why is not None:
-                rows.append(Row(name, b, mode, f"analytic ({why})", hb, hb.total / g.copy_bw,
-                                None))
+                rows.append(Row(name, b, mode, f"analytic ({why})", hb, per_seq,
+                                hb["total"] / g.copy_bw, None))
                 continue
             t0 = time.perf_counter()
-            prog = compile_hybrid(cfg, b, g, context=context, replay_window=L)
+            prog = compile_program(cfg, b, g, context=context, replay_window=L)
             dt = time.perf_counter() - t0
-            hc = hybrid_bytes(prog)
+            hc = integral(step_bytes_by_category(prog))
             if hc != hb:
-                raise AssertionError(f"{name} B={b} {mode}: analytic bytes {hb} != compiled {hc}")
-            r = hybrid_report(prog)
-            if r.bytes_per_step != hc.total:
-                raise AssertionError(f"{name} B={b} {mode}: report counts {r.bytes_per_step} "
-                                     f"bytes, hybrid_bytes {hc.total}")
-            rows.append(Row(name, b, mode, "compiled", hc, r.floor_s, r.predicted_s, dt))
+                diff = {k: (hb[k], hc[k]) for k in hc if hb[k] != hc[k]}
+                raise AssertionError(f"{name} B={b} {mode}: analytic != compiled bytes {diff}")
+            r = prog.cost
+            if r.bytes_per_step != hc["total"]:
+                raise AssertionError(f"{name} B={b} {mode}: the cost report counts "
+                                     f"{r.bytes_per_step} bytes, the categories {hc['total']}")
+            rows.append(Row(name, b, mode, "compiled", hc, per_seq, r.floor_s, r.predicted_s,
+                            dt))
     return rows
 
 
@@ -188,7 +229,7 @@ def markdown(rows: list[Row]) -> str:
         ratio_b = ratio_t = ""
         if r.mode != "recurrent" and prev is not None and prev.model == r.model \
                 and prev.batch == r.batch:
-            ratio_b = f"{prev.bytes.total / r.bytes.total:.2f}x"
+            ratio_b = f"{prev.bytes['total'] / r.bytes['total']:.2f}x"
             if prev.predicted_s is not None and r.predicted_s is not None:
                 ratio_t = f"{prev.predicted_s / r.predicted_s:.2f}x"
             else:
@@ -196,7 +237,7 @@ def markdown(rows: list[Row]) -> str:
         pred = "-" if r.predicted_s is None else f"{r.predicted_s * 1e6:.0f}"
         out.append(f"| {r.model} | {r.batch} | {r.mode} | "
                    + " | ".join(_gb(s[k]) for k in KINDS)
-                   + f" | {_gb(r.bytes.total)} | {r.floor_s * 1e6:.0f} | {pred} | {ratio_b} | "
+                   + f" | {_gb(r.bytes['total'])} | {r.floor_s * 1e6:.0f} | {pred} | {ratio_b} | "
                      f"{ratio_t} | {r.source} |")
         prev = r
     return "\n".join(out)
@@ -204,14 +245,17 @@ def markdown(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--models", default=None,
+                    help="comma list of presets (default: every real preset with recurrent "
+                         "layers)")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--replay-window", type=int, default=16, help="ReplaySSM fold window L")
     ap.add_argument("--gpu", default="h200")
     ap.add_argument("--context", type=int, default=None, help="cached tokens (default 1024)")
     ap.add_argument("--compile-max-batch", type=int, default=None,
                     help="largest batch compiled with the cost model; above it rows are "
-                         "analytic (default 256, Kimi Linear 1)")
+                         f"analytic (default {MAX_BATCH}; 1 for programs of more than "
+                         f"{SLOW_INSTRUCTIONS} instructions, i.e. Kimi Linear)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     if args.replay_window < 1:
@@ -219,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     g = gpu(args.gpu)
     batches = [int(x) for x in args.batches.split(",")]
+    models = args.models.split(",") if args.models else hybrid_presets()
     rows: list[Row] = []
-    for m in args.models.split(","):
+    for m in models:
         rows += bench_model(m, batches, g, args.replay_window, args.context,
                             args.compile_max_batch)
         print(f"[{m} done at {time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)

@@ -91,7 +91,7 @@ def prepare(build_dir: str | Path, archs: list[str], cases=CASES) -> tuple[list[
     """Build every case for every arch and variant; a build that fails (or a variant whose spec
     cannot serve a case) is reported and skipped: it does not stop the others. Returns the
     manifests and the failures ('variant case arch: error')."""
-    from megakernel.config import preset
+    from megakernel.models import preset
     from megakernel.kernel.build import build_arch
     from megakernel.kernel.spec import make_spec
 
@@ -191,10 +191,10 @@ def common_prefix(kernel_tokens: list[int], ref_tokens: list[int], ref_margins: 
 def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     import torch
 
-    from megakernel.config import preset
+    from megakernel.models import preset
     from megakernel.kernel.spec import KernelSpec
     from megakernel.torch_op import Megakernel
-    from megakernel.weights import random_weights
+    from megakernel.models.weights import random_weights
     from reference.model import ReferenceModel
 
     t0 = time.perf_counter()
@@ -215,11 +215,13 @@ def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     first = mk.prefill(prompts)
     ref16.prefill(cache16, prompts)
     ref32.prefill(cache32, prompts)
-    # poison every scratch value (rope tables are constants) before the first kernel step
-    keep = [mk._region("f32", n).clone() for n in ("rope_cos", "rope_sin")]
+    # poison every scratch value (the program's constants, e.g. RoPE tables, are kept) before
+    # the first kernel step
+    consts = mk.prog.buffers.constants
+    keep = [mk._region("f32", n).clone() for n in consts]
     mk.f32.fill_(float("nan"))
     mk.bf16.fill_(float("nan"))
-    for n, k in zip(("rope_cos", "rope_sin"), keep, strict=True):
+    for n, k in zip(consts, keep, strict=True):
         mk._region("f32", n).copy_(k)
     snap = None
     res: dict[str, Any] = dict(model=c.model, batch=c.batch, tokens=c.tokens, prompt_lengths=lens,
@@ -314,7 +316,9 @@ def _against_executor(cfg, weights, prompts, c: Case, dev, build_dir) -> dict:
                     build_dir=build_dir, device=dev)
     mk.prefill(prompts)
     ex = Executor(mk.prog, pack_weights(cfg, weights), check=True)
-    ex.load_cache(mk.k_cache.cpu(), mk.v_cache.cpu(), torch.tensor(mk.lengths))
+    ex.k.copy_(mk.k_cache.cpu())  # the kernel's cache after its prefill, as the executor's
+    ex.v.copy_(mk.v_cache.cpu())
+    ex.lengths.copy_(torch.tensor(mk.lengths, dtype=torch.int32))
     g = torch.Generator().manual_seed(99)
     worst, kv_diff, tok_diff = 0.0, 0, 0
     for _ in range(c.executor_steps):
@@ -356,9 +360,9 @@ def bench_case(c: Case, build_dir: Path, copy_bw: float, replays: int = 50) -> d
     """Decode steps captured in a CUDA graph; time per step next to the cost model."""
     import torch
 
-    from megakernel.config import preset
+    from megakernel.models import preset
     from megakernel.torch_op import Megakernel
-    from megakernel.weights import random_weights
+    from megakernel.models.weights import random_weights
 
     cfg = preset(c.model)
     mk = Megakernel(cfg, random_weights(cfg, seed=1), batch=c.batch, tokens=1,
@@ -400,7 +404,7 @@ def bench_case(c: Case, build_dir: Path, copy_bw: float, replays: int = 50) -> d
 # ---- driver -------------------------------------------------------------------------------------
 def _have_build(build_dir: Path, c: Case, arch: str) -> bool:
     """`build_dir` (one variant's build set) has this case's build for `arch`."""
-    from megakernel.config import preset
+    from megakernel.models import preset
     from megakernel.kernel.spec import make_spec
 
     tag = make_spec(preset(c.model), c.batch, c.tokens, arch).tag

@@ -18,9 +18,10 @@ from megakernel.models import ModelConfig
 _NUMERICS: list[tuple[str, str]] = []
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread():
-    """Tests run tiny ops: one intra-op thread is much faster than two fighting over two cores."""
+    """Tests run tiny ops: one intra-op thread is much faster than two fighting over two cores.
+    Session-scoped, so that module-scoped fixtures run on one thread too."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -282,7 +282,7 @@ class Executor:
     def _desc(self, sm: int, pos: int) -> str:
         return isa.describe(self.records[sm, pos].tolist())
 
-    # ---- shared arithmetic of the op functions ----------------------------------------------------
+    # ---- shared arithmetic of the op functions --------------------------------------------------
     def norm_weight(self, off: int, k: int) -> torch.Tensor:
         """A model RMSNorm weight [k] as fp32, in the model's form (w or 1 + w)."""
         w = self.weights[off : off + k].float()

@@ -78,7 +78,8 @@ def table_markdown() -> str:
             props.append(f"matvec epilogue {s.matvec}")
         lines += ["", f"**{s.code} {s.name}** ({s.kind}; {', '.join(props) or 'no properties'}):"
                   f" {s.doc}", ""]
-        lines += [f"- word {COMMON_WORDS + i} `{n}`: {doc}" for i, (n, doc) in enumerate(s.operands)]
+        lines += [f"- word {COMMON_WORDS + i} `{n}`: {doc}"
+                  for i, (n, doc) in enumerate(s.operands)]
         if s.notes:
             lines += ["", s.notes]
     return "\n".join(lines)

@@ -25,7 +25,8 @@ reset. When a CTA has run its queue it does `old = atomic_add(counters[EXIT], 1)
 
 Offsets that can pass 2^31 elements travel as two words, low (unsigned, stored as int32) and high:
 a weight slab (`W_LO`, `W_HI`) and a recurrent layer's block of the state arena (`STATE_LO`,
-`STATE_HI`). `encode` takes them as one 64-bit operand (`W=...`, `STATE=...`); `decode` adds it back.
+`STATE_HI`). `encode` takes them as one 64-bit operand (`W=...`, `STATE=...`); `decode` adds it
+back.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ streams, which handler runs an opcode) and reads record words by operand name.
 
 Properties:
     slab        the record names a weight slab (W, ROW0, NROWS, K): NROWS rows of K bf16 starting at
-                element W of the weight arena, which the loader streams before the wait
+                element W of the weight arena, which the loader streams before the wait (a slab
+                opcode is a matvec opcode, so these are at the same words in every one)
     matvec      the name of the matvec epilogue, for opcodes run by the parametrised matvec handler
                 (their operands start with `MATVEC`, so the handler reads them at fixed words)
     reach       bytes the record reads that do not depend on the step (cached keys/values, a
@@ -96,8 +97,8 @@ class OpSpec:
             raise ValueError(f"{self.name}: duplicate operand names")
         if self.matvec is not None and self.operands[: len(MATVEC)] != MATVEC:
             raise ValueError(f"{self.name}: a matvec opcode's operands start with MATVEC")
-        if self.slab and not {"W_LO", "W_HI", "NROWS", "K"} <= set(self.names):
-            raise ValueError(f"{self.name}: a slab opcode has W_LO, W_HI, NROWS and K")
+        if self.slab and self.matvec is None:  # the loader reads W, NROWS, K at MATVEC's words
+            raise ValueError(f"{self.name}: a slab opcode is a matvec opcode (operands MATVEC)")
         if self.ticket and "DONE_CID" not in self.names:
             raise ValueError(f"{self.name}: a ticket opcode names DONE_CID")
 
@@ -190,7 +191,7 @@ class _Ops:
 Op = _Ops()
 
 
-# ---- records ---------------------------------------------------------------------------------------
+# ---- records -------------------------------------------------------------------------------------
 def encode(op: int, *, wait: tuple[int, int, int] | None = None, signal: int = NO_COUNTER,
            layer: int = -1, **operands: int) -> list[int]:
     """One record. `wait` = (counter, local target, per-step total); operands by name; a 64-bit
@@ -204,7 +205,8 @@ def encode(op: int, *, wait: tuple[int, int, int] | None = None, signal: int = N
         if unknown:
             raise KeyError(f"opcode {s.name} has no operands {unknown}; operands: "
                            f"{list(s.names)}")
-        raise KeyError(f"opcode {s.name} is missing operands {sorted(set(s.names) - set(operands))}")
+        missing = sorted(set(s.names) - set(operands))
+        raise KeyError(f"opcode {s.name} is missing operands {missing}")
     cid, target, total = wait if wait is not None else (NO_COUNTER, 0, 0)
     rec = [int(op), cid, target, total, signal, layer] + [int(operands[n]) for n in s.names]
     for i, v in enumerate(rec):

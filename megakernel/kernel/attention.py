@@ -7,7 +7,8 @@ share a query's keys and their (m, l, o) are merged in shared memory in a fixed 
 
 Inside a warp, keys go 32 at a time: lane = key for the scores (q from shared memory, 16-byte
 loads of the key row), a warp max/sum for the online softmax, then lane = E head dims for the
-weighted sum of the value rows (the probability of key j broadcast with a shuffle).
+weighted sum of the value rows (the probability of key j broadcast with a shuffle). D = 64, 128
+or 256: E = D / 32 = 2, 4 or 8 contiguous dims per lane; sQ / sO hold one D-row per warp.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def slab_word(name: str) -> int:
 
 def device_ops(slab: bool = False) -> tuple[int, ...]:
     """The opcodes the kernel implements (`device=True`), optionally only the slab ones."""
-    return tuple(int(s.op) for s in isa.specs() if s.device and (s.slab or not slab))
+    return tuple(s.code for s in isa.specs() if s.device and (s.slab or not slab))
 
 
 def one_of(op, codes: Iterable[int]):  # noqa: ANN001, ANN201 (Int32 or int -> Boolean or bool)
@@ -103,10 +103,10 @@ class OpTable:
                    if s.name not in OWN_HANDLERS and s.matvec not in EPILOGUES]
         if missing:
             raise FieldError(f"the kernel has no handler for opcodes {missing}")
-        self.slab = tuple(int(s.op) for s in specs if s.slab)
-        self.matvec = tuple(int(s.op) for s in specs if s.matvec is not None)
-        self.ticket = tuple(int(s.op) for s in specs if s.ticket)
-        self.by_epilogue = {e: tuple(int(s.op) for s in specs if s.matvec == e)
+        self.slab = tuple(s.code for s in specs if s.slab)
+        self.matvec = tuple(s.code for s in specs if s.matvec is not None)
+        self.ticket = tuple(s.code for s in specs if s.ticket)
+        self.by_epilogue = {e: tuple(s.code for s in specs if s.matvec == e)
                             for e in EPILOGUES}
         if set(self.slab) != set(self.matvec):  # the loader streams exactly the matvec slabs
             raise FieldError(f"slab opcodes {self.slab} are not the matvec opcodes "

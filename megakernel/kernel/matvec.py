@@ -10,8 +10,9 @@ Loop nest (per CTA):
                 stage x (RMSNorm(h) * w -> bf16, or a copy of a bf16 input)
                 GEMV: warp = R rows (x K-slice), lane = 8 consecutive inputs (16-byte loads),
                       fp32 FMA, warp-shuffle sum, += into sAcc[ks][n][row]
-            epilogue (by opcode): residual add | silu(gate) * up | qk-norm + RoPE + q / KV cache
-                                  | logits + running argmax
+            epilogue (by the registry's `matvec` name of the opcode): residual add | silu(gate)
+                  * up | (+ bias) qk-norm + RoPE + q / KV cache | logits of rows < V + running
+                  argmax
 
 When a chunk has fewer row groups than warps, warps also split K (ks) and the epilogue sums the
 K-slices in a fixed order, so results do not depend on timing. Rows of activations beyond N are

@@ -14,7 +14,9 @@ and synchronise on named barrier 1. With smem_stages = 0 the consumers read the 
 global memory (Matvec.run) and there is no loader warp.
 
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
-merge (by the last split's CTA) in attention.py. The
+merge (by the last split's CTA) in attention.py. Records are read by field name and the opcode sets
+the loop branches on (the matvec opcodes, the ticket opcodes that signal from their merge) come
+from the ISA registry (fields.py); a record whose opcode the build has no handler for traps. The
 host side `__call__` exists only to give `cute.compile` something to trace: launches go through
 the driver API (runtime.py), so the entry takes plain pointers and int32s (spec.PARAMS).
 """

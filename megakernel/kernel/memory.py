@@ -54,7 +54,7 @@ def load_bf16x8(base: cute.Pointer, offset) -> cute.TensorSSA:
 
 
 def load_bf16_vec(base: cute.Pointer, offset, n: int):
-    """n (2 or 4) consecutive bf16 at `base + offset` (aligned to 2n bytes) -> fp32 [n]."""
+    """n (2, 4 or 8) consecutive bf16 at `base + offset` (aligned to 2n bytes) -> fp32 [n]."""
     g = cute.make_tensor(elem_ptr(base, offset, 2 * n), cute.make_layout(n))
     r = cute.make_rmem_tensor((n,), BFloat16)
     cute.autovec_copy(g, r)

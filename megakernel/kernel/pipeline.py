@@ -2,9 +2,10 @@
 
 Used when `KernelSpec.smem_stages` = S >= 2. The CTA has the spec's consumer warps plus one loader
 warp (the last). The loader walks the CTA's queue exactly like the consumers do (same records, same
-END), and for every matvec record streams its slab `spec.passes` times (once per pass over the
-activation rows), in tiles of `tile_rows(KC)` rows of one K-chunk (spec.matvec_tiles: the loop
-nest of Matvec.run_piped). Tile j goes to stage j % S (spec.ring_slot):
+END), and for every slab record (the registry's `slab` opcodes the build handles, fields.OpTable)
+streams its slab `spec.passes` times (once per pass over the activation rows), in tiles of
+`tile_rows(KC)` rows of one K-chunk (spec.matvec_tiles: the loop nest of Matvec.run_piped).
+Tile j goes to stage j % S (spec.ring_slot):
 
     loader (lane 0)                          consumers (every consumer thread)
     wait empty[s] parity ((j / S) & 1) ^ 1   wait full[s] parity (j / S) & 1

@@ -471,6 +471,8 @@ class KernelSpec:
         if self.num_threads % LANES or not 64 <= self.num_threads <= 1024:
             raise SpecError(f"num_threads must be a multiple of 32 in [64, 1024], "
                             f"got {self.num_threads}")
+        if self.head_dim % (2 * LANES):  # E = D / 32 per lane, split in RoPE halves
+            raise SpecError(f"head_dim {self.head_dim} must be a multiple of {2 * LANES}")
         if ROW_CHUNK % self.head_dim or ROW_CHUNK % (2 * isa.GATEUP_BLOCK):
             raise SpecError("ROW_CHUNK must hold whole heads and whole gate/up block pairs")
         if isa.ROW_ALIGN % self.rows_per_group:

@@ -5,7 +5,7 @@ Protocol (isa.py): a consumer's thread 0 spins with `ld.acquire.gpu` on its coun
 `nanosleep`, then the CTA barrier publishes the acquire to every thread. The other threads' plain
 (L1-cached) activation loads after that barrier cannot hit stale L1 lines: a GPU-scope acquire
 (load or acq_rel atomic) compiles to a strong load followed by `CCTL.IVALL`, which invalidates the
-SM's whole L1 (checked on the SASS by tests/test_kernel_build.py). A producer's CTA barrier
+SM's whole L1 (checked on the SASS by tests/kernel/test_kernel_build.py). A producer's CTA barrier
 orders all threads' stores before thread 0's `fence.acq_rel.gpu` + `red.release.gpu.add`.
 Counters are never reset: targets grow with the epoch, which the last CTA to finish bumps.
 

@@ -14,6 +14,7 @@ the cache; the gate stays fp32; attention in fp32; the output times sigmoid(gate
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from megakernel.isa.records import SUPPORTED_HEAD_DIMS
@@ -132,13 +133,14 @@ class Attention(LayerKind):
     @classmethod
     def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
         c, h = blk.cfg, model.hidden_size
-        out = {"q_proj.weight": (c.q_size * (2 if c.output_gate else 1), h),
+        q_out = c.q_size * (2 if c.output_gate else 1)  # gated: [q | gate] per head
+        out = {"q_proj.weight": (q_out, h),
                "k_proj.weight": (c.kv_size, h), "v_proj.weight": (c.kv_size, h),
                "o_proj.weight": (h, c.q_size)}
         if c.qk_norm:
             out.update({"q_norm.weight": (c.head_dim,), "k_norm.weight": (c.head_dim,)})
         if c.qkv_bias:
-            out.update({"q_proj.bias": (c.q_size,), "k_proj.bias": (c.kv_size,),
+            out.update({"q_proj.bias": (q_out,), "k_proj.bias": (c.kv_size,),
                         "v_proj.bias": (c.kv_size,)})
         return out
 

@@ -186,7 +186,7 @@ class LayerKind:
         """The units [lo, hi) a record of an opcode in `coverage` covers."""
         raise NotImplementedError
 
-    # ---- cost -------------------------------------------------------------------------------------
+    # ---- cost -----------------------------------------------------------------------------------
     @classmethod
     def step_bytes(cls, blk: Block, prog: Any) -> dict[str, float]:
         """Bytes one step moves for this block, by category (program/bytes.py)."""

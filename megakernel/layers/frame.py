@@ -50,7 +50,8 @@ PROJ = register(OpSpec(
     slab=True, matvec="proj"))
 
 LMHEAD = register(OpSpec(
-    8, "LMHEAD", "frame", "final RMSNorm(h) -> vocab slab of the LM head -> logits + partial argmax",
+    8, "LMHEAD", "frame",
+    "final RMSNorm(h) -> vocab slab of the LM head -> logits + partial argmax",
     MATVEC + (
         ("TILE", "partial-argmax slot of this slab"),
         ("PARG_OFF", "f32: partial argmax [n_lm_tiles, N, 2] = (max logit, its vocab index)"),

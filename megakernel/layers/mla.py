@@ -66,10 +66,11 @@ MLA = register(OpSpec(
         ("OUT_OFF", "bf16: attention output [N, H dv]"),
     ),
     notes="For one sequence and head: c = bf16(RMSNorm(c)), computed by every head, stored by head "
-    "0 into the latent cache (k of LAYER's KV slot, kv head 0, position lengths[b] + t), bf16(k_rope)"
-    " into v (other heads use their own copy of the new positions, so they need not wait for head "
-    "0); [k_nope | v] = the head's rows of kv_b times c for every cached position; q = bf16(q); "
-    "softmax(q . [k_nope | k_rope] / sqrt(dn + dr)) v -> bf16 columns h dv .. (h + 1) dv.",
+    "0 into the latent cache (k of LAYER's KV slot, kv head 0, position lengths[b] + t), "
+    "bf16(k_rope) into v (other heads use their own copy of the new positions, so they need not "
+    "wait for head 0); [k_nope | v] = the head's rows of kv_b times c for every cached "
+    "position; q = bf16(q); softmax(q . [k_nope | k_rope] / sqrt(dn + dr)) v -> bf16 columns "
+    "h dv .. (h + 1) dv.",
     reach=True))
 
 
@@ -169,8 +170,10 @@ class MultiLatentAttention(LayerKind):
             return Instr(MLA, layer, dict(B_IDX=b, HEAD=h, **common), wait=c_p, signal=c_attn,
                          # the first head of a sequence pulls the cached latents from HBM, the
                          # others find them in L2
-                         w_bytes=(context * lat * 2 if h == 0 else 0) + kvb_rows * m.kv_lora_rank * 2,
-                         l2_bytes=tokens * (m.qk_head_dim + lat) * 4 + (context * lat * 2 if h else 0),
+                         w_bytes=(context * lat * 2 if h == 0 else 0)
+                         + kvb_rows * m.kv_lora_rank * 2,
+                         l2_bytes=tokens * (m.qk_head_dim + lat) * 4
+                         + (context * lat * 2 if h else 0),
                          store_bytes=tokens * ((lat if h == 0 else 0) + m.v_head_dim) * 2,
                          fp32_flops=2.0 * keys * kvb_rows * m.kv_lora_rank
                          + 4.0 * tokens * keys * m.qk_head_dim)

@@ -84,9 +84,9 @@ _EXPERT = (("EXPERT", "expert e (E = the shared expert)"),
 EXPERT_GATEUP = register(OpSpec(
     26, "EXPERT_GATEUP", "moe", "gate/up slab of one expert for the tokens routed to it "
     "(run-time ids)", MATVEC + _EXPERT,
-    notes="For the rows (n, s) with ids[n, s] == EXPERT (shared: every n, s = top_k), RMSNorm(h[n]) "
-    "-> slab of the expert's interleaved gate/up -> act_moe[n, s, ROW0/2 + c] (bf16 [N, top_k + 1,"
-    " I_e]); no row selected: no work (its weights are not streamed).",
+    notes="For the rows (n, s) with ids[n, s] == EXPERT (shared: every n, s = top_k), "
+    "RMSNorm(h[n]) -> slab of the expert's interleaved gate/up -> act_moe[n, s, ROW0/2 + c] "
+    "(bf16 [N, top_k + 1, I_e]); no row selected: no work (its weights are not streamed).",
     slab=True, matvec="expert_gateup"))
 EXPERT_DOWN = register(OpSpec(
     27, "EXPERT_DOWN", "moe", "down slab of one expert for the tokens routed to it (run-time ids)",

@@ -77,9 +77,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megakernel.isa import NO_COUNTER, spec
 from megakernel.kernel.spec import SMEM_STAGE_BYTES, prefetch_window
 from megakernel.program.gpus import GPU
-from megakernel.isa import NO_COUNTER, spec
 
 CITATIONS = {
     "mem_latency": "Hazy Research, 'Look Ma, No Bubbles' (2025-05-27): ~500 ns per load/store",
@@ -368,7 +368,8 @@ class CostReport:
 
 def step_bytes(instrs) -> int:  # noqa: ANN001
     """HBM bytes the instructions must read: prefetchable bytes (weights, cached KV) and
-    embedding rows. What the step writes to its caches and state is added by the caller (`written_bytes`)."""
+    embedding rows. What the step writes to its caches and state is added by the caller
+    (`written_bytes`)."""
     return sum(ins.w_bytes + ins.hbm_bytes for ins in instrs)
 
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from megakernel.program.stages import PlanError
 from megakernel.program.cost import CostParams
+from megakernel.program.stages import PlanError
 
 # search bounds per fittable parameter (seconds); wide around the cited values
 BOUNDS: dict[str, tuple[float, float]] = {

@@ -37,15 +37,15 @@ import heapq
 
 import numpy as np
 
+from megakernel.isa import NO_COUNTER, spec
 from megakernel.program.cost import (
     CostParams,
     CostReport,
     Rates,
-    written_bytes,
     staged_bytes,
     step_bytes,
+    written_bytes,
 )
-from megakernel.isa import NO_COUNTER, spec
 
 _WAIT, _SETUP, _CONSUME, _STORE, _DONE = range(5)
 

@@ -169,7 +169,7 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
             else:
                 lo, hi = kind(blocks.blocks[b].kind).cover(d, blocks.blocks[b], prog)
                 cover.setdefault((spec.name, b), []).append((lo, hi))
-    for key, off, rows, _ in entries:
+    for key, _, rows, _ in entries:
         want_cover[(key,)] = rows
     extra = set(cover) - set(want_cover)
     if extra:

@@ -91,7 +91,7 @@ class Attention(ReferenceLayer):
         want = (batch, c.num_kv_heads, max_seq_len, c.head_dim)
         for name in ("k", "v"):
             check_tensor(f"cache {name}", getattr(cache, name, None), KV_LAYOUT, want,
-                         cache_dtype(self.mode), device, self.mode)
+                         cache_dtype(self.mode), device, f"{self.mode} mode")
 
     def _proj(self, xn: torch.Tensor, name: str) -> torch.Tensor:
         """xn @ W^T (+ bias), fp32."""

@@ -64,15 +64,15 @@ class ReferenceLayer:
 
 
 def check_tensor(what: str, t: Any, layout: str, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, mode: str) -> None:
+                 device: torch.device, why: str) -> None:
     """ReferenceError naming `what` unless `t` is a tensor of `shape` (whose dims `layout` names),
-    `dtype` and `device`."""
+    `dtype` (for the reason `why`, e.g. "fp32 mode") and `device`."""
     if not isinstance(t, torch.Tensor):
         raise ReferenceError(f"{what} is not a tensor but {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise ReferenceError(f"{what} shape {tuple(t.shape)} does not match the model's {layout} "
                              f"= {shape}")
     if t.dtype != dtype:
-        raise ReferenceError(f"cache dtype {t.dtype} does not match {dtype} ({mode} mode): {what}")
+        raise ReferenceError(f"cache dtype {t.dtype} does not match {dtype} ({why}): {what}")
     if t.device != device:
         raise ReferenceError(f"cache is on {t.device}, model on {device}: {what}")

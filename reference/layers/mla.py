@@ -69,9 +69,9 @@ class MLA(ReferenceLayer):
                     device: torch.device) -> None:
         c, dt = self.cfg, cache_dtype(self.mode)
         check_tensor("cache c", getattr(cache, "c", None), "[B, S_max, r]",
-                     (batch, max_seq_len, c.kv_lora_rank), dt, device, self.mode)
+                     (batch, max_seq_len, c.kv_lora_rank), dt, device, f"{self.mode} mode")
         check_tensor("cache k_rope", getattr(cache, "k_rope", None), "[B, S_max, d_rope]",
-                     (batch, max_seq_len, c.qk_rope_head_dim), dt, device, self.mode)
+                     (batch, max_seq_len, c.qk_rope_head_dim), dt, device, f"{self.mode} mode")
 
     def forward(self, xn: torch.Tensor, cache: MLACache, lengths: torch.Tensor,
                 replay: bool = False, prefill: bool = False) -> torch.Tensor:

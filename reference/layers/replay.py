@@ -154,20 +154,20 @@ class RecurrentMixer(ReferenceLayer, ABC):
         if not isinstance(cache, SSMLayerCache):
             raise ReferenceError(f"expected a recurrent layer cache (SSMLayerCache), got "
                                  f"{type(cache).__name__}")
-        f32, mode = torch.float32, "recurrent state: fp32 in any"
+        f32, why = torch.float32, "recurrent state is fp32 in every mode"
         check_tensor("conv window", cache.conv, "[B, C, K-1]",
-                     (batch, self.conv_dim, self.conv_kernel - 1), f32, device, mode)
+                     (batch, self.conv_dim, self.conv_kernel - 1), f32, device, why)
         check_tensor("state", cache.state, "[B, *state]", (batch, *self.state_shape()), f32,
-                     device, mode)
+                     device, why)
         want = self.ring_shapes() if ring_capacity else {}
         if set(cache.ring) != set(want):
             raise ReferenceError(f"ring entries {sorted(cache.ring)} do not match the model's "
                                  f"{sorted(want)} (ring capacity {ring_capacity})")
         for name, shape in want.items():
             check_tensor(f"ring {name}", cache.ring[name], "[B, capacity, ...]",
-                         (batch, ring_capacity, *shape), f32, device, mode)
+                         (batch, ring_capacity, *shape), f32, device, why)
         if ring_capacity:
-            check_tensor("ring count", cache.count, "[B]", (batch,), torch.int64, device, mode)
+            check_tensor("ring count", cache.count, "[B]", (batch,), torch.int64, device, why)
 
     def forward(self, xn: torch.Tensor, cache: SSMLayerCache, lengths: torch.Tensor,
                 replay: bool = False, prefill: bool = False) -> torch.Tensor:

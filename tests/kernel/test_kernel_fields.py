@@ -161,6 +161,17 @@ def test_matvec_operands_at_one_word():
     fields.check_registry()
 
 
+def test_the_fingerprint_covers_the_device_code_and_the_registry():
+    """Every module the cubin is compiled from is in spec.KERNEL_SOURCES (the fingerprint's
+    sources; fields.py included); the registry's modules (isa, layers) are hashed too."""
+    host_only = {"__init__.py", "build.py", "jit.py", "tools.py"}
+    assert {p.name for p in KERNEL_DIR.glob("*.py")} - host_only == set(spec_mod.KERNEL_SOURCES)
+    import inspect
+
+    src = inspect.getsource(spec_mod.source_digest)
+    assert '("isa", "layers")' in src
+
+
 # ---- compiled (DSL) -----------------------------------------------------------------------------
 def test_traced_kernel_reads_the_registry_words(monkeypatch, tmp_path):
     """The words are taken from the registry when the kernel is traced: with ARGMAX's LEN_OFF and

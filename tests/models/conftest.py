@@ -36,7 +36,8 @@ def hf_classes() -> Callable[[str], tuple[type, type]]:
 
 
 @pytest.fixture
-def hf_config(hf_classes) -> Callable[..., Any]:  # noqa: ANN001
+def hf_config(hf_classes: Callable[[str], tuple[type, type]]
+              ) -> Callable[..., Any]:
     """(cfg, **extra) -> the transformers config object of `cfg.to_hf_dict()`."""
 
     def make(cfg: ModelConfig, **extra: Any) -> Any:
@@ -46,7 +47,8 @@ def hf_config(hf_classes) -> Callable[..., Any]:  # noqa: ANN001
 
 
 @pytest.fixture
-def dense_hf_model(hf_classes) -> Callable[..., torch.nn.Module]:  # noqa: ANN001
+def dense_hf_model(hf_classes: Callable[[str], tuple[type, type]]
+                   ) -> Callable[..., torch.nn.Module]:
     """(cfg, seed=0) -> a transformers model of a dense family, initialised at std 0.1.
 
     transformers initialises norm weights to ones and biases to zeros; they are perturbed by

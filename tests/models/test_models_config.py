@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import math
 import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ from megakernel.models.weights import expected_shapes
 # ---- RoPE ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "llama-tiny", "qwen3-0.6b",
                                   "qwen2.5-0.5b"])
-def test_inv_freq_matches_transformers(name: str, hf_config) -> None:  # noqa: ANN001
+def test_inv_freq_matches_transformers(name: str, hf_config: Callable[..., Any]) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = preset(name)
@@ -83,7 +84,7 @@ def test_rope_scaling_and_rope_parameters_agree() -> None:
 
 
 # ---- config.json fields of the wrong type -------------------------------------------------------
-def _leaves(d: dict, path: tuple = ()):  # noqa: ANN202
+def _leaves(d: dict, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """(path, value) of every number, bool and number-list entry of a config dict."""
     for k, v in d.items():
         if isinstance(v, dict):
@@ -213,7 +214,8 @@ def _attn(cfg: ModelConfig, **changes: Any) -> ModelConfig:
         mla=dataclasses.replace(preset("kimi-linear-tiny").mla, q_lora_rank=16)),
      r"low-rank query projection \(q_lora_rank\)"),
 ])
-def test_validate_refuses_unsupported_shapes_by_name(make, needle: str) -> None:  # noqa: ANN001
+def test_validate_refuses_unsupported_shapes_by_name(make: Callable[[], ModelConfig],
+                                                     needle: str) -> None:
     cfg = make()
     expected_shapes(cfg)  # a legal model: only megakernel cannot run it
     with pytest.raises(ConfigError, match=needle):

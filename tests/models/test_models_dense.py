@@ -3,7 +3,9 @@ transformers, required fields, refusals of values megakernel does not implement.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +18,7 @@ DENSE = ["llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b"]  # one published config p
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "llama-3.2-1b", "qwen3-8b",
                                   "llama-mid", "qwen3-1.7b"])
 def test_round_trip_through_transformers_config(name: str, tmp_path: Path,
-                                                hf_config) -> None:  # noqa: ANN001
+                                                hf_config: Callable[..., Any]) -> None:
     """to_hf_dict -> transformers config -> config.json -> config_from_hf_dir gives the same
     config."""
     cfg = preset(name)
@@ -24,7 +26,7 @@ def test_round_trip_through_transformers_config(name: str, tmp_path: Path,
     assert config_from_hf_dir(tmp_path / name) == cfg.replace(name=name)
 
 
-def _dict(base: str, **changes) -> dict:  # noqa: ANN003
+def _dict(base: str, **changes: Any) -> dict:
     d = {**preset(base).to_hf_dict(), **changes}
     return {k: v for k, v in d.items() if v is not ...}
 

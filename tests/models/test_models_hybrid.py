@@ -3,6 +3,9 @@ the family's mixers, and transformers reading our `to_hf_dict` the way we do."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from megakernel.models import ConfigError, config_from_hf_dict, preset, presets
@@ -17,7 +20,7 @@ def test_the_hybrid_presets() -> None:
 
 
 @pytest.mark.parametrize("name", HYBRID)
-def test_transformers_reads_our_config_alike(name: str, hf_config) -> None:  # noqa: ANN001
+def test_transformers_reads_our_config_alike(name: str, hf_config: Callable[..., Any]) -> None:
     """to_hf_dict -> transformers config -> its to_dict -> our parser gives the same config, and
     transformers' own reading of the layer types agrees with ours."""
     cfg = preset(name)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -71,7 +73,7 @@ def test_real_preset_size() -> None:
 
 
 @pytest.mark.parametrize("name", ["kimi-linear-tiny", "kimi-linear-48b-a3b"])
-def test_transformers_reads_moe_routing_alike(name: str, hf_config) -> None:  # noqa: ANN001
+def test_transformers_reads_moe_routing_alike(name: str, hf_config: Callable[..., Any]) -> None:
     cfg = preset(name)
     hf = hf_config(cfg)
     ffn = [b.kind for b in cfg.blocks if b.name == "ffn"]
@@ -85,7 +87,7 @@ def test_transformers_reads_moe_routing_alike(name: str, hf_config) -> None:  # 
     assert hf.routed_scaling_factor == e.routed_scaling_factor
 
 
-def _kimi(**changes) -> dict:  # noqa: ANN003
+def _kimi(**changes: Any) -> dict:
     return {**KIMI_48B, **changes}
 
 

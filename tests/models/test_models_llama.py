@@ -3,6 +3,8 @@ parameter counts, llama3 RoPE scaling as transformers 5 writes it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from megakernel.models import RopeConfig, config_from_hf_dict, family, preset, presets
@@ -68,7 +70,7 @@ def test_parameter_counts_match_published(name: str) -> None:
     assert preset(name).num_parameters() == PUBLISHED_PARAMS[name]
 
 
-def _llama_dict(**changes) -> dict:  # noqa: ANN003
+def _llama_dict(**changes: Any) -> dict:
     d = dict(PUBLISHED["llama-3.2-1b"])
     d.update(changes)
     return {k: v for k, v in d.items() if v is not ...}

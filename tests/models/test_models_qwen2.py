@@ -4,7 +4,9 @@ writes, sliding windows refused."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +54,8 @@ PUBLISHED_PARAMS = {
     "qwen2.5-0.5b": 494_032_768,
     "qwen2.5-1.5b": 1_543_714_304,
 }
+
+MakeHF = Callable[..., torch.nn.Module]  # the dense_hf_model fixture
 
 
 def test_every_real_preset_is_checked() -> None:
@@ -104,7 +108,7 @@ def test_layout_has_qkv_biases() -> None:
 
 @pytest.mark.parametrize("name", ["qwen2-tiny", "qwen2.5-0.5b", "qwen2.5-1.5b"])
 def test_round_trip_through_transformers_config(name: str, tmp_path: Path,
-                                                hf_config) -> None:  # noqa: ANN001
+                                                hf_config: Callable[..., Any]) -> None:
     """to_hf_dict -> transformers' Qwen2Config -> config.json -> config_from_hf_dir gives the
     same config, and transformers reads it as we do (no sliding window, head_dim, tied)."""
     cfg = preset(name)
@@ -120,7 +124,7 @@ def test_round_trip_through_transformers_config(name: str, tmp_path: Path,
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_transformers_checkpoint_loads(tied: bool, tmp_path: Path,
-                                       dense_hf_model) -> None:  # noqa: ANN001
+                                       dense_hf_model: MakeHF) -> None:
     """A transformers Qwen2ForCausalLM saved with save_pretrained loads through load_checkpoint:
     every name, the q/k/v biases, the (tied) LM head."""
     cfg = preset("qwen2-tiny").replace(tie_word_embeddings=tied)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,7 +87,7 @@ def test_tiny_preset_spelled_out() -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-0.8b", "qwen3.5-4b"])
-def test_transformers_reads_partial_rope_alike(name: str, hf_config) -> None:  # noqa: ANN001
+def test_transformers_reads_partial_rope_alike(name: str, hf_config: Callable[..., Any]) -> None:
     cfg = preset(name)
     hf = hf_config(cfg)
     a = cfg.attention

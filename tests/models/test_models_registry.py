@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,7 +174,7 @@ def test_resolve_presets_and_directories(name: str, tmp_path: Path) -> None:
 
 # ---- the decorator ------------------------------------------------------------------------------
 @pytest.fixture
-def scratch_registry():  # noqa: ANN201
+def scratch_registry() -> Iterator[dict]:
     """FAMILIES restored after a test that registers families of its own."""
     load_all()
     saved = dict(FAMILIES)
@@ -182,7 +183,7 @@ def scratch_registry():  # noqa: ANN201
     FAMILIES.update(saved)
 
 
-def test_register_family_refuses_clashes(scratch_registry) -> None:  # noqa: ANN001
+def test_register_family_refuses_clashes(scratch_registry: dict) -> None:
     llama = family("llama").cls
 
     @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,9 @@ import hashlib
 import json
 import math
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -35,6 +37,8 @@ DENSE = ["llama", "qwen3", "qwen2"]
 TINY = ["llama-tiny", "qwen3-tiny", "qwen2-tiny", "qwen3.5-tiny", "kimi-linear-tiny",
         "nemotron-h-tiny"]
 
+MakeHF = Callable[..., torch.nn.Module]  # the dense_hf_model fixture
+
 
 def tiny(fam: str, tied: bool, layers: int = 2) -> ModelConfig:
     """A dense model small enough for 8 KB shards (the loader accepts any shape; only
@@ -50,7 +54,7 @@ def tiny(fam: str, tied: bool, layers: int = 2) -> ModelConfig:
 @pytest.mark.parametrize("fam", DENSE)
 @pytest.mark.parametrize("tied", [True, False])
 def test_expected_shapes_match_transformers(fam: str, tied: bool,
-                                            dense_hf_model) -> None:  # noqa: ANN001
+                                            dense_hf_model: MakeHF) -> None:
     cfg = tiny(fam, tied)
     hf = {k: tuple(v.shape) for k, v in dense_hf_model(cfg).state_dict().items()}
     if tied:
@@ -76,7 +80,10 @@ def test_keep_fp32() -> None:
     assert keep_fp32(preset("llama-tiny")) == set()
     assert keep_fp32(preset("nemotron-h-tiny")) == {
         f"backbone.layers.{i}.mixer.{n}" for i in (0, 3) for n in ("A_log", "dt_bias", "D")}
+    assert keep_fp32(preset("qwen3.5-tiny")) == {  # GDN layers have no D
+        f"model.layers.{i}.linear_attn.{n}" for i in (0, 1, 3) for n in ("A_log", "dt_bias")}
     kimi = keep_fp32(preset("kimi-linear-tiny"))
+    assert kimi <= set(expected_shapes(preset("kimi-linear-tiny")))
     assert "model.layers.1.block_sparse_moe.gate.weight" in kimi
     assert "model.layers.2.block_sparse_moe.gate.e_score_correction_bias" in kimi
     assert "model.layers.0.self_attn.A_log" in kimi
@@ -89,7 +96,7 @@ def test_keep_fp32() -> None:
 @pytest.mark.parametrize("disk", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_round_trip(tmp_path: Path, fam: str, tied: bool, disk: str, sharded: bool,
-                    dense_hf_model) -> None:  # noqa: ANN001
+                    dense_hf_model: MakeHF) -> None:
     cfg = tiny(fam, tied)
     model = dense_hf_model(cfg).to(DTYPES[disk])
     model.save_pretrained(tmp_path, max_shard_size="8KB" if sharded else "10GB")
@@ -114,8 +121,9 @@ def test_round_trip(tmp_path: Path, fam: str, tied: bool, disk: str, sharded: bo
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_transformers_checkpoint_loads_and_runs(name: str, tmp_path: Path, hf_classes,
-                                                reference_model) -> None:  # noqa: ANN001
+def test_transformers_checkpoint_loads_and_runs(
+        name: str, tmp_path: Path, hf_classes: Callable[[str], tuple[type, type]],
+        reference_model: Any) -> None:
     """A transformers-initialised model of every family, saved by save_pretrained (which reverts
     its load-time conversions: unfused experts, split convs, `backbone.`), loads and gives its
     logits in the reference."""
@@ -298,7 +306,7 @@ def test_missing_files_are_named(tmp_path: Path) -> None:
         load_checkpoint(tmp_path)
 
 
-def test_missing_shard_is_named(tmp_path: Path, dense_hf_model) -> None:  # noqa: ANN001
+def test_missing_shard_is_named(tmp_path: Path, dense_hf_model: MakeHF) -> None:
     cfg = tiny("qwen3", tied=False)
     dense_hf_model(cfg).save_pretrained(tmp_path, max_shard_size="8KB")
     shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
@@ -308,7 +316,7 @@ def test_missing_shard_is_named(tmp_path: Path, dense_hf_model) -> None:  # noqa
 
 
 def test_index_naming_a_tensor_its_shard_lacks(tmp_path: Path,
-                                               dense_hf_model) -> None:  # noqa: ANN001
+                                               dense_hf_model: MakeHF) -> None:
     cfg = tiny("llama", tied=True)
     dense_hf_model(cfg).save_pretrained(tmp_path, max_shard_size="8KB")
     index = tmp_path / "model.safetensors.index.json"
@@ -323,7 +331,7 @@ def test_index_naming_a_tensor_its_shard_lacks(tmp_path: Path,
         load_checkpoint(tmp_path)
 
 
-def _broken(tmp_path: Path, edit) -> Path:  # noqa: ANN001
+def _broken(tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]], Any]) -> Path:
     cfg = preset("kimi-linear-tiny")
     weights = random_weights(cfg, seed=8, dtype=torch.float32)
     edit(weights)
@@ -378,7 +386,7 @@ def test_check_weights() -> None:
             tw["model.embed_tokens.weight"])})
 
 
-def test_reference_refuses_incomplete_weights(reference_model) -> None:  # noqa: ANN001
+def test_reference_refuses_incomplete_weights(reference_model: Any) -> None:
     cfg = preset("qwen3.5-tiny")
     weights = random_weights(cfg, dtype=torch.float32)
     weights.pop("model.norm.weight")
@@ -387,8 +395,8 @@ def test_reference_refuses_incomplete_weights(reference_model) -> None:  # noqa:
 
 
 # ---- memory: one tensor at a time ----------------------------------------------------------------
-def test_conversion_is_tensor_by_tensor(tmp_path: Path, monkeypatch,
-                                        dense_hf_model) -> None:  # noqa: ANN001
+def test_conversion_is_tensor_by_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        dense_hf_model: MakeHF) -> None:
     """When each raw tensor is read, every earlier raw (unconverted) tensor is already freed.
 
     A loader that read the whole checkpoint (or a whole shard) before converting it would hold
@@ -401,20 +409,20 @@ def test_conversion_is_tensor_by_tensor(tmp_path: Path, monkeypatch,
     alive_at_read: list[int] = []
 
     class SpyFile:
-        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._cm = real_open(*args, **kwargs)
 
         def __enter__(self) -> SpyFile:
             self._f = self._cm.__enter__()
             return self
 
-        def __exit__(self, *exc) -> None:  # noqa: ANN002
+        def __exit__(self, *exc: object) -> None:
             self._cm.__exit__(*exc)
 
         def keys(self) -> list[str]:
             return self._f.keys()
 
-        def get_slice(self, name: str):  # noqa: ANN201
+        def get_slice(self, name: str) -> Any:
             return self._f.get_slice(name)
 
         def get_tensor(self, name: str) -> torch.Tensor:
@@ -423,7 +431,7 @@ def test_conversion_is_tensor_by_tensor(tmp_path: Path, monkeypatch,
             raw.append(weakref.ref(t))
             return t
 
-    def no_bulk(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def no_bulk(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the loader must not read whole files at once")
 
     monkeypatch.setattr(safetensors, "safe_open", SpyFile)
@@ -630,7 +638,7 @@ def _deep(fam: str, vocab: int, eps: float, rope: RopeConfig, head_dim: int) -> 
 
 
 @pytest.mark.parametrize("fam", DENSE)
-def test_random_depth_stability_in_transformers(fam: str, dense_hf_model) -> None:  # noqa: ANN001
+def test_random_depth_stability_in_transformers(fam: str, dense_hf_model: MakeHF) -> None:
     """32 layers, tiny width: the residual stream's RMS stays in a band after every layer."""
     cfg = _deep(fam, 256, 1e-5, RopeConfig(1e4), 16)
     model = dense_hf_model(cfg)
@@ -650,7 +658,7 @@ def test_random_depth_stability_in_transformers(fam: str, dense_hf_model) -> Non
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
-def test_random_depth_stability_in_reference(mode: str, reference_model) -> None:  # noqa: ANN001
+def test_random_depth_stability_in_reference(mode: str, reference_model: Any) -> None:
     """The reference on 32 layers of random weights: finite logits that depend on the prompt.
     (head_dim 64: the smallest the reference and the kernel support.)"""
     cfg = _deep("qwen3", 512, 1e-6, RopeConfig(1e6), 64)
@@ -687,7 +695,7 @@ def test_random_weights_accept_a_real_preset_shape() -> None:
 
 
 # ---- load_model ----------------------------------------------------------------------------------
-def test_load_model_preset_and_directory(tmp_path: Path, dense_hf_model) -> None:  # noqa: ANN001
+def test_load_model_preset_and_directory(tmp_path: Path, dense_hf_model: MakeHF) -> None:
     cfg, w = load_model("llama-tiny", seed=4)
     assert cfg is presets()["llama-tiny"]
     ref = random_weights(cfg, 4)

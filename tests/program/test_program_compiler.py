@@ -155,7 +155,7 @@ def test_real_hybrid_plans_verify_with_64_bit_state_offsets() -> None:
     check_program(prog)
 
 
-# ---- shapes real checkpoints have -----------------------------------------------------------------
+# ---- shapes real checkpoints have ----------------------------------------------------------------
 def test_any_vocab_size_is_served() -> None:
     cfg = preset("llama-tiny").replace(vocab_size=1001)  # not a multiple of 16
     prog = compile_program(cfg, 2, TOY)

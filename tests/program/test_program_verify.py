@@ -95,7 +95,8 @@ def test_hybrid_programs_are_checked_alike() -> None:
         check_program(prog, rec)
     # a recurrent unit run twice
     rec = prog.records().clone()
-    (s, p), (s2, p2) = ((rec[:, :, 0] == Op.KDA_REPLAY) & (rec[:, :, 5] == 0)).nonzero()[:2].tolist()
+    first_layer = (rec[:, :, 0] == Op.KDA_REPLAY) & (rec[:, :, 5] == 0)
+    (s, p), (s2, p2) = first_layer.nonzero()[:2].tolist()
     rec[s2, p2, 6:8] = rec[s, p, 6:8]  # B_IDX, HEAD of the first one
     with pytest.raises(ProgramError, match="exactly once"):
         check_program(prog, rec)

@@ -83,3 +83,54 @@ def test_layer_registry_covers_every_kind():
         assert cls.kind == kind and layer_class(kind) is cls
     with pytest.raises(KeyError, match="no reference layer for kind 'nope'"):
         layer_class("nope")
+
+
+def test_cache_of_another_model_is_refused():
+    """Every step checks the cache against the model, layer by layer, before writing anything."""
+    q35 = presets()["qwen3.5-tiny"]
+    w = random_weights(q35, 0, dtype=torch.float32)
+    fp32, bf16 = ReferenceModel(q35, w, "fp32"), ReferenceModel(q35, w, "bf16")
+    kimi = presets()["kimi-linear-tiny"]
+    other = ReferenceModel(kimi, random_weights(kimi, 0, dtype=torch.float32))
+    tok = torch.tensor([[1]])
+    with pytest.raises(ReferenceError, match=r"cache has layers \[0, 1, 2\], the model caches "
+                                             r"layers \[0, 1, 2, 3\]"):
+        fp32.decode(other.new_cache(1, 8), tok)
+    with pytest.raises(ReferenceError, match=r"layer 2: cache dtype torch.float32 does not match "
+                                             r"torch.bfloat16 \(bf16 mode\): cache k"):
+        bf16.decode(fp32.new_cache(1, 8), tok)
+    cache = fp32.new_cache(1, 8)
+    cache.layers[0].state = cache.layers[0].state.to(torch.bfloat16)
+    with pytest.raises(ReferenceError, match=r"layer 0: cache dtype torch.bfloat16 does not "
+                                             r"match torch.float32 \(recurrent state is fp32"):
+        fp32.decode(cache, tok)
+    with pytest.raises(ReferenceError, match="cache must be a reference Cache"):
+        fp32.decode(object(), tok)  # type: ignore[arg-type]
+    with pytest.raises(ReferenceError, match="layer 2 is not a recurrent layer"):
+        fp32.recurrent_state(fp32.new_cache(1, 8), 2)
+
+
+def test_speculative_steps_on_a_dense_model():
+    """verify + commit also serve a model without recurrent layers: the KV slots of rejected
+    drafts are overwritten by the next step, so it equals decoding only the kept tokens."""
+    cfg = presets()["llama-tiny"]
+    w = random_weights(cfg, 5, dtype=torch.float32)
+    spec, plain = ReferenceModel(cfg, w, replay_window=4), ReferenceModel(cfg, w)
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6]]
+    cs, cp = spec.new_cache(2, 32), plain.new_cache(2, 32)
+    spec.prefill(cs, prompts)
+    plain.prefill(cp, prompts)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(4):
+        tokens = torch.randint(cfg.vocab_size, (2, 3), generator=g)
+        accepted = torch.randint(0, 3, (2,), generator=g)
+        logits = spec.verify(cs, tokens)
+        spec.commit(cs, accepted)
+        for b in range(2):
+            kept = tokens[b : b + 1, : int(accepted[b]) + 1]
+            want = plain.decode(cp.row(b), kept)[0]
+            torch.testing.assert_close(logits[b, : kept.shape[1]], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cs.lengths, cp.lengths)
+    tail = plain.decode(cp, torch.tensor([[7], [8]]))
+    torch.testing.assert_close(spec.decode(cs, torch.tensor([[7], [8]])), tail, rtol=1e-5,
+                               atol=1e-5)
