@@ -51,10 +51,10 @@ from megakernel.program.gpus import GPU, gpu  # noqa: E402
 from megakernel.program.pack import weight_layout  # noqa: E402
 from megakernel.program.stages import PlanError  # noqa: E402
 
-# a cost-model compile places every instruction on a simulated timeline: ~0.4 ms each, so Kimi
-# Linear's 256 experts x 8 slabs x 26 layers (~120k instructions at batch 1, more per row) take
-# about a minute at batch 1 and much longer above; the dense-MLP hybrids stay under 20k at
-# batch 1 (~50 s at batch 256)
+# a cost-model compile places every instruction on a simulated timeline. Kimi Linear's 256
+# experts x 8 slabs x 26 layers are ~116k instructions already at batch 1 (1.5-2.5 min per compile
+# on a shared 2-core machine, more at larger batches); the dense-MLP hybrids have 9k-17k at batch 1
+# and up to 123k at batch 256 (30-55 s)
 SLOW_INSTRUCTIONS = 50_000
 MAX_BATCH = isa.MAX_ROWS
 KINDS = ("weights", "per_seq_weights", "expert", "kv", "state_read", "state_written", "ring",
@@ -140,18 +140,27 @@ def analytic_bytes(base: Program, batch: int, tokens: int = 1,
     batch (normally batch 1 without the cost model).
 
     Matrix slabs do not depend on the batch; MoE expert slabs are re-weighted for N = batch *
-    tokens rows exactly as the compiler weights them. Everything else the accounting derives from
-    the configuration (and the cached context, which is the base program's).
+    tokens rows exactly as the compiler weights them (rounded down per instruction). The
+    accounting only sums the slabs' bytes per opcode, so the stand-in holds one pseudo-instruction
+    per opcode; everything else it derives from the configuration (and the cached context, which
+    is the base program's).
     """
     n = batch * tokens
-    instrs = []
+    slab: dict[int, int] = {}  # op -> bytes of its slabs
+    experts: dict[int, float] = {}  # expert -> share
     for ins in base.instrs:
-        w = ins.w_bytes
         s = isa.spec(ins.op)
-        if s.slab and s.kind == "moe":
+        if not s.slab:
+            continue
+        w = ins.w_bytes
+        if s.kind == "moe":
+            x = ins.operands["EXPERT"]
+            if x not in experts:
+                experts[x] = expert_share(base.cfg, x, n)
             full = ins.operands["NROWS"] * ins.operands["K"] * 2  # bf16 slab
-            w = int(full * expert_share(base.cfg, ins.operands["EXPERT"], n))
-        instrs.append(SimpleNamespace(op=ins.op, w_bytes=w))
+            w = int(full * experts[x])  # rounded per instruction, as the compiler does
+        slab[ins.op] = slab.get(ins.op, 0) + w
+    instrs = [SimpleNamespace(op=op, w_bytes=w) for op, w in slab.items()]
     stand_in = _step(base.cfg, batch, tokens, base.context, replay_window, instrs)
     return integral(step_bytes_by_category(stand_in))
 
@@ -254,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None, help="cached tokens (default 1024)")
     ap.add_argument("--compile-max-batch", type=int, default=None,
                     help="largest batch compiled with the cost model; above it rows are "
-                         f"analytic (default {MAX_BATCH}; 1 for programs of more than "
-                         f"{SLOW_INSTRUCTIONS} instructions, i.e. Kimi Linear)")
+                         f"analytic (default {MAX_BATCH}; 1 for models whose batch-1 program has "
+                         f"more than {SLOW_INSTRUCTIONS} instructions, i.e. Kimi Linear)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     if args.replay_window < 1:

@@ -1,4 +1,4 @@
-"""Plan every real preset on every GPU description at B in {1, 8, 64}; print a markdown table.
+"""Plan every real dense preset on every GPU description at B in {1, 8, 64}; print a markdown table.
 
 For each: plan (compile + schedule) time, the predicted step time, the copy-bandwidth floor,
 the predicted efficiency (floor / predicted) and the round-robin schedule's prediction for
@@ -22,12 +22,15 @@ from megakernel.program.compiler import compile_program  # noqa: E402
 from megakernel.program.gpus import GPUS, gpu  # noqa: E402
 from megakernel.program.verify import check_program  # noqa: E402
 
-DENSE = ("llama", "qwen3", "qwen2")  # bench/hybrid.py covers the hybrid families
+
+def dense_presets() -> list[str]:
+    """The real presets without recurrent layers (bench/hybrid.py covers the others)."""
+    return [n for n in real_presets() if not preset(n).recurrent_layers()]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(n for n in real_presets() if preset(n).family in DENSE))
+    ap.add_argument("--models", default=",".join(dense_presets()))
     ap.add_argument("--gpus", default=",".join(GPUS))
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--context", type=int, default=None, help="cached tokens (default 1024)")

@@ -2,9 +2,10 @@
 
 Without a GPU it walks the ladder as far as a CPU can: (1) plan a real model's decode step for an
 H200 and print the cost model's prediction against the bandwidth floor; (2) run the program on the
-CPU executor next to the torch reference (bf16 mirror) on the tiny presets and compare tokens;
-(3) AOT-compile the kernel for sm_90a and sm_100a and print the resource report read from the
-cubins. With a CUDA GPU it also runs the kernel and prints tokens/s next to the reference's.
+CPU executor next to the torch reference (bf16 mirror) on tiny presets of two dense families and a
+hybrid one (`EXECUTOR_MODELS`) and compare tokens; (3) AOT-compile the kernel for sm_90a and
+sm_100a and print the resource report read from the cubins. With a CUDA GPU it also runs the
+kernel and prints tokens/s next to the reference's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 DEFAULT_PROMPTS = [[5, 17, 3, 101, 42], [7, 1, 30], [11, 12, 13, 14, 15, 16, 17]]
+EXECUTOR_MODELS = ("llama-tiny", "qwen3-tiny", "qwen3.5-tiny")  # Qwen3.5: GDN + gated attention
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +52,7 @@ def _executor_vs_reference(steps: int) -> list[dict[str, Any]]:
     from reference.model import generate as reference_generate
 
     out = []
-    for name in ("llama-tiny", "qwen3-tiny", "qwen3.5-tiny"):
+    for name in EXECUTOR_MODELS:
         cfg = preset(name)
         w = random_weights(cfg, seed=0)
         t0 = time.perf_counter()

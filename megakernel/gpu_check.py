@@ -81,7 +81,6 @@ def variants() -> tuple[tuple[str, int | None], ...]:
     return (("default", None), ("global", 0))
 
 
-
 def variant_dir(build_dir: str | Path, name: str) -> Path:
     """Build set of a variant: the default one is build_dir itself (what `Megakernel` finds)."""
     return Path(build_dir) if name == "default" else Path(build_dir) / name
@@ -91,9 +90,9 @@ def prepare(build_dir: str | Path, archs: list[str], cases=CASES) -> tuple[list[
     """Build every case for every arch and variant; a build that fails (or a variant whose spec
     cannot serve a case) is reported and skipped: it does not stop the others. Returns the
     manifests and the failures ('variant case arch: error')."""
-    from megakernel.models import preset
     from megakernel.kernel.build import build_arch
     from megakernel.kernel.spec import make_spec
+    from megakernel.models import preset
 
     out, failed = [], []
     done = set()
@@ -191,10 +190,10 @@ def common_prefix(kernel_tokens: list[int], ref_tokens: list[int], ref_margins: 
 def run_case(c: Case, build_dir: Path, seed: int = 0) -> dict[str, Any]:
     import torch
 
-    from megakernel.models import preset
     from megakernel.kernel.spec import KernelSpec
-    from megakernel.torch_op import Megakernel
+    from megakernel.models import preset
     from megakernel.models.weights import random_weights
+    from megakernel.torch_op import Megakernel
     from reference.model import ReferenceModel
 
     t0 = time.perf_counter()
@@ -361,8 +360,8 @@ def bench_case(c: Case, build_dir: Path, copy_bw: float, replays: int = 50) -> d
     import torch
 
     from megakernel.models import preset
-    from megakernel.torch_op import Megakernel
     from megakernel.models.weights import random_weights
+    from megakernel.torch_op import Megakernel
 
     cfg = preset(c.model)
     mk = Megakernel(cfg, random_weights(cfg, seed=1), batch=c.batch, tokens=1,
@@ -404,8 +403,8 @@ def bench_case(c: Case, build_dir: Path, copy_bw: float, replays: int = 50) -> d
 # ---- driver -------------------------------------------------------------------------------------
 def _have_build(build_dir: Path, c: Case, arch: str) -> bool:
     """`build_dir` (one variant's build set) has this case's build for `arch`."""
-    from megakernel.models import preset
     from megakernel.kernel.spec import make_spec
+    from megakernel.models import preset
 
     tag = make_spec(preset(c.model), c.batch, c.tokens, arch).tag
     return (build_dir / tag / arch / "manifest.json").is_file()

@@ -180,6 +180,18 @@ class DeviceState:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in TENSORS}
 
+    def load_cache(self, cache) -> None:  # noqa: ANN001 (reference.model.Cache)
+        """Copy a reference cache (bf16 mode) into the KV cache and the lengths: what the first
+        kernel step reads after a prefill by the reference."""
+        k, v = cache.attention_kv()  # [attention layers, B, Hkv, S, D] each
+        if k.shape[3] > self.k_cache.shape[3] or k.shape[:3] != self.k_cache.shape[:3]:
+            raise ArgumentError(f"the reference cache {tuple(k.shape)} does not fit the "
+                                f"kernel's KV cache {tuple(self.k_cache.shape)}")
+        s = k.shape[3]
+        self.k_cache[:, :, :, :s].copy_(k)
+        self.v_cache[:, :, :, :s].copy_(v)
+        self.region("i32", "lengths").copy_(cache.lengths.to(torch.int32))
+
 
 def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # noqa: ANN001
                    device: str | torch.device) -> DeviceState:
@@ -219,7 +231,8 @@ class Megakernel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], batch: int,
                  tokens: int = 1, max_seq_len: int | None = None,
-                 build_dir: str | Path | None = None, device: str | torch.device = "cuda"):
+                 build_dir: str | Path | None = None, device: str | torch.device = "cuda",
+                 replay_window: int | None = None):
         _require_gpu()
         from megakernel.program.compiler import compile_program
         from megakernel.program.gpus import from_device
@@ -232,7 +245,7 @@ class Megakernel:
         self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir)
         self.kernel_id = register_build(self.manifest)
         self.prog = compile_program(cfg, batch, from_device(self.device.index), tokens=tokens,
-                                    max_seq_len=max_seq_len)
+                                    max_seq_len=max_seq_len, replay_window=replay_window)
         self.max_seq_len = self.prog.max_seq_len
         check_records(self.prog.records(), self.manifest.spec)
         self.state = allocate_state(cfg, weights, self.prog, self.device)
@@ -260,11 +273,8 @@ class Megakernel:
         ref = ReferenceModel(self.cfg, self._weights_hf, mode="bf16", device=self.device)
         cache = ref.new_cache(self.batch, self.max_seq_len)
         logits = ref.prefill(cache, prompts)  # [B, V] fp32
-        k, v = cache.stacked_kv()  # [attention layers, B, Hkv, S_max, D] each
-        self.k_cache.copy_(k)
-        self.v_cache.copy_(v)
+        self.state.load_cache(cache)
         self.lengths = [int(x) for x in cache.lengths.tolist()]
-        self._region("i32", "lengths").copy_(cache.lengths.to(torch.int32))
         return _greedy(logits)
 
     def step(self, tokens: torch.Tensor | None = None, return_logits: bool = False
@@ -307,14 +317,21 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def generate(cfg: ModelConfig, weights: dict[str, torch.Tensor], prompts: list[list[int]],
              steps: int, max_seq_len: int | None = None, seed: int = 0,
-             build_dir: str | Path | None = None) -> list[list[int]]:
-    """Greedy generation for `--backend kernel`: new tokens per prompt (prompt excluded)."""
+             build_dir: str | Path | None = None, replay_window: int | None = None
+             ) -> list[list[int]]:
+    """Greedy generation for `--backend kernel`: new tokens per prompt (prompt excluded).
+
+    What the kernel cannot run (opcodes without a device handler, e.g. every recurrent kind) is
+    refused first, by name, on any machine; then the GPU is required."""
+    from megakernel.kernel.spec import check_kernel_support
+
     del seed  # the kernel is deterministic; kept for the backend signature
+    check_kernel_support(cfg)  # SpecError (a user error): before asking for a GPU
     _require_gpu()
     if not prompts:
         raise ArgumentError("no prompts given")
     if max_seq_len is None:
         max_seq_len = max(len(p) for p in prompts) + max(steps, 1)
     mk = Megakernel(cfg, weights, batch=len(prompts), tokens=1, max_seq_len=max_seq_len,
-                    build_dir=build_dir)
+                    build_dir=build_dir, replay_window=replay_window)
     return mk.generate(prompts, steps)

@@ -1,4 +1,6 @@
-"""`generate` on hybrid models: recurrent and ReplaySSM give the same greedy tokens."""
+"""`generate` for every model family: the reference and the CPU executor agree token for token
+(recurrent update and ReplaySSM), --replay-window only where there are recurrent layers, and the
+kernel backend refuses, by name, what it has no device handlers for."""
 
 from __future__ import annotations
 
@@ -7,6 +9,11 @@ import json
 import pytest
 
 from megakernel import cli
+from megakernel.models import FAMILIES, preset
+
+DENSE = ("llama-tiny", "qwen3-tiny", "qwen2-tiny")
+RECURRENT = ("qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny")
+PROMPTS = "5,17,3,101;7,1"  # a ragged batch of two
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -15,48 +22,117 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-@pytest.mark.parametrize("model", ["qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"])
+def _json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_every_family_has_a_tiny_preset_here():
+    assert {preset(m).family for m in DENSE + RECURRENT} == set(FAMILIES)
+    assert all(preset(m).recurrent_layers() for m in RECURRENT)
+    assert not any(preset(m).recurrent_layers() for m in DENSE)
+
+
+@pytest.mark.parametrize("model", RECURRENT)
 def test_replay_window_matches_recurrent(capsys, model):
-    args = ("generate", "--model", model, "--prompt-ids", "5,17,3,101;7,1", "--steps", "6",
+    args = ("generate", "--model", model, "--prompt-ids", PROMPTS, "--steps", "6",
             "--dtype", "fp32", "--json")
     rc, out, _ = _run(capsys, *args)
     assert rc == 0
-    recurrent = json.loads(out.strip().splitlines()[-1])
+    recurrent = _json(out)
     rc, out, _ = _run(capsys, *args, "--replay-window", "4")
     assert rc == 0
-    replay = json.loads(out.strip().splitlines()[-1])
+    replay = _json(out)
     assert replay["replay_window"] == 4 and recurrent["replay_window"] == 0
     assert [len(t) for t in replay["tokens"]] == [6, 6]
     assert replay["tokens"] == recurrent["tokens"]
 
 
-def test_replay_window_on_dense_model_is_refused(capsys):
-    rc, _, err = _run(capsys, "generate", "--model", "llama-tiny", "--replay-window", "4")
-    assert rc == 2 and "hybrid models only" in err
-
-
-def test_hybrid_on_unsupported_backend_is_refused(capsys):
-    for model in ("qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"):
-        rc, _, err = _run(capsys, "generate", "--model", model, "--backend", "kernel")
-        assert rc == 2 and "does not serve hybrid models" in err
-
-
-@pytest.mark.parametrize("model, window", [("qwen3.5-tiny", None), ("qwen3.5-tiny", "3"),
-                                           ("nemotron-h-tiny", "2"), ("kimi-linear-tiny", None),
-                                           ("kimi-linear-tiny", "2")])
+@pytest.mark.parametrize("model, window", [(m, None) for m in DENSE + RECURRENT]
+                         + [("qwen3.5-tiny", "3"), ("nemotron-h-tiny", "2"),
+                            ("kimi-linear-tiny", "2")])
 def test_cpu_executor_matches_reference(capsys, model, window):
-    args = ("generate", "--model", model, "--prompt-ids", "5,17,3,101;7,1", "--steps",
-            "5", "--json")
+    args = ("generate", "--model", model, "--prompt-ids", PROMPTS, "--steps", "5", "--json")
     extra = () if window is None else ("--replay-window", window)
-    rc, out, _ = _run(capsys, *args, *extra)
-    assert rc == 0
-    ref = json.loads(out.strip().splitlines()[-1])
-    rc, out, _ = _run(capsys, *args, *extra, "--backend", "cpu-executor")
-    assert rc == 0
-    ex = json.loads(out.strip().splitlines()[-1])
-    assert ex["backend"] == "cpu-executor" and ex["replay_window"] == int(window or 0)
+    rc, out, err = _run(capsys, *args, *extra, "--backend", "reference")
+    assert rc == 0, err
+    ref = _json(out)
+    rc, out, err = _run(capsys, *args, *extra, "--backend", "cpu-executor")
+    assert rc == 0, err
+    ex = _json(out)
+    assert ref["backend"] == "reference" and ex["backend"] == "cpu-executor"
+    assert ex["replay_window"] == ref["replay_window"] == int(window or 0)
     assert [len(t) for t in ex["tokens"]] == [5, 5]
     assert ex["tokens"] == ref["tokens"]
+
+
+def test_reference_backend_gets_the_replay_window(capsys, monkeypatch):
+    """--replay-window reaches the reference model (its ReplaySSM and recurrent tokens agree,
+    so the tokens alone would not show a window that was dropped)."""
+    import reference.model
+
+    seen = []
+
+    class Spy(reference.model.ReferenceModel):
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            seen.append(kwargs.get("replay_window"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(reference.model, "ReferenceModel", Spy)
+    for extra, want in (((), None), (("--replay-window", "3"), 3), (("--replay-window", "0"),
+                                                                       None)):
+        rc, _, err = _run(capsys, "generate", "--model", "qwen3.5-tiny", "--steps", "2", *extra)
+        assert rc == 0, err
+        assert seen.pop() == want and not seen
+
+
+def test_cpu_executor_backend_compiles_the_replay_window(capsys, monkeypatch):
+    """--replay-window reaches the executor's program (a dropped window would still give the
+    reference's tokens: ReplaySSM and the recurrent update agree)."""
+    import megakernel.program.compiler as compiler
+
+    seen = []
+    real = compiler.compile_program
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        prog = real(*args, **kwargs)
+        seen.append((prog.replay_window, prog.buffers.ring_cap))
+        return prog
+
+    monkeypatch.setattr(compiler, "compile_program", spy)
+    for extra, want in (((), (None, 0)), (("--replay-window", "3"), (3, 3))):
+        rc, _, err = _run(capsys, "generate", "--model", "nemotron-h-tiny", "--steps", "2",
+                          "--backend", "cpu-executor", *extra)
+        assert rc == 0, err
+        assert seen.pop() == want and not seen
+
+
+@pytest.mark.parametrize("model", DENSE)
+@pytest.mark.parametrize("backend", ["reference", "cpu-executor"])
+def test_replay_window_on_dense_model_is_refused(capsys, model, backend):
+    rc, _, err = _run(capsys, "generate", "--model", model, "--backend", backend,
+                      "--replay-window", "4")
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith("error: --replay-window applies to models with recurrent layers; "
+                          f"'{model}' has none")
+    # 0 is the recurrent update, which every model runs
+    rc, _, err = _run(capsys, "generate", "--model", model, "--backend", backend, "--steps", "2",
+                      "--replay-window", "0")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("model, missing", [
+    ("qwen3.5-tiny", "GDN_CORE, GDN_REPLAY, PROJ"),
+    ("kimi-linear-tiny", "EXPERT_DOWN, EXPERT_GATEUP, KDA_CORE, KDA_REPLAY, MLA, MOE_COMBINE, "
+                         "PROJ, ROUTER"),
+    ("nemotron-h-tiny", "MAMBA_CORE, MAMBA_REPLAY, PROJ, UP_RELU2"),
+])
+def test_kernel_backend_names_the_missing_device_handlers(capsys, model, missing):
+    """Refused before any GPU is looked for (the same answer on a CPU and a GPU machine)."""
+    for extra in ((), ("--replay-window", "3")):
+        rc, _, err = _run(capsys, "generate", "--model", model, "--backend", "kernel", *extra)
+        assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert err.startswith(f"error: the kernel has no device handlers for {missing} yet")
+        assert "the CPU executor runs its program" in err
 
 
 def test_unknown_model_lists_both_kinds_of_preset(capsys):

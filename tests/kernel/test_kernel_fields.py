@@ -126,10 +126,15 @@ def test_field_helpers_follow_the_registry(monkeypatch):
 
 def test_shared_words_must_agree(monkeypatch):
     """A handled slab opcode with its slab fields elsewhere cannot be streamed by the loader and
-    the lookahead, which read those words without decoding the opcode: refused."""
-    fake = registry.OpSpec(99, "FAKE_SLAB", "frame", "test", (
-        ("PAD", ""), ("W_LO", ""), ("W_HI", ""), ("NROWS", ""), ("K", "")), slab=True,
-        device=True)
+    the lookahead, which read those words without decoding the opcode: refused by the registry
+    (a slab opcode is a matvec opcode) and, should one slip through, by the kernel's tables."""
+    shuffled = (("PAD", ""), ("W_LO", ""), ("W_HI", ""), ("NROWS", ""), ("K", ""))
+    with pytest.raises(ValueError, match="a slab opcode is a matvec opcode"):
+        registry.OpSpec(99, "FAKE_SLAB", "frame", "test", shuffled, slab=True, device=True)
+    fake = registry.OpSpec(99, "FAKE_SLAB", "frame", "test", registry.MATVEC, slab=True,
+                           matvec="relu2", device=True)  # an epilogue the kernel does not have
+    object.__setattr__(fake, "operands", shuffled)  # a registry bug the kernel must still catch
+    object.__setattr__(fake, "names", tuple(n for n, _ in shuffled))
     monkeypatch.setitem(registry._SPECS, 99, fake)
     with pytest.raises(FieldError, match="operand W_LO is not at one word"):
         slab_word("W_LO")

@@ -375,6 +375,7 @@ def check_recurrent_stages(model: ModelConfig, blk: Block, window: int | None, c
     units = kd.units(c)
     assert (cr.op, cr.units, cr.divisible) == (op, 3 * units, False)
     buf, row = ctx.buf, ctx.buf.row("rec", blk.layer)
+    assert row == model.recurrent_layers().index(blk.layer)  # rows in block order
     for u in (0, 3 * units - 1):
         d = cr.make(u, u + 1).operands
         assert (d["B_IDX"], d[kd.unit_name]) == divmod(u, units)
@@ -408,6 +409,10 @@ def check_recurrent_program(name: str, kind_name: str, window: int | None, core:
         check_cover(prog, blk)
         check_slab_bytes(prog, blk)
         check_read_bytes(prog, blk)
+        # a core streams its share of the packed conv vector (taps and per-kind extras): the
+        # whole vector once per sequence
+        conv = math.prod(prog.layout[f"{blk.key}.conv"].shape)
+        assert kind(kind_name).step_bytes(blk, prog)["weights"] == prog.batch * conv * 2
 
 
 def check_replay_writes_the_state_once_per_window(name: str, kind_name: str, tokens: int

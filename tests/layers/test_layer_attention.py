@@ -27,6 +27,7 @@ from tests.layers.helpers import (
     blocks_of,
     build_context,
     check_cover,
+    check_flow,
     check_pack_keys,
     check_read_bytes,
     check_roles,
@@ -106,26 +107,23 @@ def test_qkv_rows_are_whole_heads_grouped_by_kv_head(cfg: ModelConfig, blk: Bloc
     d, g_size = c.head_dim, c.group_size
     per_head = 2 if c.output_gate else 1  # q_proj rows per head: [q | gate]
 
-    def heads(kind_: str, ext: str) -> list[torch.Tensor]:
+    def heads(ext: str) -> torch.Tensor:
+        """The packed rows of q_proj, k_proj, v_proj `.{ext}`, head by head."""
         q, k, v = (w[f"{p}_proj.{ext}"] for p in "qkv")
         out = []
         for g in range(c.num_kv_heads):
-            for j in range(g_size):
-                h = g * g_size + j
-                out.append(q[h * per_head * d:][:d])
-            if kind_ == "gated":
-                for j in range(g_size):
-                    h = g * g_size + j
-                    out.append(q[h * per_head * d + d:][:d])
+            group = range(g * g_size, (g + 1) * g_size)
+            out += [q[h * per_head * d:][:d] for h in group]  # the q heads
+            if c.output_gate:
+                out += [q[h * per_head * d + d:][:d] for h in group]  # their gate heads
             out += [k[g * d:][:d], v[g * d:][:d]]
-        return out
+        return torch.cat(out)
 
-    flavour = "gated" if c.output_gate else "plain"
-    assert torch.equal(packed["qkv"], torch.cat(heads(flavour, "weight")))
+    assert torch.equal(packed["qkv"], heads("weight"))
     assert packed["qkv"].shape[0] == c.qkv_rows == c.num_kv_heads * c.slots * d
     assert torch.equal(packed["o"], w["o_proj.weight"])
     if c.qkv_bias:
-        assert torch.equal(packed["qkv_bias"], torch.cat(heads(flavour, "bias")))
+        assert torch.equal(packed["qkv_bias"], heads("bias"))
     if c.qk_norm:
         assert torch.equal(packed["qk_norm"], torch.stack((w["q_norm.weight"],
                                                            w["k_norm.weight"])))
@@ -211,10 +209,8 @@ def hf_rope(cfg: ModelConfig, s_max: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- program -------------------------------------------------------------------------------------
 def test_flow_is_registered_to_attention_or_the_frame() -> None:
-    assert ATT.flow == {"QKV": None, "ATTN_PARTIAL": "QKV", "OPROJ": "ATTN_PARTIAL"}
-    assert ATT.out_op == "OPROJ"
-    for name in ATT.flow:
-        assert isa.spec(getattr(isa.Op, name)).kind in ("attention", "frame")
+    check_flow("attention", {"QKV": None, "ATTN_PARTIAL": "QKV", "OPROJ": "ATTN_PARTIAL"},
+               "OPROJ")
     assert isa.spec(isa.Op.ATTN_PARTIAL).ticket
 
 
@@ -271,15 +267,14 @@ def test_check_record_refuses_a_qkv_slab_across_kv_groups() -> None:
     ATT.check_record({**d, "ROW0": group, "NROWS": group}, blk, prog, "here")  # group 1
     part = next(r for r in block_records(prog, blk) if r["OPCODE"].name == "ATTN_PARTIAL")
     ATT.check_record({**part, "ROW0": 16, "NROWS": 1}, blk, prog, "here")  # not a QKV record
-    # and the verifier asks the kind: a slab across groups in an encoded program is refused
+    # and the verifier asks the kind: a group-0 slab stretched into group 1 is refused by name
     rec = prog.records().clone()
-    for s, q in enumerate(rec.tolist()):
-        for p, r in enumerate(q):
-            if r[0] == isa.Op.QKV and isa.decode(r)["ROW0"] == group - 2 * c.head_dim:
-                rec[s, p, isa.field_index(isa.Op.QKV, "NROWS")] = 3 * c.head_dim
-    if not torch.equal(rec, prog.records()):
-        with pytest.raises(ProgramError, match="crosses kv groups"):
-            check_program(prog, rec)
+    s, p = next((s, p) for s, q in enumerate(rec.tolist()) for p, r in enumerate(q)
+                if r[0] == isa.Op.QKV and r[5] == blk.layer and isa.decode(r)["ROW0"] < group)
+    row0 = int(rec[s, p, isa.field_index(isa.Op.QKV, "ROW0")])
+    rec[s, p, isa.field_index(isa.Op.QKV, "NROWS")] = group - row0 + c.head_dim
+    with pytest.raises(ProgramError, match="QKV slab crosses kv groups"):
+        check_program(prog, rec)
 
 
 # ---- cost ----------------------------------------------------------------------------------------

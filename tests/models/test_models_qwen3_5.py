@@ -86,7 +86,7 @@ def test_tiny_preset_spelled_out() -> None:
                                                                   "gdn", "swiglu"]
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3.5-0.8b", "qwen3.5-4b"])
+@pytest.mark.parametrize("name", sorted(family("qwen3_5").presets()))
 def test_transformers_reads_partial_rope_alike(name: str, hf_config: Callable[..., Any]) -> None:
     cfg = preset(name)
     hf = hf_config(cfg)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakernel.config import preset
+from megakernel import isa
 from megakernel.kernel.spec import PARAMS, make_spec
 from megakernel.kernel.tools import ToolError, parse_ptx_entries, parse_ptx_entry
-from megakernel.program import isa
+from megakernel.models import preset
 from megakernel.runtime import (
     ArgumentError,
     DeviceInfo,
@@ -30,7 +30,7 @@ from megakernel.runtime import (
     validate_args,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def manifest_dict(arch: str = "sm_90a", batch: int = 2, tokens: int = 1,
@@ -253,7 +253,7 @@ def _first(records: torch.Tensor, op: int) -> tuple[int, int]:
 
 
 def test_check_records_refuses_a_program_for_another_model_or_a_broken_slab():
-    from megakernel.program.isa import Op, field_index
+    from megakernel.isa import Op, field_index
 
     spec = manifest_dict(batch=2, tokens=1, model="llama-tiny")["spec"]
     recs = _program().records()

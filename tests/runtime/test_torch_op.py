@@ -13,12 +13,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import megakernel.torch_op as op
-from megakernel.config import preset
+from megakernel.models import preset
 from megakernel.runtime import ArgumentError, KernelUnavailable, Manifest
-from tests.test_runtime import manifest_dict, tensors
+from tests.runtime.test_runtime import manifest_dict, tensors
 
-REPO = Path(__file__).resolve().parents[1]
-S_MAX = 32  # tests.test_runtime.tensors' cache length
+REPO = Path(__file__).resolve().parents[2]
+S_MAX = 32  # tests.runtime.test_runtime.tensors' cache length
 OFFSETS = [128, 64, 0, S_MAX]  # lengths, tokens_out (i32); logits (f32); the program's S_MAX
 
 
@@ -117,7 +117,7 @@ def test_compiled_op_reaches_the_real_checks_on_cpu(kid):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
 def test_kernel_backend_without_gpu_is_a_clear_error():
-    from megakernel.weights import random_weights
+    from megakernel.models.weights import random_weights
 
     cfg = preset("llama-tiny")
     with pytest.raises(KernelUnavailable, match="needs an sm_90a .* CUDA GPU"):
@@ -129,14 +129,17 @@ def test_kernel_backend_without_gpu_is_a_clear_error():
     assert r.stderr.startswith("error: the kernel backend needs") and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("model,batch,tokens", [("llama-tiny", 2, 1), ("qwen3-tiny", 3, 2)])
+@pytest.mark.parametrize("model,batch,tokens", [("llama-tiny", 2, 1), ("qwen3-tiny", 3, 2),
+                                                ("qwen2-tiny", 2, 1)])
 def test_host_state_on_cpu_matches_the_build_and_the_executor(model, batch, tokens):
-    """The buffers Megakernel hands the kernel pass the launch checks and match the executor."""
+    """The buffers Megakernel hands the kernel pass the launch checks and match the executor:
+    weights, records and every host-written constant region (RoPE tables, ...)."""
+    from megakernel import isa
     from megakernel.executor import Executor, executor_gpu
+    from megakernel.models.weights import random_weights
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
     from megakernel.runtime import check_records, validate_args
-    from megakernel.weights import random_weights
 
     cfg = preset(model)
     w = random_weights(cfg, seed=1)
@@ -150,15 +153,48 @@ def test_host_state_on_cpu_matches_the_build_and_the_executor(model, batch, toke
     ex = Executor(prog, pack_weights(cfg, w), check=False)
     assert torch.equal(st.weights, ex.weights)
     assert torch.equal(st.program, ex.records)
-    for name in ("rope_cos", "rope_sin"):
-        assert torch.equal(st.region("f32", name), ex._region("f32", name).reshape(-1))
+    assert "rope" in prog.buffers.constants
+    for name in prog.buffers.constants:
+        assert torch.equal(st.region("f32", name), ex.region("f32", name).reshape(-1)), name
     assert st.offsets[0] == prog.buffers.i32["lengths"].offset
     assert tuple(st.k_cache.shape) == prog.buffers.kv_shape
     bad = st.program.clone()
-    first_mv = next(i for i in range(bad.shape[1]) if int(bad[0, i, 0]) in (2, 5, 6, 7, 8))
-    bad[0, first_mv, 12] += 4  # IN_OFF no longer 16-byte aligned for bf16 vectors
+    matvec = {int(o) for o in isa.matvec_ops()}
+    first_mv = next(i for i in range(bad.shape[1]) if int(bad[0, i, 0]) in matvec)
+    # IN_OFF no longer 16-byte aligned for bf16 vectors
+    bad[0, first_mv, isa.field_index(int(bad[0, first_mv, 0]), "IN_OFF")] += 4
     with pytest.raises(ArgumentError, match="IN_OFF=.* not a multiple of 8"):
         check_records(bad, spec)
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "qwen2-tiny"])
+def test_prefill_cache_lands_where_the_executor_puts_it(model):
+    """After the reference's prefill, the kernel's KV cache and lengths hold what the CPU
+    executor's load_cache makes of the same reference cache (unwritten slots NaN in both)."""
+    from megakernel.executor import Executor, executor_gpu
+    from megakernel.models.weights import random_weights
+    from megakernel.program.compiler import compile_program
+    from megakernel.program.pack import pack_weights
+    from reference.model import ReferenceModel
+
+    cfg = preset(model)
+    w = random_weights(cfg, seed=2)
+    prog = compile_program(cfg, 2, executor_gpu(8), max_seq_len=16, policy="structure")
+    st = op.allocate_state(cfg, w, prog, "cpu")
+    ref = ReferenceModel(cfg, w, mode="bf16")
+    cache = ref.new_cache(2, 12)
+    ref.prefill(cache, [[5, 17, 3], [7, 1, 30, 2, 9]])
+    st.load_cache(cache)
+    ex = Executor(prog, pack_weights(cfg, w), check=False)
+    ex.load_cache(cache)
+    for mine, theirs in ((st.k_cache, ex.k), (st.v_cache, ex.v)):
+        written = mine[:, :, :, :12]
+        assert torch.equal(written.isnan(), theirs[:, :, :, :12].isnan())
+        assert torch.equal(written.nan_to_num(), theirs[:, :, :, :12].nan_to_num())
+        assert int(written.isfinite().sum()) > 0
+    assert st.region("i32", "lengths").tolist() == ex.lengths.tolist() == [3, 5]
+    with pytest.raises(ArgumentError, match="does not fit the kernel's KV cache"):
+        st.load_cache(ref.new_cache(2, 17))
 
 
 def test_find_build_refuses_a_build_with_other_baked_in_constants(tmp_path):
@@ -166,7 +202,7 @@ def test_find_build_refuses_a_build_with_other_baked_in_constants(tmp_path):
     shapes but another rms_norm_eps must not be launched for this model."""
     import dataclasses
 
-    from tests.test_runtime import write_build
+    from tests.runtime.test_runtime import write_build
 
     cfg = preset("llama-tiny")
     root = write_build(tmp_path, manifest_dict("sm_90a", batch=2, tokens=1))
