@@ -525,8 +525,14 @@ def check_kernel_support(cfg) -> None:  # noqa: ANN001 (ModelConfig)
         raise SpecError(f"the kernel has no device handlers for {', '.join(missing)} yet (layer "
                         f"kinds {', '.join(kinds)} of {cfg.name or cfg.family}); the CPU "
                         "executor runs its program")
-    att = cfg.kind_config("attention")
-    cfg.kind_config("swiglu")
+    from megakernel.models import ConfigError
+
+    try:  # the build's constants: one attention and one SwiGLU config for every layer
+        att = cfg.kind_config("attention")
+        cfg.kind_config("swiglu")
+    except ConfigError as e:
+        raise SpecError(f"the kernel serves stacks of attention and SwiGLU layers of one shape: "
+                        f"{e}") from None
     why = []
     if att.output_gate:
         why.append("gated attention")

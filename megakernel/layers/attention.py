@@ -127,7 +127,6 @@ class Attention(LayerKind):
     config = AttentionConfig
     kv_cache = True
     flow = {"QKV": None, "ATTN_PARTIAL": "QKV", "OPROJ": "ATTN_PARTIAL"}
-    out_op = "OPROJ"
 
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod

@@ -91,9 +91,19 @@ class LayerKind:
     recurrent: ClassVar[bool] = False  # conv window, state and ReplaySSM ring per layer
     kv_cache: ClassVar[bool] = False  # a K/V (or latent) cache slot per layer
     fp32_params: ClassVar[tuple[str, ...]] = ()  # local names kept fp32 by transformers
-    # opcode name -> the opcode of the same block it waits on (None: the block's input)
-    flow: ClassVar[dict[str, str | None]] = {}
-    out_op: ClassVar[str] = ""  # the opcode whose counter ends the block
+    # opcode name -> the opcode(s) of the same block it waits on (None: the block's input)
+    flow: ClassVar[dict[str, object]] = {}
+    out_op: ClassVar[str] = ""  # the opcode whose counter ends the block: derived from `flow`
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.flow:  # the one opcode of the flow no other opcode waits on
+            waited = {p for v in cls.flow.values() if v
+                      for p in ((v,) if isinstance(v, str) else v)}
+            ends = [op for op in cls.flow if op not in waited]
+            if len(ends) != 1:
+                raise ValueError(f"layer kind {cls.name}: flow {cls.flow} must end in one opcode")
+            cls.out_op = ends[0]
 
     # ---- checkpoint ------------------------------------------------------------------------------
     @classmethod

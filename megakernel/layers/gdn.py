@@ -17,7 +17,7 @@ import torch
 
 from megakernel.isa.registry import OpSpec, register
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, core_operands
+from megakernel.layers.recurrent import RecurrentKind, Sizes, core_operands
 from megakernel.models.config import ConfigError, positive
 
 
@@ -81,48 +81,17 @@ GDN_REPLAY = register(OpSpec(
 class GatedDeltaNet(RecurrentKind):
     name = "gdn"
     config = GDNConfig
-    unit_name = "K_HEAD"
     core_op, replay_op = GDN_CORE, GDN_REPLAY
-    flow = RecurrentKind.flow_of("GDN_CORE", "GDN_REPLAY")
-    out_op = "OPROJ"
 
     @classmethod
-    def units(cls, cfg: GDNConfig) -> int:
-        return cfg.num_k_heads
-
-    @classmethod
-    def state_shape(cls, cfg: GDNConfig) -> tuple[int, ...]:
-        return (cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim)
-
-    @classmethod
-    def ring_shapes(cls, cfg: GDNConfig) -> list[tuple[str, tuple[int, ...]]]:
-        return [("k", (cfg.num_k_heads, cfg.k_head_dim)), ("u", (cfg.num_v_heads, cfg.v_head_dim)),
-                ("g", (cfg.num_v_heads,))]
-
-    @classmethod
-    def out_dim(cls, cfg: GDNConfig) -> int:
-        return cfg.value_dim
-
-    @classmethod
-    def n_params(cls, cfg: GDNConfig) -> int:
-        return 2 * cfg.num_v_heads
-
-    @classmethod
-    def proj_rows(cls, cfg: GDNConfig) -> int:
-        return cfg.conv_dim + cfg.value_dim + 2 * cfg.num_v_heads
-
-    @classmethod
-    def unit_channels(cls, cfg: GDNConfig) -> int:
-        rep = cfg.num_v_heads // cfg.num_k_heads
-        return 2 * cfg.k_head_dim + rep * cfg.v_head_dim
-
-    @classmethod
-    def unit_weight_bytes(cls, cfg: GDNConfig) -> int:
-        return cls.unit_channels(cfg) * cfg.conv_kernel * 2
-
-    @classmethod
-    def unit_gates(cls, cfg: GDNConfig) -> int:
-        return cfg.num_v_heads // cfg.num_k_heads
+    def sizes(cls, c: GDNConfig) -> Sizes:
+        rep = c.num_v_heads // c.num_k_heads  # value heads per key head (one unit)
+        ch = 2 * c.k_head_dim + rep * c.v_head_dim
+        ring = [("k", (c.num_k_heads, c.k_head_dim)), ("u", (c.num_v_heads, c.v_head_dim)),
+                ("g", (c.num_v_heads,))]
+        return Sizes(c.num_k_heads, (c.num_v_heads, c.k_head_dim, c.v_head_dim), ring,
+                     c.value_dim, 2 * c.num_v_heads,
+                     c.conv_dim + c.value_dim + 2 * c.num_v_heads, ch, ch * c.conv_kernel * 2, rep)
 
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod

@@ -20,7 +20,7 @@ import torch
 
 from megakernel.isa.registry import OpSpec, register
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, core_operands
+from megakernel.layers.recurrent import RecurrentKind, Sizes, core_operands
 from megakernel.models.config import ConfigError, positive
 
 
@@ -66,47 +66,14 @@ KDA_REPLAY = register(OpSpec(
 class KimiDeltaAttention(RecurrentKind):
     name = "kda"
     config = KDAConfig
-    unit_name = "HEAD"
     core_op, replay_op = KDA_CORE, KDA_REPLAY
-    flow = RecurrentKind.flow_of("KDA_CORE", "KDA_REPLAY")
-    out_op = "OPROJ"
 
     @classmethod
-    def units(cls, cfg: KDAConfig) -> int:
-        return cfg.num_heads
-
-    @classmethod
-    def state_shape(cls, cfg: KDAConfig) -> tuple[int, ...]:
-        return (cfg.num_heads, cfg.head_dim, cfg.head_dim)
-
-    @classmethod
-    def ring_shapes(cls, cfg: KDAConfig) -> list[tuple[str, tuple[int, ...]]]:
-        s = (cfg.num_heads, cfg.head_dim)
-        return [("k", s), ("u", s), ("g", s)]
-
-    @classmethod
-    def out_dim(cls, cfg: KDAConfig) -> int:
-        return cfg.qkv_dim
-
-    @classmethod
-    def n_params(cls, cfg: KDAConfig) -> int:
-        return cfg.num_heads + cfg.qkv_dim
-
-    @classmethod
-    def proj_rows(cls, cfg: KDAConfig) -> int:
-        return 3 * cfg.qkv_dim + 2 * cfg.head_dim + cfg.num_heads
-
-    @classmethod
-    def unit_channels(cls, cfg: KDAConfig) -> int:
-        return 3 * cfg.head_dim
-
-    @classmethod
-    def unit_weight_bytes(cls, cfg: KDAConfig) -> int:
-        return (cls.unit_channels(cfg) * cfg.conv_kernel + 2 * cfg.head_dim ** 2) * 2
-
-    @classmethod
-    def unit_gates(cls, cfg: KDAConfig) -> int:
-        return 1
+    def sizes(cls, k: KDAConfig) -> Sizes:
+        d = k.head_dim  # one unit = one head: its q, k, v channels, f_b and g_b rows
+        return Sizes(k.num_heads, (k.num_heads, d, d), [(n, (k.num_heads, d)) for n in "kug"],
+                     k.qkv_dim, k.num_heads + k.qkv_dim, 3 * k.qkv_dim + 2 * d + k.num_heads,
+                     3 * d, (3 * d * k.conv_kernel + 2 * d * d) * 2, 1)
 
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod

@@ -17,7 +17,7 @@ import torch
 
 from megakernel.isa.registry import OpSpec, register
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, core_operands
+from megakernel.layers.recurrent import RecurrentKind, Sizes, core_operands
 from megakernel.models.config import ConfigError, positive
 
 
@@ -82,47 +82,16 @@ MAMBA_REPLAY = register(OpSpec(
 class Mamba2(RecurrentKind):
     name = "mamba2"
     config = Mamba2Config
-    unit_name = "GROUP"
     core_op, replay_op = MAMBA_CORE, MAMBA_REPLAY
-    flow = RecurrentKind.flow_of("MAMBA_CORE", "MAMBA_REPLAY")
-    out_op = "OPROJ"
 
     @classmethod
-    def units(cls, cfg: Mamba2Config) -> int:
-        return cfg.n_groups
-
-    @classmethod
-    def state_shape(cls, cfg: Mamba2Config) -> tuple[int, ...]:
-        return (cfg.num_heads, cfg.head_dim, cfg.state_size)
-
-    @classmethod
-    def ring_shapes(cls, cfg: Mamba2Config) -> list[tuple[str, tuple[int, ...]]]:
-        return [("x", (cfg.num_heads, cfg.head_dim)), ("B", (cfg.n_groups, cfg.state_size)),
-                ("dt", (cfg.num_heads,))]
-
-    @classmethod
-    def out_dim(cls, cfg: Mamba2Config) -> int:
-        return cfg.d_inner
-
-    @classmethod
-    def n_params(cls, cfg: Mamba2Config) -> int:
-        return 3 * cfg.num_heads
-
-    @classmethod
-    def proj_rows(cls, cfg: Mamba2Config) -> int:
-        return cfg.in_proj_size
-
-    @classmethod
-    def unit_channels(cls, cfg: Mamba2Config) -> int:
-        return cfg.conv_dim // cfg.n_groups
-
-    @classmethod
-    def unit_weight_bytes(cls, cfg: Mamba2Config) -> int:
-        return cls.unit_channels(cfg) * (cfg.conv_kernel + 1) * 2
-
-    @classmethod
-    def unit_gates(cls, cfg: Mamba2Config) -> int:
-        return cfg.num_heads // cfg.n_groups
+    def sizes(cls, m: Mamba2Config) -> Sizes:
+        ch = m.conv_dim // m.n_groups  # the x channels of a group's heads, its B and C
+        ring = [("x", (m.num_heads, m.head_dim)), ("B", (m.n_groups, m.state_size)),
+                ("dt", (m.num_heads,))]
+        return Sizes(m.n_groups, (m.num_heads, m.head_dim, m.state_size), ring, m.d_inner,
+                     3 * m.num_heads, m.in_proj_size, ch, ch * (m.conv_kernel + 1) * 2,
+                     m.num_heads // m.n_groups)
 
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod

@@ -80,7 +80,6 @@ class MultiLatentAttention(LayerKind):
     config = MLAConfig
     kv_cache = True
     flow = {"PROJ": None, "MLA": "PROJ", "OPROJ": "MLA"}
-    out_op = "OPROJ"
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001

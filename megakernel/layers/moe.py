@@ -1,12 +1,9 @@
 """Mixture of experts (Kimi Linear; DeepSeek-V3 style routing) with shared experts.
 
-Routing per token, all fp32 (router weight kept fp32):
-    s = sigmoid(W_r x);  choice = s + e_score_correction_bias
-    group score = sum of the top-2 choices in each of n_group groups; keep the topk_group best
-    experts = top_k of choice within the kept groups;  weight_e = s_e (not the biased choice)
-    weights /= sum(weights) + 1e-20 (norm_topk_prob);  weights *= routed_scaling_factor
-    out = sum_e weight_e * SwiGLU_e(x) + SharedSwiGLU(x)
-Experts are accumulated in increasing expert index, then the shared expert is added (as HF does).
+The routing is the reference's (reference/layers/moe.py `route`, all fp32): sigmoid scores plus
+the correction bias choose the top-k experts within the best groups; the chosen experts' raw
+scores, normalised and scaled, weight their SwiGLU outputs, summed in increasing expert index,
+and the shared expert's output is added last.
 
 Program: ROUTER writes the expert ids [N, top_k] and weights at run time; every expert (the shared
 one as expert E, slot top_k) has EXPERT_GATEUP and EXPERT_DOWN slabs that work only on the rows
@@ -114,7 +111,6 @@ class MoE(LayerKind):
     fp32_params = ("gate.weight", "gate.e_score_correction_bias")
     flow = {"ROUTER": None, "EXPERT_GATEUP": "ROUTER", "EXPERT_DOWN": "EXPERT_GATEUP",
             "MOE_COMBINE": "EXPERT_DOWN"}
-    out_op = "MOE_COMBINE"
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001

@@ -15,7 +15,7 @@ f32 ssm_params [layers, n] (the layer's fp32 constants: A_log, dt_bias, D), bf16
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from megakernel.isa.records import ROW_ALIGN
 from megakernel.layers.base import CONST, LayerKind, Need, StepShape
@@ -41,61 +41,59 @@ def core_operands(unit: tuple[str, str], replay: bool) -> tuple[tuple[str, str],
     return ops + (REPLAY_OPERANDS if replay else ())
 
 
+class Sizes(NamedTuple):
+    """A recurrent kind's sizes for one config (per sequence unless said otherwise)."""
+
+    units: int  # core instructions per sequence (key heads, groups, heads)
+    state: tuple[int, ...]  # the recurrent state
+    ring: list[tuple[str, tuple[int, ...]]]  # ReplaySSM ring entries of one token: (name, shape)
+    out_dim: int  # the gated-norm output (out_proj's input)
+    n_params: int  # fp32 constants of the layer (its row of ssm_params)
+    proj_rows: int  # rows of the fused input projection before padding
+    unit_channels: int  # conv channels one core instruction reads (and its window columns)
+    unit_weight_bytes: int  # weight bytes one core instruction streams (conv taps and extras)
+    unit_gates: int  # per-token gate inputs one core instruction reads
+
+
+def _size(field: str) -> classmethod:
+    return classmethod(lambda cls, cfg: getattr(cls.sizes(cfg), field))
+
+
 class RecurrentKind(LayerKind):
-    """Base of the recurrent kinds; a kind sets its opcodes and the per-config sizes below."""
+    """Base of the recurrent kinds; a kind sets its opcodes and its `sizes`."""
 
     recurrent = True
     fp32_params = ("A_log", "dt_bias", "D")
-    unit_name: ClassVar[str] = "UNIT"
-    core_op: ClassVar[int]
+    core_op: ClassVar[int]  # set by the kind: its recurrent and its ReplaySSM opcode
     replay_op: ClassVar[int]
+    unit_name: ClassVar[str] = "UNIT"  # derived: the core records' unit operand
 
-    # ---- per-kind sizes (cfg = the kind's config) ----------------------------------------------
+    def __init_subclass__(cls, **kw: Any) -> None:
+        from megakernel.isa.registry import spec
+
+        core, replay = spec(cls.core_op), spec(cls.replay_op)
+        cls.unit_name = core.names[1]
+        cls.flow = {"PROJ": None, core.name: "PROJ", replay.name: "PROJ",
+                    "OPROJ": (core.name, replay.name)}
+        super().__init_subclass__(**kw)
+
     @classmethod
-    def units(cls, cfg) -> int:  # noqa: ANN001
-        """Core instructions per sequence (key heads, groups, heads)."""
+    def sizes(cls, cfg) -> Sizes:  # noqa: ANN001 (the kind's config)
         raise NotImplementedError
+
+    units = _size("units")
+    state_shape = _size("state")
+    ring_shapes = _size("ring")
+    out_dim = _size("out_dim")
+    n_params = _size("n_params")
+    proj_rows = _size("proj_rows")
+    unit_channels = _size("unit_channels")
+    unit_weight_bytes = _size("unit_weight_bytes")
+    unit_gates = _size("unit_gates")
 
     @classmethod
     def conv_dim(cls, cfg) -> int:  # noqa: ANN001
         return cfg.conv_dim
-
-    @classmethod
-    def state_shape(cls, cfg) -> tuple[int, ...]:  # noqa: ANN001
-        raise NotImplementedError
-
-    @classmethod
-    def ring_shapes(cls, cfg) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
-        """Per-token ring entries (name, shape) of one sequence."""
-        raise NotImplementedError
-
-    @classmethod
-    def out_dim(cls, cfg) -> int:  # noqa: ANN001
-        raise NotImplementedError
-
-    @classmethod
-    def n_params(cls, cfg) -> int:  # noqa: ANN001
-        raise NotImplementedError
-
-    @classmethod
-    def proj_rows(cls, cfg) -> int:  # noqa: ANN001
-        """Rows of the fused projection before padding."""
-        raise NotImplementedError
-
-    @classmethod
-    def unit_channels(cls, cfg) -> int:  # noqa: ANN001
-        """Conv channels one core instruction reads (and its window columns)."""
-        raise NotImplementedError
-
-    @classmethod
-    def unit_weight_bytes(cls, cfg) -> int:  # noqa: ANN001
-        """Weight bytes one core instruction streams (its conv taps and extras)."""
-        raise NotImplementedError
-
-    @classmethod
-    def unit_gates(cls, cfg) -> int:  # noqa: ANN001
-        """Per-token gate inputs one core instruction reads (beta, g or dt per value head)."""
-        raise NotImplementedError
 
     # ---- shared --------------------------------------------------------------------------------
     @classmethod
@@ -124,10 +122,6 @@ class RecurrentKind(LayerKind):
         if ring_cap:
             out += [(name, (batch, ring_cap, *s)) for name, s in cls.ring_shapes(c)]
         return out
-
-    @classmethod
-    def flow_of(cls, core: str, replay: str) -> dict[str, object]:
-        return {"PROJ": None, core: "PROJ", replay: "PROJ", "OPROJ": (core, replay)}
 
     @classmethod
     def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001

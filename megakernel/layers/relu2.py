@@ -5,24 +5,17 @@ Packed: up [I, H], down [H, I]. Rounding: relu(up x)^2 in fp32, rounded to bf16 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megakernel.isa.records import ROW_ALIGN
 from megakernel.isa.registry import MATVEC, OpSpec, register
 from megakernel.layers.base import LayerKind, Need, StepShape, register_kind
 from megakernel.layers.frame import DOWN, residual_stage
-from megakernel.models.config import ConfigError, positive
+from megakernel.layers.swiglu import MLPConfig
+from megakernel.models.config import ConfigError
 from megakernel.program.stages import Instr, Stage
 
-
-@dataclass(frozen=True)
-class Relu2Config:
-    intermediate_size: int
-
-    def __post_init__(self) -> None:
-        positive(self, "intermediate_size")
+Relu2Config = MLPConfig
 
 
 UP_RELU2 = register(OpSpec(
@@ -36,7 +29,6 @@ class Relu2MLP(LayerKind):
     name = "relu2"
     config = Relu2Config
     flow = {"UP_RELU2": None, "DOWN": "UP_RELU2"}
-    out_op = "DOWN"
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001

@@ -22,11 +22,16 @@ from megakernel.program.stages import Instr, Stage
 
 
 @dataclass(frozen=True)
-class SwiGLUConfig:
+class MLPConfig:
+    """A feed-forward block's intermediate size (the SwiGLU and the relu^2 MLP)."""
+
     intermediate_size: int
 
     def __post_init__(self) -> None:
         positive(self, "intermediate_size")
+
+
+SwiGLUConfig = MLPConfig
 
 
 GATEUP = register(OpSpec(
@@ -65,7 +70,6 @@ class SwiGLU(LayerKind):
     name = "swiglu"
     config = SwiGLUConfig
     flow = {"GATEUP": None, "DOWN": "GATEUP"}
-    out_op = "DOWN"
 
     @classmethod
     def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001

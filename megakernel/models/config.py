@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
@@ -222,59 +223,49 @@ def first_key(d: dict[str, Any], *keys: str) -> str:
     return next((k for k in keys if d.get(k) is not None), keys[0])
 
 
-def as_int(d: dict[str, Any], key: str, default: Any = ...) -> int:
-    """d[key] as an int; ConfigError naming the field when it is missing or not an integer."""
-    if key not in d or d[key] is None:
+def _field(d: dict[str, Any], key: str, default: Any, ok: Callable[[Any], bool], what: str
+           ) -> Any:
+    """d[key] when `ok` accepts it, `default` when it is absent or null (`...`: required);
+    ConfigError naming the field otherwise."""
+    v = d.get(key)
+    if v is None:
         if default is ...:
             raise ConfigError(f"config is missing required field {key!r}")
         return default
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
-        raise ConfigError(f"config field {key!r} must be an integer, got {v!r}")
-    return int(v)
+    if not ok(v):
+        raise ConfigError(f"config field {key!r} must be {what}, got {v!r}")
+    return v
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def as_int(d: dict[str, Any], key: str, default: Any = ...) -> int:
+    """d[key] as an int (a JSON number with no fraction); absent: `default` (None stays None)."""
+    v = _field(d, key, default, lambda v: _number(v) and int(v) == v, "an integer")
+    return None if v is None else int(v)
 
 
 def as_float(d: dict[str, Any], key: str, default: Any = ...) -> float:
-    """d[key] as a float; ConfigError naming the field when it is missing or not a number."""
-    if key not in d or d[key] is None:
-        if default is ...:
-            raise ConfigError(f"config is missing required field {key!r}")
-        return float(default)
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise ConfigError(f"config field {key!r} must be a finite number, got {v!r}")
-    return float(v)
+    """d[key] as a finite float; absent: `default` (None stays None)."""
+    v = _field(d, key, default, _number, "a finite number")
+    return None if v is None else float(v)
 
 
 def as_bool(d: dict[str, Any], key: str, default: bool = False) -> bool:
-    """d[key] as a bool (JSON true / false; absent or null: `default`); ConfigError naming the
-    field otherwise (the string "false" is not false)."""
-    v = d.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ConfigError(f"config field {key!r} must be true or false, got {v!r}")
-    return v
+    """d[key] as a bool: JSON true / false only (the string "false" is not false)."""
+    return _field(d, key, default, lambda v: isinstance(v, bool), "true or false")
 
 
 def as_dict(d: dict[str, Any], key: str) -> dict[str, Any]:
-    """d[key] as a dict (absent or null: empty); ConfigError naming the field otherwise."""
-    v = d.get(key)
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise ConfigError(f"config field {key!r} must be an object, got {v!r}")
-    return dict(v)
+    """d[key] as a dict (absent or null: empty)."""
+    return dict(_field(d, key, {}, lambda v: isinstance(v, dict), "an object"))
 
 
 def as_list(d: dict[str, Any], key: str) -> list[Any] | None:
-    """d[key] as a list (absent or null: None); ConfigError naming the field otherwise."""
-    v = d.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, list):
-        raise ConfigError(f"config field {key!r} must be a list, got {v!r}")
-    return v
+    """d[key] as a list (absent or null: None)."""
+    return _field(d, key, None, lambda v: isinstance(v, list), "a list")
 
 
 def map_types(types: Any, n: int, mapping: dict[str, str], field: str = "layer_types"

@@ -67,17 +67,9 @@ class DenseConfig(ModelConfig):
                                rotary_dim=self.head_dim, rope=self.rope, qk_norm=self.qk_norm,
                                qkv_bias=self.qkv_bias)
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    group_size = property(lambda self: self.attention.group_size)  # query heads per kv head
+    q_size = property(lambda self: self.attention.q_size)
+    kv_size = property(lambda self: self.attention.kv_size)
 
     def make_blocks(self) -> tuple[Block, ...]:
         att, mlp = self.attention, SwiGLUConfig(self.intermediate_size)

@@ -1,5 +1,5 @@
-"""Fixtures of the model-family tests: transformers classes of each family (the oracle), tiny
-transformers models saved with save_pretrained, the torch reference."""
+"""Fixtures of the model-family tests: transformers classes of each family (the oracle, from
+tests/layers/helpers.py), their configs, tiny dense transformers models, the torch reference."""
 
 from __future__ import annotations
 
@@ -10,29 +10,14 @@ import pytest
 import torch
 
 from megakernel.models import ModelConfig
-
-# family -> (transformers config class, transformers model class), by name
-HF_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
-    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
-    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
-}
+from tests.layers import helpers
 
 
 @pytest.fixture
 def hf_classes() -> Callable[[str], tuple[type, type]]:
-    """family -> (transformers config class, transformers model class)."""
-
-    def get(family: str) -> tuple[type, type]:
-        import transformers
-
-        cfg_name, model_name = HF_CLASSES[family]
-        return getattr(transformers, cfg_name), getattr(transformers, model_name)
-
-    return get
+    """family -> (transformers config class, transformers model class): the oracle table of
+    tests/layers/helpers.py."""
+    return helpers.hf_classes
 
 
 @pytest.fixture

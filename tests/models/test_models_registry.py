@@ -13,19 +13,17 @@ from pathlib import Path
 import pytest
 
 from megakernel.models import (
-    FAMILIES,
     ConfigError,
     ModelConfig,
     config_from_hf_dict,
     config_from_hf_dir,
     family,
-    load_all,
     preset,
     presets,
     real_presets,
-    register_family,
     resolve,
 )
+from megakernel.models.registry import FAMILIES, load_all, register_family
 from megakernel.models.weights import expected_shapes
 
 # What each family answers to, written out: a family registered under a wrong or missing name

@@ -179,37 +179,36 @@ def test_harmless_rotary_buffers_are_ignored(tmp_path: Path) -> None:
 
 
 # ---- refusals ------------------------------------------------------------------------------------
-def test_missing_tensor_is_named_with_its_shape(tmp_path: Path) -> None:
-    cfg = tiny("qwen3", tied=False)
+# id -> (family, tied, a tensor of the tiny checkpoint, its new value from the weights (None:
+# dropped), the message the loader refuses it with)
+BROKEN: dict[str, tuple[str, bool, str, Callable[[dict], torch.Tensor] | None, str]] = {
+    "missing": ("qwen3", False, "model.layers.1.self_attn.k_norm.weight", None,
+                r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight' "
+                r"\(expected shape \[16\]\)"),
+    "untied-without-head": ("llama", False, "lm_head.weight", None,
+                            r"missing tensor 'lm_head\.weight' \(expected shape \[96, 32\]\)"),
+    "unexpected": ("llama", True, "model.layers.2.mlp.up_proj.weight",  # a 3rd of 2 layers
+                   lambda w: torch.zeros(48, 32),
+                   r"unexpected tensor 'model\.layers\.2\.mlp\.up_proj\.weight'.*2-layer"),
+    "misshaped": ("llama", True, "model.layers.0.self_attn.o_proj.weight",
+                  lambda w: w["model.layers.0.self_attn.o_proj.weight"].T,
+                  r"'model\.layers\.0\.self_attn\.o_proj\.weight' has shape \[64, 32\], "
+                  r"expected \[32, 64\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_tensor_is_named(case: str, tmp_path: Path) -> None:
+    """A missing, unexpected or misshaped tensor is refused naming it (and the shapes)."""
+    fam, tied, name, value, message = BROKEN[case]
+    cfg = tiny(fam, tied=tied)
     w = random_weights(cfg)
-    del w["model.layers.1.self_attn.k_norm.weight"]
+    if value is None:
+        del w[name]
+    else:
+        w[name] = value(w)
     save_checkpoint(cfg, w, tmp_path)
-    with pytest.raises(
-        WeightError,
-        match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight' "
-        r"\(expected shape \[16\]\)",
-    ):
-        load_checkpoint(tmp_path)
-
-
-def test_untied_without_head_is_missing_the_head(tmp_path: Path) -> None:
-    cfg = tiny("llama", tied=False)
-    w = random_weights(cfg)
-    del w["lm_head.weight"]
-    save_checkpoint(cfg, w, tmp_path)
-    want = r"missing tensor 'lm_head\.weight' \(expected shape \[96, 32\]\)"
-    with pytest.raises(WeightError, match=want):
-        load_checkpoint(tmp_path)
-
-
-def test_unexpected_tensor_is_named(tmp_path: Path) -> None:
-    cfg = tiny("llama", tied=True)
-    w = random_weights(cfg)
-    w["model.layers.2.mlp.up_proj.weight"] = torch.zeros(48, 32)  # a third layer in a 2-layer model
-    save_checkpoint(cfg, w, tmp_path)
-    with pytest.raises(
-        WeightError, match=r"unexpected tensor 'model\.layers\.2\.mlp\.up_proj\.weight'.*2-layer"
-    ):
+    with pytest.raises(WeightError, match=message):
         load_checkpoint(tmp_path)
 
 
@@ -229,19 +228,6 @@ def test_biases_in_a_qwen3_checkpoint_are_unexpected(tmp_path: Path) -> None:
                     tmp_path)
     with pytest.raises(WeightError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\."
                                           r"q_proj\.bias'"):
-        load_checkpoint(tmp_path)
-
-
-def test_misshaped_tensor_is_named_with_both_shapes(tmp_path: Path) -> None:
-    cfg = tiny("llama", tied=True)
-    w = random_weights(cfg)
-    w["model.layers.0.self_attn.o_proj.weight"] = w["model.layers.0.self_attn.o_proj.weight"].T
-    save_checkpoint(cfg, w, tmp_path)
-    with pytest.raises(
-        WeightError,
-        match=r"'model\.layers\.0\.self_attn\.o_proj\.weight' has shape \[64, 32\], "
-        r"expected \[32, 64\]",
-    ):
         load_checkpoint(tmp_path)
 
 
