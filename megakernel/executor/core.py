@@ -26,9 +26,7 @@ Checks (on by default, `check=False` turns the expensive ones off):
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from megakernel import isa
 from megakernel.layers import kind
 from megakernel.layers.base import STREAM
 from megakernel.layers.frame import needs as frame_needs
+from megakernel.registry import Registry
 
 __all__ = ["Executor", "ExecutorError", "DeadlockError", "RaceError", "WriteCountError", "op"]
 
@@ -61,27 +60,16 @@ class WriteCountError(ExecutorError):
 
 
 OpFn = Callable[["Executor", dict, int], None]
-_OPS: dict[str, OpFn] = {}
+_OPS: Registry[OpFn] = Registry("megakernel.executor.ops", "op function")
 
 
 def op(name: str) -> Callable[[OpFn], OpFn]:
     """Register the op function of opcode `name` (isa registry name)."""
-
-    def deco(fn: OpFn) -> OpFn:
-        if name in _OPS:
-            raise ValueError(f"op function for {name} registered twice")
-        _OPS[name] = fn
-        return fn
-
-    return deco
+    return lambda fn: _OPS.add(name, fn)
 
 
 def _load_ops() -> dict[str, OpFn]:
-    import megakernel.executor.ops as pkg
-
-    for m in pkgutil.iter_modules(pkg.__path__):
-        importlib.import_module(f"megakernel.executor.ops.{m.name}")
-    return _OPS
+    return _OPS.load_all()
 
 
 def _wrap(x: int) -> int:

@@ -9,34 +9,16 @@ use); `all_kinds()` imports every module of this package, so a new kind is one n
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from megakernel.layers.base import KINDS, LayerKind, register_kind
 
 __all__ = ["KINDS", "LayerKind", "all_kinds", "kind", "register_kind"]
 
-_NOT_KINDS = {"base", "frame", "recurrent"}
-
 
 def kind(name: str) -> type[LayerKind]:
     """The layer kind registered as `name`."""
-    if name not in KINDS:
-        try:
-            importlib.import_module(f"megakernel.layers.{name}")
-        except ModuleNotFoundError:
-            pass
-    if name not in KINDS:
-        all_kinds()
-        if name not in KINDS:
-            raise KeyError(f"unknown layer kind {name!r}; known: {', '.join(sorted(KINDS))}")
-    return KINDS[name]
+    return KINDS.find(name)
 
 
 def all_kinds() -> dict[str, type[LayerKind]]:
-    """Every layer kind (imports each module of this package once)."""
-    for m in pkgutil.iter_modules(__path__):
-        if m.name not in _NOT_KINDS:
-            importlib.import_module(f"megakernel.layers.{m.name}")
-    importlib.import_module("megakernel.layers.frame")
-    return dict(KINDS)
+    """Every layer kind (imports each module of this package once, the frame's opcodes too)."""
+    return dict(KINDS.load_all())

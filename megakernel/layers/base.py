@@ -25,13 +25,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from megakernel.registry import Registry
+
 if TYPE_CHECKING:
     import torch
 
     from megakernel.models.config import Block, ModelConfig
     from megakernel.program.stages import Stage
 
-KINDS: dict[str, type[LayerKind]] = {}
+KINDS: Registry[type[LayerKind]] = Registry("megakernel.layers", "layer kind",
+                                           skip=("base", "recurrent"))
 
 # buffer groups: regions of one arena are laid out group by group, in declaration order within a
 # group (so that adding a kind never moves the regions of the others)
@@ -77,10 +80,7 @@ class StepShape:
 
 def register_kind(cls: type[LayerKind]) -> type[LayerKind]:
     """Class decorator: register a layer kind under `cls.name`."""
-    if cls.name in KINDS and KINDS[cls.name] is not cls:
-        raise ValueError(f"layer kind {cls.name!r} registered twice")
-    KINDS[cls.name] = cls
-    return cls
+    return KINDS.add(cls.name, cls)
 
 
 class LayerKind:

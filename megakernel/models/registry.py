@@ -8,15 +8,14 @@ adding its module.
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megakernel.models.config import ConfigError, ModelConfig
+from megakernel.registry import Registry
 
 _SHARED = {"config", "registry", "weights", "dense", "hybrid"}
 
@@ -31,8 +30,7 @@ class Family:
     real_presets: tuple[str, ...]
 
 
-FAMILIES: dict[str, Family] = {}
-_LOADED = False
+FAMILIES: Registry[Family] = Registry("megakernel.models", "model family", skip=_SHARED)
 
 
 def _origin(cls: type) -> str:
@@ -63,7 +61,7 @@ def register_family(*, architectures: tuple[str, ...], model_types: tuple[str, .
                     raise ValueError(f"{what} {clash[0]!r} claimed by families {other.name!r} "
                                      f"and {cls.family!r}")
         FAMILIES[cls.family] = Family(cls.family, cls, tuple(architectures), tuple(model_types),
-                                      presets or dict, tuple(real_presets))
+                                      presets or dict, tuple(real_presets))  # (re-)registered
         return cls
 
     return deco
@@ -71,22 +69,14 @@ def register_family(*, architectures: tuple[str, ...], model_types: tuple[str, .
 
 def load_all() -> dict[str, Family]:
     """Every registered family (imports the family modules once)."""
-    global _LOADED
-    if not _LOADED:
-        import megakernel.models as pkg
-
-        for m in pkgutil.iter_modules(pkg.__path__):
-            if m.name not in _SHARED:
-                importlib.import_module(f"megakernel.models.{m.name}")
-        _LOADED = True
-    return FAMILIES
+    return FAMILIES.load_all()
 
 
 def family(name: str) -> Family:
-    fams = load_all()
-    if name not in fams:
-        raise ConfigError(f"unknown model family {name!r}; known: {', '.join(sorted(fams))}")
-    return fams[name]
+    try:
+        return FAMILIES.find(name)
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
 
 
 _PRESETS: dict[str, ModelConfig] | None = None

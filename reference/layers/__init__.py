@@ -11,35 +11,16 @@ replay.py, the layer interface and the registry in base.py.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from .base import LAYERS, ReferenceLayer, register_layer
 
 __all__ = ["LAYERS", "ReferenceLayer", "all_layers", "layer_class", "register_layer"]
 
-_NOT_LAYERS = {"base", "common", "replay"}
-
 
 def layer_class(kind: str) -> type[ReferenceLayer]:
     """The reference layer registered for `kind`."""
-    if kind not in LAYERS:
-        try:
-            importlib.import_module(f"{__name__}.{kind}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{kind}":
-                raise
-    if kind not in LAYERS:
-        all_layers()
-        if kind not in LAYERS:
-            raise KeyError(f"no reference layer for kind {kind!r}; known: "
-                           f"{', '.join(sorted(LAYERS))}")
-    return LAYERS[kind]
+    return LAYERS.find(kind)
 
 
 def all_layers() -> dict[str, type[ReferenceLayer]]:
     """Every registered reference layer (imports each module of this package once)."""
-    for m in pkgutil.iter_modules(__path__):
-        if m.name not in _NOT_LAYERS:
-            importlib.import_module(f"{__name__}.{m.name}")
-    return dict(LAYERS)
+    return dict(LAYERS.load_all())

@@ -15,22 +15,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from megakernel.registry import Registry
+
 from .common import ReferenceError
 
 if TYPE_CHECKING:
     from megakernel.models.config import Block, ModelConfig
 
-LAYERS: dict[str, type[ReferenceLayer]] = {}
+LAYERS: Registry[type[ReferenceLayer]] = Registry("reference.layers", "reference layer kind",
+                                                  skip=("base", "common", "replay"))
 
 
 def register_layer(cls: type[ReferenceLayer]) -> type[ReferenceLayer]:
     """Class decorator: register a reference layer under `cls.kind`."""
-    if not cls.kind:
-        raise ValueError(f"{cls.__name__} has no kind name")
-    if cls.kind in LAYERS and LAYERS[cls.kind] is not cls:
-        raise ValueError(f"reference layer {cls.kind!r} registered twice")
-    LAYERS[cls.kind] = cls
-    return cls
+    return LAYERS.add(cls.kind, cls)
 
 
 class ReferenceLayer:

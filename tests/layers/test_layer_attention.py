@@ -1,10 +1,10 @@
 """megakernel/layers/attention.py: softmax attention over a KV cache (Llama, Qwen3 q/k norm, Qwen2
 q/k/v biases, Qwen3.5 gated with partial RoPE, Nemotron-H without RoPE).
 
-What only attention does: the refusals of unsupported shapes, the packed QKV row order (per kv
-group: its q heads, their gate heads, k, v; biases in the same order), the RoPE tables, the
-stages' operands, the header, and `check_record`. What every kind answers for (shapes, roles,
-keys, buffers, the KV cache, flow, records, bytes, executor): test_layers_contract.py.
+What only attention does: the packed QKV row order (per kv group: its q heads, their gate
+heads, k, v; biases in the same order), the RoPE tables, the stages' operands, the header, and
+`check_record`. What every kind answers for (shapes, roles, refusals, keys, buffers, the KV
+cache, flow, records, bytes, executor): test_layers_contract.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """megakernel/layers/gdn.py: the gated delta rule (Qwen3.5 `linear_attention`).
 
-What only GDN does: the config's refusals and packing (proj = [in_proj_qkv | z | b | a]
+What only GDN does: the config's derived sizes and packing (proj = [in_proj_qkv | z | b | a]
 zero-padded to 16 rows, conv [C, K], out_norm, o). What every kind and every recurrent kind
-answers for (its fp32 parameter row [A_log | dt_bias], state, ReplaySSM ring, stages, bytes,
-both modes on the executor): test_layers_contract.py.
+answers for (refusals, its fp32 parameter row [A_log | dt_bias], state, ReplaySSM ring, stages,
+bytes, both modes on the executor): test_layers_contract.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """megakernel/layers/kda.py: Kimi delta attention (Kimi Linear `linear_attention`).
 
-What only KDA does: the config's refusals and packing (proj = [q | k | v | f_a | b | g_a]
+What only KDA does: the config's derived sizes and packing (proj = [q | k | v | f_a | b | g_a]
 zero-padded to 16 rows; conv = the q, k, v taps, then f_b, then g_b, flat). What every kind and
-every recurrent kind answers for (shapes against transformers' split convs and fp32 dt_bias, the
-fp32 parameter row [A_log | dt_bias], state, ReplaySSM ring, stages, bytes, both modes on the
-executor): test_layers_contract.py.
+every recurrent kind answers for (refusals, shapes against transformers' split convs and fp32
+dt_bias, the fp32 parameter row [A_log | dt_bias], state, ReplaySSM ring, stages, bytes, both
+modes on the executor): test_layers_contract.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """megakernel/layers/mamba2.py: the Mamba2 SSD mixer (Nemotron-H `M` blocks).
 
-What only Mamba2 does: the config's refusals, the optional conv bias, and packing (proj =
+What only Mamba2 does: the config's derived sizes, the optional conv bias, and packing (proj =
 in_proj [z | xBC | dt] zero-padded to 16 rows; conv = the taps [C, K] then the conv bias [C],
-zeros without one). What every kind and every recurrent kind answers for (its fp32 parameter row
-[A_log | D | dt_bias], state, ReplaySSM ring, stages, bytes, both modes on the executor):
-test_layers_contract.py.
+zeros without one). What every kind and every recurrent kind answers for (refusals, its fp32
+parameter row [A_log | D | dt_bias], state, ReplaySSM ring, stages, bytes, both modes on the
+executor): test_layers_contract.py.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ latent cache.
 
 What only MLA does: the refusal of a low-rank query, packing (proj = [q_proj |
 kv_a_proj_with_mqa] zero-padded to 16 rows; lat_norm and kv_b at the arena head) and the
-stages' operands (one record per (sequence, head)). What every kind answers for (the latent
-cache k = c [B, 1, S, r], v = k_rope [B, 1, S, dr], buffers, records, bytes, executor):
+stages' operands (one record per (sequence, head)). What every kind answers for (refusals, the
+latent cache k = c [B, 1, S, r], v = k_rope [B, 1, S, dr], buffers, records, bytes, executor):
 test_layers_contract.py.
 """
 

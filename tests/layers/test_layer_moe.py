@@ -1,11 +1,11 @@
 """megakernel/layers/moe.py: the mixture of experts with a shared expert (Kimi Linear).
 
-What only the MoE does: the config's refusals, packing (expert x: gate/up interleaved in blocks
+What only the MoE does: packing (expert x: gate/up interleaved in blocks
 of 16 from w1 / w3, down = w2; the shared expert last, as expert E), the header, the stages
 (router, every expert's gate/up, every expert's down, combine; an expert matrix in at most 8
 slabs), and the bytes of its experts (a routed expert's slabs weighted by the chance a row picks
-it). What every kind answers for (shapes with the router kept fp32, the fp32 router row
-[W_r | bias], buffers, records, executor): test_layers_contract.py.
+it). What every kind answers for (the config's refusals, shapes with the router kept fp32,
+the fp32 router row [W_r | bias], buffers, records, executor): test_layers_contract.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """megakernel/layers/relu2.py: the relu^2 MLP (Nemotron-H `-` blocks), no gate.
 
-What only relu^2 does: the refusal of unsupported sizes, packing (up and down as they are) and
-the stages' operands. What every kind answers for: test_layers_contract.py.
+What only relu^2 does: packing (up and down as they are) and the stages' operands. What every
+kind answers for (refusals of unsupported sizes among them): test_layers_contract.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """megakernel/layers/swiglu.py: the SwiGLU MLP (Llama, Qwen, Qwen3.5, Kimi's dense layers).
 
-What only SwiGLU does: the refusal of unsupported sizes, the interleaved gate/up packing (blocks
-of 16 gate rows, then the 16 matching up rows), the stages' operands (a gate/up slab is whole
-block pairs) and the header. What every kind answers for: test_layers_contract.py.
+What only SwiGLU does: the interleaved gate/up packing (blocks of 16 gate rows, then the 16
+matching up rows), the stages' operands (a gate/up slab is whole block pairs) and the header.
+What every kind answers for (refusals of unsupported sizes among them):
+test_layers_contract.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """What every layer kind answers for, checked over every (kind, block) of the tiny presets (and
 the block configs no preset has, tests/layers/helpers.py VARIANTS) against the per-kind expected
-values below: checkpoint shapes against transformers, init roles, the packed keys, vectors and
-fp32 tables, the buffers, the KV cache or the recurrent state, the flow, the compiled programs'
-records and bytes, and one executor run per kind (and mode) against the bf16 reference.
+values below: the refusals of configs and blocks the kernel cannot run, checkpoint shapes
+against transformers, init roles, the packed keys, vectors and fp32 tables, the buffers, the KV
+cache or the recurrent state (and the recurrent kinds' stages and ReplaySSM bytes), the flow,
+the compiled programs' records and bytes, and one executor run per kind (and mode) against the
+bf16 reference.
 
-What only one kind does (its packed row order, its refusals, its stages' operands) is in its own
+What only one kind does (its packed row order, its stages' operands, its header) is in its own
 module, tests/layers/test_layer_<kind>.py.
 """
 

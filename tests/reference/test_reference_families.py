@@ -81,7 +81,7 @@ def test_layer_registry_covers_every_kind():
     assert set(all_layers()) == set(all_kinds())
     for kind, cls in all_layers().items():
         assert cls.kind == kind and layer_class(kind) is cls
-    with pytest.raises(KeyError, match="no reference layer for kind 'nope'"):
+    with pytest.raises(KeyError, match="unknown reference layer kind 'nope'"):
         layer_class("nope")
 
 
