@@ -49,17 +49,10 @@ class AttentionConfig:
             raise ConfigError(f"rotary_dim must be even and in [0, head_dim={self.head_dim}], "
                               f"got {self.rotary_dim}")
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    # query heads per kv head
+    group_size = property(lambda self: self.num_heads // self.num_kv_heads)
+    q_size = property(lambda self: self.num_heads * self.head_dim)
+    kv_size = property(lambda self: self.num_kv_heads * self.head_dim)
 
     @property
     def slots(self) -> int:

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megakernel.isa.registry import OpSpec, register
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, Sizes, core_operands
+from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
 from megakernel.models.config import ConfigError, positive
 
 
@@ -32,20 +31,14 @@ class GDNConfig:
     conv_kernel: int = 4
 
     def __post_init__(self) -> None:
-        positive(self, "num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "conv_kernel")
+        positive(self, "num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim")
+        positive(self, "conv_kernel", minimum=2)
         if self.num_v_heads % self.num_k_heads:
             raise ConfigError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
                               f"linear_num_key_heads ({self.num_k_heads})")
-        if self.conv_kernel < 2:
-            raise ConfigError(f"conv kernel must be >= 2, got {self.conv_kernel}")
 
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.k_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.v_head_dim
+    key_dim = property(lambda self: self.num_k_heads * self.k_head_dim)
+    value_dim = property(lambda self: self.num_v_heads * self.v_head_dim)
 
     @property
     def conv_dim(self) -> int:
@@ -61,20 +54,19 @@ _NOTES = ("Per sequence b and key head kh, for its T tokens: causal conv of the 
           "bf16(RMSNorm(o) * w * silu(z)) into ssm_out [N, Hv dv]. State block: conv [B, C, K-1], "
           "S [B, Hv, dk, dv], ring k [B, CAP, Hk, dk], u [B, CAP, Hv, dv], g [B, CAP, Hv] "
           "(CAP = header RING_CAP).")
-GDN_CORE = register(OpSpec(
-    17, "GDN_CORE", "gdn", "conv + gated delta rule (recurrent) + gated RMSNorm of one (sequence, "
-    "key head)", core_operands(_UNIT, False),
-    notes=_NOTES + " Recurrent: per token u = beta (v - S^T (e^g k)); o = S^T (e^g q) + (k . q) "
-    "u; S <- e^g S + k u^T.", reach=True))
-GDN_REPLAY = register(OpSpec(
-    18, "GDN_REPLAY", "gdn", "conv + gated delta rule by ReplaySSM (committed state + ring, fold "
-    "every L) + gated RMSNorm of one (sequence, key head)", core_operands(_UNIT, True),
-    notes=_NOTES + " ReplaySSM: with n = count[b, kh] committed ring entries and the committed "
-    "state S_c, token i (t = n + i) computes, with G(t, j) the sum of g over entries (j, t], "
-    "u_t = beta (v - S_c^T (e^G(t,c) k) - sum_{j<t} (e^G(t,j) k_j . k) u_j), o_t = S_c^T "
-    "(e^G(t,c) q) + sum_{j<=t} (e^G(t,j) k_j . q) u_j, appends (k, u_t, g) at ring position t; "
-    "then if n + T >= L (header REPLAY_WINDOW) it folds all n + T entries into S_c and stores "
-    "count 0, else n + T.", reach=True))
+GDN_CORE, GDN_REPLAY = register_core_ops(
+    17, "GDN", "gdn", _UNIT,
+    ("conv + gated delta rule (recurrent) + gated RMSNorm of one (sequence, key head)",
+     "conv + gated delta rule by ReplaySSM (committed state + ring, fold every L) + gated "
+     "RMSNorm of one (sequence, key head)"), _NOTES,
+    ("Recurrent: per token u = beta (v - S^T (e^g k)); o = S^T (e^g q) + (k . q) u; S <- e^g S "
+     "+ k u^T.",
+     "ReplaySSM: with n = count[b, kh] committed ring entries and the committed state S_c, token "
+     "i (t = n + i) computes, with G(t, j) the sum of g over entries (j, t], u_t = beta (v - "
+     "S_c^T (e^G(t,c) k) - sum_{j<t} (e^G(t,j) k_j . k) u_j), o_t = S_c^T (e^G(t,c) q) + "
+     "sum_{j<=t} (e^G(t,j) k_j . q) u_j, appends (k, u_t, g) at ring position t; then if n + T "
+     ">= L (header REPLAY_WINDOW) it folds all n + T entries into S_c and stores count 0, else "
+     "n + T."))
 
 
 @register_kind

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megakernel.isa.registry import OpSpec, register
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, Sizes, core_operands
-from megakernel.models.config import ConfigError, positive
+from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
+from megakernel.models.config import positive
 
 
 @dataclass(frozen=True)
@@ -33,17 +32,11 @@ class KDAConfig:
     conv_kernel: int = 4
 
     def __post_init__(self) -> None:
-        positive(self, "num_heads", "head_dim", "conv_kernel")
-        if self.conv_kernel < 2:
-            raise ConfigError(f"conv kernel must be >= 2, got {self.conv_kernel}")
+        positive(self, "num_heads", "head_dim")
+        positive(self, "conv_kernel", minimum=2)
 
-    @property
-    def qkv_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 3 * self.qkv_dim
+    qkv_dim = property(lambda self: self.num_heads * self.head_dim)
+    conv_dim = property(lambda self: 3 * self.qkv_dim)  # [q | k | v]
 
 
 _UNIT = ("HEAD", "head h")
@@ -54,12 +47,10 @@ _NOTES = ("Per sequence b and head h: proj columns [q | k | v (H d each) | f_a (
           "(ring entries k, u, g [H, d] each); out = bf16(RMSNorm(o) * w * sigmoid(g_b "
           "bf16(g_a))) into ssm_out [N, H d]. CONV_W: q|k|v taps [3 H d, K], then f_b [H d, d], "
           "then g_b [H d, d]; PARAM_OFF: A_log [H] then dt_bias [H d].")
-KDA_CORE = register(OpSpec(
-    22, "KDA_CORE", "kda", "conv + low-rank decay/gate + KDA delta rule (recurrent) + gated norm "
-    "of one (sequence, head)", core_operands(_UNIT, False), notes=_NOTES, reach=True))
-KDA_REPLAY = register(OpSpec(
-    23, "KDA_REPLAY", "kda", "as KDA_CORE by ReplaySSM (committed state + ring, fold every L)",
-    core_operands(_UNIT, True), notes=_NOTES, reach=True))
+KDA_CORE, KDA_REPLAY = register_core_ops(
+    22, "KDA", "kda", _UNIT,
+    ("conv + low-rank decay/gate + KDA delta rule (recurrent) + gated norm of one (sequence, "
+     "head)", "as KDA_CORE by ReplaySSM (committed state + ring, fold every L)"), _NOTES)
 
 
 @register_kind

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megakernel.isa.registry import OpSpec, register
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, Sizes, core_operands
+from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
 from megakernel.models.config import ConfigError, positive
 
 
@@ -36,16 +35,13 @@ class Mamba2Config:
     dt_min: float = 0.0
 
     def __post_init__(self) -> None:
-        positive(self, "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel")
+        positive(self, "num_heads", "head_dim", "state_size", "n_groups")
+        positive(self, "conv_kernel", minimum=2)
         if self.num_heads % self.n_groups:
             raise ConfigError(f"mamba_num_heads ({self.num_heads}) must be a multiple of n_groups "
                               f"({self.n_groups})")
-        if self.conv_kernel < 2:
-            raise ConfigError(f"conv kernel must be >= 2, got {self.conv_kernel}")
 
-    @property
-    def d_inner(self) -> int:
-        return self.num_heads * self.head_dim
+    d_inner = property(lambda self: self.num_heads * self.head_dim)
 
     @property
     def conv_dim(self) -> int:
@@ -64,18 +60,17 @@ _NOTES = ("Per sequence b and group j: causal conv (+ bias) of the x channels of
           "dt_bias [H]. Output: bf16(w * RMSNorm over the group of (y * silu(z))) into ssm_out "
           "[N, H P]. State block: conv [B, C, K-1], S [B, H, P, N], ring x [B, CAP, H, P], "
           "B [B, CAP, G, N], dt [B, CAP, H].")
-MAMBA_CORE = register(OpSpec(
-    20, "MAMBA_CORE", "mamba2", "conv + SSD recurrent update + gated group RMSNorm of one "
-    "(sequence, group)", core_operands(_UNIT, False),
-    notes=_NOTES + " Recurrent: per token y = e^{dt A} S C + dt (B . C) x + D x, S <- e^{dt A} S "
-    "+ x (dt B)^T.", reach=True))
-MAMBA_REPLAY = register(OpSpec(
-    21, "MAMBA_REPLAY", "mamba2", "conv + SSD by ReplaySSM (committed state + ring, fold every L) "
-    "+ gated group RMSNorm of one (sequence, group)", core_operands(_UNIT, True),
-    notes=_NOTES + " ReplaySSM: with n committed entries (x, B, dt) and Lam(t, j) = A * sum of dt "
-    "over (j, t]: y_t = e^Lam(t,c) S_c C_t + sum_{j<=t} dt_j e^Lam(t,j) (B_j . C_t) x_j + D x_t; "
-    "appends the T entries; folds when n + T >= L (S_c <- e^Lam(n+T,c) S_c + sum_j x_j (dt_j "
-    "e^Lam(n+T,j) B_j)^T, count 0).", reach=True))
+MAMBA_CORE, MAMBA_REPLAY = register_core_ops(
+    20, "MAMBA", "mamba2", _UNIT,
+    ("conv + SSD recurrent update + gated group RMSNorm of one (sequence, group)",
+     "conv + SSD by ReplaySSM (committed state + ring, fold every L) + gated group RMSNorm of "
+     "one (sequence, group)"), _NOTES,
+    ("Recurrent: per token y = e^{dt A} S C + dt (B . C) x + D x, S <- e^{dt A} S + x (dt "
+     "B)^T.",
+     "ReplaySSM: with n committed entries (x, B, dt) and Lam(t, j) = A * sum of dt over (j, t]: "
+     "y_t = e^Lam(t,c) S_c C_t + sum_{j<=t} dt_j e^Lam(t,j) (B_j . C_t) x_j + D x_t; appends "
+     "the T entries; folds when n + T >= L (S_c <- e^Lam(n+T,c) S_c + sum_j x_j (dt_j "
+     "e^Lam(n+T,j) B_j)^T, count 0)."))
 
 
 @register_kind

@@ -18,6 +18,7 @@ import math
 from typing import Any, ClassVar, NamedTuple
 
 from megakernel.isa.records import ROW_ALIGN
+from megakernel.isa.registry import OpCode, OpSpec, register
 from megakernel.layers.base import CONST, LayerKind, Need, StepShape
 from megakernel.layers.frame import OPROJ, proj_stage, residual_stage
 from megakernel.program.stages import Instr, Stage
@@ -39,6 +40,18 @@ REPLAY_OPERANDS = (("COUNT_OFF", "i32: ring entries [B, units] of this layer (pe
 def core_operands(unit: tuple[str, str], replay: bool) -> tuple[tuple[str, str], ...]:
     ops = tuple(unit if n == "UNIT" else (n, d) for n, d in CORE_OPERANDS)
     return ops + (REPLAY_OPERANDS if replay else ())
+
+
+def register_core_ops(code: int, prefix: str, kind: str, unit: tuple[str, str],
+                      docs: tuple[str, str], notes: str,
+                      how: tuple[str, str] = ("", "")) -> tuple[OpCode, OpCode]:
+    """Register a recurrent kind's two core ops: `<prefix>_CORE` (code, recurrent) and
+    `<prefix>_REPLAY` (code + 1, ReplaySSM); they share the unit and the notes, and `how`
+    adds what only one of them does."""
+    return tuple(register(OpSpec(code + r, f"{prefix}_{('CORE', 'REPLAY')[r]}", kind, docs[r],
+                                 core_operands(unit, bool(r)),
+                                 notes=f"{notes} {how[r]}".rstrip(), reach=True))
+                 for r in (0, 1))
 
 
 class Sizes(NamedTuple):

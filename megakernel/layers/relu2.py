@@ -9,10 +9,9 @@ import torch
 
 from megakernel.isa.records import ROW_ALIGN
 from megakernel.isa.registry import MATVEC, OpSpec, register
-from megakernel.layers.base import LayerKind, Need, StepShape, register_kind
+from megakernel.layers.base import register_kind
 from megakernel.layers.frame import DOWN, residual_stage
-from megakernel.layers.swiglu import MLPConfig
-from megakernel.models.config import ConfigError
+from megakernel.layers.mlp import MLPConfig, MLPKind
 from megakernel.program.stages import Instr, Stage
 
 Relu2Config = MLPConfig
@@ -25,25 +24,14 @@ UP_RELU2 = register(OpSpec(
 
 
 @register_kind
-class Relu2MLP(LayerKind):
+class Relu2MLP(MLPKind):
     name = "relu2"
-    config = Relu2Config
     flow = {"UP_RELU2": None, "DOWN": "UP_RELU2"}
-
-    @classmethod
-    def check(cls, blk, model) -> None:  # noqa: ANN001
-        if blk.cfg.intermediate_size % ROW_ALIGN:
-            raise ConfigError(f"intermediate_size = {blk.cfg.intermediate_size} must be a "
-                              f"multiple of {ROW_ALIGN}")
 
     @classmethod
     def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
         i, h = blk.cfg.intermediate_size, model.hidden_size
         return {"up_proj.weight": (i, h), "down_proj.weight": (h, i)}
-
-    @classmethod
-    def init_role(cls, local: str, blk) -> str:  # noqa: ANN001
-        return "out" if local == "down_proj.weight" else "proj"
 
     @classmethod
     def matrices(cls, blk, model) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
@@ -53,10 +41,6 @@ class Relu2MLP(LayerKind):
     @classmethod
     def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
         return {"up": w("up_proj.weight"), "down": w("down_proj.weight")}
-
-    @classmethod
-    def needs(cls, blk, model, shape: StepShape) -> list[Need]:  # noqa: ANN001
-        return [Need("bf16", "act", (shape.rows, blk.cfg.intermediate_size))]
 
     @classmethod
     def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001

@@ -9,27 +9,14 @@ up in fp32, silu(gate) * up in fp32, rounded to bf16 (the down projection's inpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megakernel.isa.records import GATEUP_BLOCK
 from megakernel.isa.registry import MATVEC, OpSpec, register
-from megakernel.layers.base import LayerKind, Need, StepShape, register_kind
+from megakernel.layers.base import register_kind
 from megakernel.layers.frame import DOWN, residual_stage
-from megakernel.models.config import ConfigError, positive
+from megakernel.layers.mlp import MLPConfig, MLPKind
 from megakernel.program.stages import Instr, Stage
-
-
-@dataclass(frozen=True)
-class MLPConfig:
-    """A feed-forward block's intermediate size (the SwiGLU and the relu^2 MLP)."""
-
-    intermediate_size: int
-
-    def __post_init__(self) -> None:
-        positive(self, "intermediate_size")
-
 
 SwiGLUConfig = MLPConfig
 
@@ -66,9 +53,9 @@ def gateup_stage(ctx, blk, matrix: str, inter: int, wait: int, counter: str,  # 
 
 
 @register_kind
-class SwiGLU(LayerKind):
+class SwiGLU(MLPKind):
     name = "swiglu"
-    config = SwiGLUConfig
+    row_unit = GATEUP_BLOCK
     flow = {"GATEUP": None, "DOWN": "GATEUP"}
 
     @classmethod
@@ -77,19 +64,8 @@ class SwiGLU(LayerKind):
         return {"gate_proj.weight": (i, h), "up_proj.weight": (i, h), "down_proj.weight": (h, i)}
 
     @classmethod
-    def check(cls, blk, model) -> None:  # noqa: ANN001
-        i = blk.cfg.intermediate_size
-        if i % GATEUP_BLOCK:
-            raise ConfigError(f"intermediate_size = {i} must be a multiple of {GATEUP_BLOCK} "
-                              "(gate/up blocks)")
-
-    @classmethod
     def header(cls, blk, model) -> dict[str, int]:  # noqa: ANN001
         return {"I": blk.cfg.intermediate_size}
-
-    @classmethod
-    def init_role(cls, local: str, blk) -> str:  # noqa: ANN001
-        return "out" if local == "down_proj.weight" else "proj"
 
     @classmethod
     def matrices(cls, blk, model) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
@@ -100,10 +76,6 @@ class SwiGLU(LayerKind):
     def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
         return {"gateup": gateup_rows(w("gate_proj.weight"), w("up_proj.weight")),
                 "down": w("down_proj.weight")}
-
-    @classmethod
-    def needs(cls, blk, model, shape: StepShape) -> list[Need]:  # noqa: ANN001
-        return [Need("bf16", "act", (shape.rows, blk.cfg.intermediate_size))]
 
     @classmethod
     def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001

@@ -28,12 +28,13 @@ class ConfigError(ValueError):
     """A config names an architecture, field value or shape that megakernel does not support."""
 
 
-def positive(obj: Any, *names: str) -> None:
-    """ConfigError unless every named field of `obj` is a positive int (not a bool)."""
+def positive(obj: Any, *names: str, minimum: int = 1) -> None:
+    """ConfigError unless every named field of `obj` is an int (not a bool) >= `minimum`."""
     for n in names:
         v = getattr(obj, n)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"{type(obj).__name__}.{n} must be a positive integer, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise ConfigError(f"{type(obj).__name__}.{n} must be {what}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,17 @@ class Block:
     @property
     def key(self) -> str:
         return f"L{self.layer}.{self.name}"
+
+
+Part = tuple[str, str, Any, str]  # a block's (name, kind, cfg, prefix under its layer)
+
+
+def decoder_layer(i: int, mixer: Part, ffn: Part) -> tuple[Block, Block]:
+    """The two blocks of pre-norm decoder layer i under `model.layers.{i}.`: the mixer (normed by
+    input_layernorm) then the feed-forward (normed by post_attention_layernorm)."""
+    p = f"model.layers.{i}."
+    return (Block(i, *mixer[:3], p + mixer[3], p + "input_layernorm.weight"),
+            Block(i, *ffn[:3], p + ffn[3], p + "post_attention_layernorm.weight"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,11 +206,21 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    # checkpoint names: prefixes of tensors we skip (vision towers, MTP heads) and prefixes
+    # other exporters write for ours
+    skipped_prefixes: ClassVar[tuple[str, ...]] = ()
+    renamed_prefixes: ClassVar[dict[str, str]] = {}
+
     @classmethod
     def canonical_name(cls, name: str) -> str | None:
-        """Our name for a tensor found in a checkpoint; None to skip it (buffers some exporters
-        write, vision towers, MTP heads)."""
-        return None if name.endswith("rotary_emb.inv_freq") else name
+        """Our name for a tensor found in a checkpoint; None to skip it (rotary buffers some
+        exporters write, `skipped_prefixes`)."""
+        if name.endswith("rotary_emb.inv_freq") or name.startswith(cls.skipped_prefixes):
+            return None
+        for theirs, ours in cls.renamed_prefixes.items():
+            if name.startswith(theirs):
+                return ours + name[len(theirs):]
+        return name
 
 
 # ---- Hugging Face config parsing helpers --------------------------------------------------------

@@ -21,6 +21,7 @@ from megakernel.models.config import (
     as_float,
     as_int,
     as_list,
+    decoder_layer,
     map_types,
     positive,
     rope_from_hf,
@@ -73,14 +74,8 @@ class DenseConfig(ModelConfig):
 
     def make_blocks(self) -> tuple[Block, ...]:
         att, mlp = self.attention, SwiGLUConfig(self.intermediate_size)
-        out = []
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            out.append(Block(i, "attn", "attention", att, p + "self_attn.",
-                             p + "input_layernorm.weight"))
-            out.append(Block(i, "mlp", "swiglu", mlp, p + "mlp.",
-                             p + "post_attention_layernorm.weight"))
-        return tuple(out)
+        return tuple(b for i in range(self.num_layers) for b in decoder_layer(
+            i, ("attn", "attention", att, "self_attn."), ("mlp", "swiglu", mlp, "mlp.")))
 
     # ---- Hugging Face interop -------------------------------------------------------------------
     @classmethod

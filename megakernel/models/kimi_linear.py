@@ -23,6 +23,7 @@ from megakernel.models.config import (
     as_float,
     as_int,
     as_list,
+    decoder_layer,
     first_key,
     map_types,
     positive,
@@ -90,24 +91,16 @@ class KimiLinearConfig(HybridConfig):
         return "swiglu" if i < self.first_k_dense else "moe"
 
     def make_blocks(self) -> tuple[Block, ...]:
-        mlp, out = SwiGLUConfig(self.intermediate_size), []
-        for i, t in enumerate(self.layer_types):
-            p = f"model.layers.{i}."
-            cfg = self.kda if t == "kda" else self.mla
-            out.append(Block(i, "mixer", t, cfg, p + "self_attn.", p + "input_layernorm.weight"))
-            norm = p + "post_attention_layernorm.weight"
-            if self.ffn_type(i) == "swiglu":
-                out.append(Block(i, "ffn", "swiglu", mlp, p + "mlp.", norm))
-            else:
-                out.append(Block(i, "ffn", "moe", self.moe, p + "block_sparse_moe.", norm))
-        return tuple(out)
+        ffns = {"swiglu": ("ffn", "swiglu", SwiGLUConfig(self.intermediate_size), "mlp."),
+                "moe": ("ffn", "moe", self.moe, "block_sparse_moe.")}
+        return tuple(b for i, t in enumerate(self.layer_types) for b in decoder_layer(
+            i, ("mixer", t, self.kda if t == "kda" else self.mla, "self_attn."),
+            ffns[self.ffn_type(i)]))
 
     @classmethod
     def canonical_name(cls, name: str) -> str | None:
-        if name.endswith("rotary_emb.inv_freq"):
-            return None
         m = _DENSE_MLP.match(name)
-        return m.group(1) + "mlp." + m.group(2) if m else name
+        return m.group(1) + "mlp." + m.group(2) if m else super().canonical_name(name)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> KimiLinearConfig:

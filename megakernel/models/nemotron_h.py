@@ -56,6 +56,8 @@ class NemotronHConfig(HybridConfig):
     mixers = ("mamba2", "attention", "mlp")
     embed_name = "backbone.embeddings.weight"
     final_norm_name = "backbone.norm_f.weight"
+    skipped_prefixes = ("mtp.", "model.mtp.", "backbone.mtp.")
+    renamed_prefixes = {"model.": "backbone."}  # transformers' name for the backbone
 
     intermediate_size: int
     attention: AttentionConfig
@@ -78,14 +80,6 @@ class NemotronHConfig(HybridConfig):
         return tuple(Block(i, "mixer", _KINDS[t], cfgs[t], f"backbone.layers.{i}.mixer.",
                            f"backbone.layers.{i}.norm.weight")
                      for i, t in enumerate(self.layer_types))
-
-    @classmethod
-    def canonical_name(cls, name: str) -> str | None:
-        if name.startswith(("mtp.", "model.mtp.", "backbone.mtp.")):
-            return None
-        if name.startswith("model."):
-            return "backbone." + name[len("model."):]
-        return name
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> NemotronHConfig:

@@ -24,6 +24,7 @@ from megakernel.models.config import (
     as_float,
     as_int,
     as_list,
+    decoder_layer,
     map_types,
     positive,
     refuse,
@@ -72,6 +73,8 @@ class Qwen35Config(HybridConfig):
     family = "qwen3_5"
     norm_kind = "rms_1p"
     mixers = ("gdn", "attention")
+    skipped_prefixes = ("model.visual.", "mtp.", "model.mtp.")
+    renamed_prefixes = {"model.language_model.": "model."}  # the multimodal checkpoint's text
 
     intermediate_size: int
     attention: AttentionConfig
@@ -87,27 +90,11 @@ class Qwen35Config(HybridConfig):
         return "swiglu"
 
     def make_blocks(self) -> tuple[Block, ...]:
-        mlp, out = SwiGLUConfig(self.intermediate_size), []
-        for i, t in enumerate(self.layer_types):
-            p = f"model.layers.{i}."
-            if t == "gdn":
-                out.append(Block(i, "mixer", "gdn", self.gdn, p + "linear_attn.",
-                                 p + "input_layernorm.weight"))
-            else:
-                out.append(Block(i, "mixer", "attention", self.attention, p + "self_attn.",
-                                 p + "input_layernorm.weight"))
-            out.append(Block(i, "mlp", "swiglu", mlp, p + "mlp.",
-                             p + "post_attention_layernorm.weight"))
-        return tuple(out)
-
-    @classmethod
-    def canonical_name(cls, name: str) -> str | None:
-        if name.startswith(("model.visual.", "mtp.", "model.mtp.")) or name.endswith(
-                "rotary_emb.inv_freq"):
-            return None
-        if name.startswith("model.language_model."):
-            return "model." + name[len("model.language_model."):]
-        return name
+        mlp = ("mlp", "swiglu", SwiGLUConfig(self.intermediate_size), "mlp.")
+        mixers = {"gdn": ("mixer", "gdn", self.gdn, "linear_attn."),
+                  "attention": ("mixer", "attention", self.attention, "self_attn.")}
+        return tuple(b for i, t in enumerate(self.layer_types)
+                     for b in decoder_layer(i, mixers[t], mlp))
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> Qwen35Config:

@@ -22,20 +22,14 @@ TINY = ["llama-tiny", "qwen3-tiny", "qwen2-tiny", "qwen3.5-tiny", "kimi-linear-t
 
 # sha256 of the encoded records of dense programs as compiled before the one-stack redesign
 # (format 2 records, the dense compiler of that time): the redesign must not change them
-PINNED = {
-    ("llama-tiny", "h100", 1, 1):
-        "10aaf89140e1ae6b4f9dbd299fc9814c5240fa1d1a859e28c37d54a970964eef",
-    ("llama-tiny", "h100/8", 4, 1):
-        "eeceb47f1e5a9e0c464ce91ccbea462f574e8ee3431604cb34d18c32035bb265",
-    ("qwen3-tiny", "h100/8", 2, 3):
-        "e115f83ab2b13d2a3990f76cde8449bc2350c50dec0d031dac713700a588021f",
-    ("llama-mid", "h100/16", 4, 2):
-        "f485b347351118da491943102cd3e5bec2af6092ec2022a884fe7e95f8e4f427",
-    ("llama-3.2-1b", "h200", 1, 1):
-        "2b46752df4ad1db94a95f80b6ecda0221a398bc9bc74e361d5926969746a5da7",
-    ("qwen3-0.6b", "h200", 8, 1):
-        "4dc0dfc6f705d57cd5599a978be62923a82a17039986b8341c5dcebb2704788c",
-}
+PINNED = {(n, g, int(b), int(t)): digest for n, g, b, t, digest in map(str.split, """
+llama-tiny   h100    1 1 10aaf89140e1ae6b4f9dbd299fc9814c5240fa1d1a859e28c37d54a970964eef
+llama-tiny   h100/8  4 1 eeceb47f1e5a9e0c464ce91ccbea462f574e8ee3431604cb34d18c32035bb265
+qwen3-tiny   h100/8  2 3 e115f83ab2b13d2a3990f76cde8449bc2350c50dec0d031dac713700a588021f
+llama-mid    h100/16 4 2 f485b347351118da491943102cd3e5bec2af6092ec2022a884fe7e95f8e4f427
+llama-3.2-1b h200    1 1 2b46752df4ad1db94a95f80b6ecda0221a398bc9bc74e361d5926969746a5da7
+qwen3-0.6b   h200    8 1 4dc0dfc6f705d57cd5599a978be62923a82a17039986b8341c5dcebb2704788c
+""".strip().splitlines())}
 
 
 def _gpu(spec: str):  # noqa: ANN202

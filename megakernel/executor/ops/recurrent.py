@@ -6,6 +6,7 @@ ReplaySSM. The delta-rule, SSD and norm math is the reference's (reference/layer
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,26 +58,66 @@ def proj_cols(ex: Executor, d: dict, blk, c0: int, width: int) -> torch.Tensor: 
                    (rows, slice(c0, c0 + width)))
 
 
-def ring_count(ex: Executor, d: dict, blk, unit: int) -> int:  # noqa: ANN001
-    """Committed ring entries of (B_IDX, unit); ExecutorError when T more do not fit."""
-    p = ex.prog
-    shape = ex.prog.buffers.i32["ring_count"].shape[1:]
-    n = int(ex.read("i32", d["COUNT_OFF"], shape, (d["B_IDX"], unit), scratch=False))
-    if n + p.tokens > p.buffers.ring_cap:
-        raise ExecutorError(f"{ex.cur_desc}: ring overflow, {n} + {p.tokens} entries > "
-                            f"{p.buffers.ring_cap}")
-    return n
+def recurrent_steps(ex: Executor, d: dict, blk, heads: slice,  # noqa: ANN001
+                    step: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+                    ) -> torch.Tensor:
+    """The recurrent core of one record: the state of (B_IDX, heads) is read once, advanced by
+    `step(state [1, ...], t) -> (y [1, ...], state)` for each of the T tokens and stored once;
+    returns y [T, ...]."""
+    off, shape = state_views(ex, d, blk)["state"]
+    idx = (d["B_IDX"], heads)
+    state = ex.read("state", off, shape, idx, scratch=False)[None]
+    ys = []
+    for t in range(ex.prog.tokens):
+        y, state = step(state, t)
+        ys.append(y[0])
+    ex.write("state", off, shape, idx, state[0])
+    return torch.stack(ys, dim=0)
 
 
-def set_ring_count(ex: Executor, d: dict, unit: int, value: int) -> None:
-    shape = ex.prog.buffers.i32["ring_count"].shape[1:]
-    ex.write("i32", d["COUNT_OFF"], shape, (d["B_IDX"], slice(unit, unit + 1)),
-             torch.tensor([value], dtype=torch.int32))
+class Ring:
+    """The ReplaySSM bookkeeping of one record: the n committed ring entries of (B_IDX, unit),
+    `sel[name]` indexing each ring tensor's unit axis, and the committed state of `heads`."""
 
+    def __init__(self, ex: Executor, d: dict, blk, unit: int,  # noqa: ANN001
+                 sel: dict[str, int | slice], heads: slice) -> None:
+        self.ex, self.d, self.unit, self.sel, self.heads = ex, d, unit, sel, heads
+        self.views = state_views(ex, d, blk)
+        p, self.b = ex.prog, d["B_IDX"]
+        self.count_shape = p.buffers.i32["ring_count"].shape[1:]
+        self.n = int(ex.read("i32", d["COUNT_OFF"], self.count_shape, (self.b, unit),
+                             scratch=False))
+        if self.n + p.tokens > p.buffers.ring_cap:
+            raise ExecutorError(f"{ex.cur_desc}: ring overflow, {self.n} + {p.tokens} entries > "
+                                f"{p.buffers.ring_cap}")
 
-def folds(ex: Executor, n: int) -> bool:
-    """Whether a step that starts with n committed entries folds the ring (n + T >= L)."""
-    return n + ex.prog.tokens >= ex.prog.header["REPLAY_WINDOW"]
+    def _at(self, name: str, rows: slice | None = None) -> tuple:
+        off, shape = self.views[name]
+        idx = (self.b, self.heads) if rows is None else (self.b, rows, self.sel[name])
+        return off, shape, idx
+
+    def entries(self) -> dict[str, torch.Tensor]:
+        """The committed entries: name -> [n, ...]."""
+        return {name: self.ex.read("state", *self._at(name, slice(0, self.n)), scratch=False)
+                for name in self.sel}
+
+    def state(self) -> torch.Tensor:
+        return self.ex.read("state", *self._at("state"), scratch=False)
+
+    def commit(self, new: dict[str, torch.Tensor], fold: Callable[[], torch.Tensor]) -> None:
+        """Append the T new entries; when n + T >= L (header REPLAY_WINDOW) store the state
+        `fold()` (every entry folded in) and restart the ring, else count n + T."""
+        ex = self.ex
+        t_ = ex.prog.tokens
+        for name, val in new.items():
+            ex.write("state", *self._at(name, slice(self.n, self.n + t_)), val)
+        count = self.n + t_
+        if count >= ex.prog.header["REPLAY_WINDOW"]:
+            ex.write("state", *self._at("state"), fold())
+            count = 0
+        ex.write("i32", self.d["COUNT_OFF"], self.count_shape,
+                 (self.b, slice(self.unit, self.unit + 1)),
+                 torch.tensor([count], dtype=torch.int32))
 
 
 # ---- GDN_CORE, GDN_REPLAY (layers/gdn.py): one (sequence, key head) each -------------------------
@@ -123,50 +164,27 @@ def _gdn_expand(inp: dict, dk: int) -> tuple[torch.Tensor, ...]:
 @op("GDN_CORE")
 def gdn_core(ex: Executor, d: dict, epoch: int) -> None:
     blk, inp = _gdn_inputs(ex, d)
-    off, shape = state_views(ex, d, blk)["state"]
-    idx = (d["B_IDX"], inp["heads"])
-    state = ex.read("state", off, shape, idx, scratch=False)[None]  # [1, R, dk, dv]
     q, k, g = _gdn_expand(inp, blk.cfg.k_head_dim)
-    ys = []
-    for t in range(q.shape[0]):
-        y, state = delta_rule_step(state, q[t][None], k[t][None], inp["v"][t][None],
-                                   inp["beta"][t][None], g[t][None])
-        ys.append(y[0])
-    ex.write("state", off, shape, idx, state[0])
-    _gdn_output(ex, d, blk, inp, torch.stack(ys, dim=0))
+    y = recurrent_steps(ex, d, blk, inp["heads"], lambda s, t: delta_rule_step(
+        s, q[t][None], k[t][None], inp["v"][t][None], inp["beta"][t][None], g[t][None]))
+    _gdn_output(ex, d, blk, inp, y)
 
 
 @op("GDN_REPLAY")
 def gdn_replay(ex: Executor, d: dict, epoch: int) -> None:
     blk, inp = _gdn_inputs(ex, d)
-    c, t_, b, kh = blk.cfg, ex.prog.tokens, d["B_IDX"], d["K_HEAD"]
-    dk, rep, heads = c.k_head_dim, inp["rep"], inp["heads"]
-    views = state_views(ex, d, blk)
-    n = ring_count(ex, d, blk, kh)
-    sel = {"k": kh, "u": heads, "g": heads}  # ring k per key head, u and g per value head
-
-    def ring(name: str, rows: slice) -> torch.Tensor:
-        off, shape = views[name]
-        return ex.read("state", off, shape, (b, rows, sel[name]), scratch=False)
-
-    old = {name: ring(name, slice(0, n)) for name in sel}
+    dk, rep, kh = blk.cfg.k_head_dim, inp["rep"], d["K_HEAD"]
+    # ring k per key head, u and g per value head
+    ring = Ring(ex, d, blk, kh, {"k": kh, "u": inp["heads"], "g": inp["heads"]}, inp["heads"])
+    old = ring.entries()
     full = {"k": old["k"][:, None].expand(-1, rep, dk), "u": old["u"],
             "g": old["g"][..., None].expand(-1, rep, dk)}
-    st_off, st_shape = views["state"]
-    state = ex.read("state", st_off, st_shape, (b, heads), scratch=False)  # [R, dk, dv]
+    state = ring.state()  # [R, dk, dv]
     q, k, g = _gdn_expand(inp, dk)
     y, entries = delta_rule_replay(state, full, q, k, inp["v"], inp["beta"], g)
-    new = {"k": inp["k"], "u": entries["u"], "g": inp["g"]}
-    for name, val in new.items():
-        off, shape = views[name]
-        ex.write("state", off, shape, (b, slice(n, n + t_), sel[name]), val)
-    if folds(ex, n):  # every committed entry folded into the state; the ring restarts
-        all_ = {"k": torch.cat((full["k"], k)), "u": torch.cat((full["u"], entries["u"])),
-                "g": torch.cat((full["g"], g))}
-        ex.write("state", st_off, st_shape, (b, heads), delta_rule_fold(state, all_))
-        set_ring_count(ex, d, kh, 0)
-    else:
-        set_ring_count(ex, d, kh, n + t_)
+    ring.commit({"k": inp["k"], "u": entries["u"], "g": inp["g"]}, lambda: delta_rule_fold(
+        state, {"k": torch.cat((full["k"], k)), "u": torch.cat((full["u"], entries["u"])),
+                "g": torch.cat((full["g"], g))}))
     _gdn_output(ex, d, blk, inp, y)
 
 
@@ -207,42 +225,22 @@ def _kda_output(ex: Executor, d: dict, blk, inp: dict, y: torch.Tensor) -> None:
 @op("KDA_CORE")
 def kda_core(ex: Executor, d: dict, epoch: int) -> None:
     blk, inp = _kda_inputs(ex, d)
-    off, shape = state_views(ex, d, blk)["state"]
-    idx = (d["B_IDX"], inp["heads"])
-    state = ex.read("state", off, shape, idx, scratch=False)[None]  # [1, 1, d, d]
-    ys = []
-    for t in range(inp["q"].shape[0]):
-        y, state = delta_rule_step(state, inp["q"][t][None, None], inp["k"][t][None, None],
-                                   inp["v"][t][None], inp["beta"][t][None], inp["g"][t][None])
-        ys.append(y[0])
-    ex.write("state", off, shape, idx, state[0])
-    _kda_output(ex, d, blk, inp, torch.stack(ys, dim=0))
+    y = recurrent_steps(ex, d, blk, inp["heads"], lambda s, t: delta_rule_step(
+        s, inp["q"][t][None, None], inp["k"][t][None, None], inp["v"][t][None],
+        inp["beta"][t][None], inp["g"][t][None]))
+    _kda_output(ex, d, blk, inp, y)
 
 
 @op("KDA_REPLAY")
 def kda_replay(ex: Executor, d: dict, epoch: int) -> None:
     blk, inp = _kda_inputs(ex, d)
-    t_, b, h, heads = ex.prog.tokens, d["B_IDX"], d["HEAD"], inp["heads"]
-    views = state_views(ex, d, blk)
-    n = ring_count(ex, d, blk, h)
-    old = {}
-    for name in ("k", "u", "g"):
-        off, shape = views[name]
-        old[name] = ex.read("state", off, shape, (b, slice(0, n), heads), scratch=False)
-    st_off, st_shape = views["state"]
-    state = ex.read("state", st_off, st_shape, (b, heads), scratch=False)  # [1, d, d]
-    k = inp["k"][:, None]
-    y, entries = delta_rule_replay(state, old, inp["q"][:, None], k, inp["v"], inp["beta"],
-                                   inp["g"])
-    for name, val in entries.items():
-        off, shape = views[name]
-        ex.write("state", off, shape, (b, slice(n, n + t_), heads), val)
-    if folds(ex, n):
-        all_ = {name: torch.cat((old[name], entries[name])) for name in old}
-        ex.write("state", st_off, st_shape, (b, heads), delta_rule_fold(state, all_))
-        set_ring_count(ex, d, h, 0)
-    else:
-        set_ring_count(ex, d, h, n + t_)
+    heads = inp["heads"]
+    ring = Ring(ex, d, blk, d["HEAD"], {"k": heads, "u": heads, "g": heads}, heads)
+    old, state = ring.entries(), ring.state()  # state [1, d, d]
+    y, entries = delta_rule_replay(state, old, inp["q"][:, None], inp["k"][:, None], inp["v"],
+                                   inp["beta"], inp["g"])
+    ring.commit(entries, lambda: delta_rule_fold(
+        state, {name: torch.cat((old[name], entries[name])) for name in old}))
     _kda_output(ex, d, blk, inp, y)
 
 
@@ -281,46 +279,27 @@ def _mamba_output(ex: Executor, d: dict, blk, inp: dict, y: torch.Tensor) -> Non
 def mamba_core(ex: Executor, d: dict, epoch: int) -> None:
     blk, inp = _mamba_inputs(ex, d)
     rep = inp["rep"]
-    off, shape = state_views(ex, d, blk)["state"]
-    idx = (d["B_IDX"], inp["heads"])
-    state = ex.read("state", off, shape, idx, scratch=False)[None]  # [1, R, P, N]
-    ys = []
-    for t in range(inp["x"].shape[0]):
+
+    def step(state: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         b_t, c_t = inp["B"][t].expand(rep, -1), inp["C"][t].expand(rep, -1)  # [R, N]
-        y, state = ssd_step(state, inp["x"][t][None], b_t[None], c_t[None], inp["dt"][t][None],
-                            inp["a"], inp["D"])
-        ys.append(y[0])
-    ex.write("state", off, shape, idx, state[0])
-    _mamba_output(ex, d, blk, inp, torch.stack(ys, dim=0))
+        return ssd_step(state, inp["x"][t][None], b_t[None], c_t[None], inp["dt"][t][None],
+                        inp["a"], inp["D"])
+
+    _mamba_output(ex, d, blk, inp, recurrent_steps(ex, d, blk, inp["heads"], step))
 
 
 @op("MAMBA_REPLAY")
 def mamba_replay(ex: Executor, d: dict, epoch: int) -> None:
     blk, inp = _mamba_inputs(ex, d)
-    rep, t_, b, j, heads = inp["rep"], ex.prog.tokens, d["B_IDX"], d["GROUP"], inp["heads"]
-    views = state_views(ex, d, blk)
-    n = ring_count(ex, d, blk, j)
-    sel = {"x": heads, "B": j, "dt": heads}  # ring x, dt per head; B per group
-
-    def ring(name: str) -> torch.Tensor:
-        off, shape = views[name]
-        return ex.read("state", off, shape, (b, slice(0, n), sel[name]), scratch=False)
-
-    ns = blk.cfg.state_size
-    old = {"x": ring("x"), "B": ring("B")[:, None, :].expand(-1, rep, ns), "dt": ring("dt")}
+    rep, j, heads, ns = inp["rep"], d["GROUP"], inp["heads"], blk.cfg.state_size
+    ring = Ring(ex, d, blk, j, {"x": heads, "B": j, "dt": heads}, heads)  # B per group
+    old = ring.entries()
+    old["B"] = old["B"][:, None, :].expand(-1, rep, ns)
     b_new = inp["B"][:, None, :].expand(-1, rep, ns)
     c_new = inp["C"][:, None, :].expand(-1, rep, ns)
-    st_off, st_shape = views["state"]
-    state = ex.read("state", st_off, st_shape, (b, heads), scratch=False)  # [R, P, N]
+    state = ring.state()  # [R, P, N]
     y, _ = ssd_replay(state, old, inp["x"], b_new, c_new, inp["dt"], inp["a"], inp["D"])
-    for name, val in (("x", inp["x"]), ("B", inp["B"]), ("dt", inp["dt"])):
-        off, shape = views[name]
-        ex.write("state", off, shape, (b, slice(n, n + t_), sel[name]), val)
-    if folds(ex, n):
-        all_ = {"x": torch.cat((old["x"], inp["x"])), "B": torch.cat((old["B"], b_new)),
-                "dt": torch.cat((old["dt"], inp["dt"]))}
-        ex.write("state", st_off, st_shape, (b, heads), ssd_fold(state, all_, inp["a"]))
-        set_ring_count(ex, d, j, 0)
-    else:
-        set_ring_count(ex, d, j, n + t_)
+    ring.commit({"x": inp["x"], "B": inp["B"], "dt": inp["dt"]}, lambda: ssd_fold(
+        state, {"x": torch.cat((old["x"], inp["x"])), "B": torch.cat((old["B"], b_new)),
+                "dt": torch.cat((old["dt"], inp["dt"]))}, inp["a"]))
     _mamba_output(ex, d, blk, inp, y)
