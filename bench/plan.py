@@ -24,7 +24,7 @@ from megakernel.program.verify import check_program  # noqa: E402
 
 
 def dense_presets() -> list[str]:
-    """The real presets without recurrent layers (bench/hybrid.py covers the others)."""
+    """The real presets without recurrent layers (bench/replay.py covers the others)."""
     return [n for n in real_presets() if not preset(n).recurrent_layers()]
 
 

@@ -29,7 +29,7 @@ from megakernel.models.config import (
     positive,
     refuse,
 )
-from megakernel.models.hybrid import HybridConfig
+from megakernel.models.layer_types import LayerTypesConfig
 from megakernel.models.registry import register_family
 
 _KIMI_48B_MLA = (4, 8, 12, 16, 20, 24, 27)  # 1-indexed full-attention layers (the rest are KDA)
@@ -70,7 +70,7 @@ def _check_index(i: Any, n: int, field: str) -> None:
 @register_family(architectures=("KimiLinearForCausalLM",), model_types=("kimi_linear",),
                  presets=_presets, real_presets=("kimi-linear-48b-a3b",))
 @dataclass(frozen=True, kw_only=True)
-class KimiLinearConfig(HybridConfig):
+class KimiLinearConfig(LayerTypesConfig):
     family = "kimi_linear"
     mixers = ("kda", "mla")
 

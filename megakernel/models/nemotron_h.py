@@ -23,7 +23,7 @@ from megakernel.models.config import (
     positive,
     refuse,
 )
-from megakernel.models.hybrid import HybridConfig
+from megakernel.models.layer_types import LayerTypesConfig
 from megakernel.models.registry import register_family
 
 _KINDS = {"mamba2": "mamba2", "attention": "attention", "mlp": "relu2"}
@@ -51,7 +51,7 @@ def _presets() -> dict[str, NemotronHConfig]:
 @register_family(architectures=("NemotronHForCausalLM",), model_types=("nemotron_h",),
                  presets=_presets, real_presets=("nemotron-h-8b",))
 @dataclass(frozen=True, kw_only=True)
-class NemotronHConfig(HybridConfig):
+class NemotronHConfig(LayerTypesConfig):
     family = "nemotron_h"
     mixers = ("mamba2", "attention", "mlp")
     embed_name = "backbone.embeddings.weight"

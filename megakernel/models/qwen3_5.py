@@ -29,7 +29,7 @@ from megakernel.models.config import (
     positive,
     refuse,
 )
-from megakernel.models.hybrid import HybridConfig
+from megakernel.models.layer_types import LayerTypesConfig
 from megakernel.models.registry import register_family
 
 
@@ -69,7 +69,7 @@ def _presets() -> dict[str, Qwen35Config]:
                  model_types=("qwen3_5", "qwen3_5_text"), presets=_presets,
                  real_presets=("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"))
 @dataclass(frozen=True, kw_only=True)
-class Qwen35Config(HybridConfig):
+class Qwen35Config(LayerTypesConfig):
     family = "qwen3_5"
     norm_kind = "rms_1p"
     mixers = ("gdn", "attention")

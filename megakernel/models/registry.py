@@ -17,7 +17,7 @@ from typing import Any
 from megakernel.models.config import ConfigError, ModelConfig
 from megakernel.registry import Registry
 
-_SHARED = {"config", "registry", "weights", "dense", "hybrid"}
+_SHARED = {"config", "registry", "weights", "dense", "layer_types"}
 
 
 @dataclass(frozen=True)

@@ -43,15 +43,10 @@ from megakernel.models import preset  # noqa: E402
 CASES = [("llama-tiny", 1, 1), ("qwen3-tiny", 2, 2)]
 
 
-@pytest.fixture(scope="session")
-def builds(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, dict]]:
-    out = {}
-    for name, b, t in CASES:
-        root = tmp_path_factory.mktemp(f"build-{name}")
-        for arch in ARCHS:
-            m = build_arch(preset(name), arch, root, batch=b, tokens=t, smem_stages=0)
-            out[(name, arch)] = (root / arch, m)
-    return out
+@pytest.fixture(scope="module")
+def builds(kernel_build) -> dict[tuple[str, str], tuple[Path, dict]]:
+    return {(name, arch): kernel_build(preset(name), arch, b, t, smem_stages=0)
+            for name, b, t in CASES for arch in ARCHS}
 
 
 def _all(builds):

@@ -251,17 +251,9 @@ BUILDS = [
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.kernel.build import build_arch
-
-    out = {}
-    for name, b, t, stages, archs in BUILDS:
-        root = tmp_path_factory.mktemp(f"shape-{name}-{b}x{t}-{stages}")
-        for arch in archs:
-            m = build_arch(_variant(name), arch, root, b, t, smem_stages=stages)
-            out[(name, b, t, stages, arch)] = (root / arch, m)
-    return out
+def builds(kernel_build):
+    return {(name, b, t, stages, arch): kernel_build(_variant(name), arch, b, t, stages)
+            for name, b, t, stages, archs in BUILDS for arch in archs}
 
 
 def test_dense_shapes_build_within_the_resource_rules(builds):

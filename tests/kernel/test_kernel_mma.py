@@ -183,16 +183,10 @@ def test_cost_model_charges_the_path_the_build_runs():
 
 # ---- compiled (DSL) -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.kernel.build import build_arch
-
-    out = {}
-    for name, b, t in (("llama-tiny", 16, 1), ("qwen3-tiny", 4, 4), ("llama-tiny", 1, 1)):
-        root = tmp_path_factory.mktemp(f"mma-{name}-{b}x{t}")
-        for arch in spec_mod.ARCHS:
-            out[(name, b, t, arch)] = (root / arch, build_arch(preset(name), arch, root, b, t))
-    return out
+def builds(kernel_build):
+    return {(name, b, t, arch): kernel_build(preset(name), arch, b, t)
+            for name, b, t in (("llama-tiny", 16, 1), ("qwen3-tiny", 4, 4), ("llama-tiny", 1, 1))
+            for arch in spec_mod.ARCHS}
 
 
 def test_mma_builds_carry_tensor_core_instructions_within_budget(builds):

@@ -202,17 +202,9 @@ CASES = [("llama-tiny", 1, 1), ("qwen3-tiny", 2, 2)]
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, dict]]:
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.kernel.build import build_arch
-
-    out = {}
-    for name, b, t in CASES:
-        root = tmp_path_factory.mktemp(f"pipe-{name}")
-        for arch in spec_mod.ARCHS:
-            m = build_arch(preset(name), arch, root, batch=b, tokens=t, smem_stages=STAGES)
-            out[(name, arch)] = (root / arch, m)
-    return out
+def builds(kernel_build) -> dict[tuple[str, str], tuple[Path, dict]]:
+    return {(name, arch): kernel_build(preset(name), arch, b, t, smem_stages=STAGES)
+            for name, b, t in CASES for arch in spec_mod.ARCHS}
 
 
 def test_pipeline_builds_within_budgets(builds):

@@ -1,4 +1,4 @@
-"""bench/hybrid.py's byte accounting: the analytic stand-in equal to step_bytes_by_category of the
+"""bench/replay.py's byte accounting: the analytic stand-in equal to step_bytes_by_category of the
 compiled programs, parts summing to totals, ReplaySSM moving fewer state bytes than the recurrent
 update, and the compiler's refusals (checked before scheduling) as the analytic rows' reason."""
 
@@ -21,9 +21,9 @@ from megakernel.program.gpus import gpu
 from megakernel.program.stages import PlanError
 
 _spec = importlib.util.spec_from_file_location(
-    "bench_hybrid", Path(__file__).resolve().parents[2] / "bench" / "hybrid.py")
+    "bench_replay", Path(__file__).resolve().parents[2] / "bench" / "replay.py")
 bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_hybrid"] = bench  # dataclasses look their module up
+sys.modules["bench_replay"] = bench  # dataclasses look their module up
 _spec.loader.exec_module(bench)
 
 TINY = ("qwen3.5-tiny", "nemotron-h-tiny", "kimi-linear-tiny")
@@ -144,8 +144,8 @@ def test_bench_catches_a_stand_in_that_disagrees(monkeypatch):
         bench.bench_model("kimi-linear-tiny", [2], H200, 4, None, None)
 
 
-def test_default_models_are_the_real_hybrid_presets():
-    names = bench.hybrid_presets()
+def test_default_models_are_the_real_recurrent_presets():
+    names = bench.recurrent_presets()
     assert {"qwen3.5-0.8b", "qwen3.5-9b", "nemotron-h-8b", "kimi-linear-48b-a3b"} <= set(names)
     assert set(names) <= set(real_presets())
     assert "llama-3.2-1b" not in names and not any(n.endswith("-tiny") for n in names)

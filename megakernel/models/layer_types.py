@@ -1,5 +1,6 @@
-"""What the hybrid families (Qwen3.5, Kimi Linear, Nemotron-H) share: `layer_types`, the mixer of
-each layer in the family's own words, checked against the kinds the family allows."""
+"""What the families with a mixer chosen per layer (Qwen3.5, Kimi Linear, Nemotron-H) share:
+`layer_types`, the mixer of each layer in the family's own words, checked against the kinds the
+family allows."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from megakernel.models.config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class HybridConfig(ModelConfig):
+class LayerTypesConfig(ModelConfig):
     """A model whose layers mix recurrent (linear-attention / SSM) and attention layers.
     `layer_types[i]` is the mixer of layer i, one of the family's `mixers`."""
 

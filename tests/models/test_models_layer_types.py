@@ -1,4 +1,4 @@
-"""What the hybrid families share (megakernel/models/hybrid.py): `layer_types` checked against
+"""What the hybrid families share (megakernel/models/layer_types.py): `layer_types` checked against
 the family's mixers, and transformers reading our `to_hf_dict` the way we do."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from megakernel.models import ConfigError, config_from_hf_dict, preset, presets
-from megakernel.models.hybrid import HybridConfig
+from megakernel.models.layer_types import LayerTypesConfig
 
-HYBRID = sorted(n for n, c in presets().items() if isinstance(c, HybridConfig))
+HYBRID = sorted(n for n, c in presets().items() if isinstance(c, LayerTypesConfig))
 
 
-def test_the_hybrid_presets() -> None:
+def test_the_recurrent_presets() -> None:
     assert set(HYBRID) >= {"qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny", "qwen3.5-0.8b",
                            "qwen3.5-9b", "kimi-linear-48b-a3b", "nemotron-h-8b"}
 

@@ -18,7 +18,7 @@ ReplaySSM ring, conv window) and the step time. Rows come from one of two source
 
 Every compiled row is also recomputed the analytic way and the two must agree byte for byte.
 
-    python bench/hybrid.py [--models a,b] [--batches 1,8,64,256] [--replay-window 16]
+    python bench/replay.py [--models a,b] [--batches 1,8,64,256] [--replay-window 16]
                            [--gpu h200] [--context 1024] [--json out.json]
 """
 
@@ -63,7 +63,7 @@ KINDS = ("weights", "per_seq_weights", "expert", "kv", "state_read", "state_writ
 Bytes = dict[str, int]  # step_bytes_by_category, integral
 
 
-def hybrid_presets() -> list[str]:
+def recurrent_presets() -> list[str]:
     """The real-shaped presets with recurrent layers, in registry order."""
     return [n for n in real_presets() if preset(n).recurrent_layers()]
 
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     g = gpu(args.gpu)
     batches = [int(x) for x in args.batches.split(",")]
-    models = args.models.split(",") if args.models else hybrid_presets()
+    models = args.models.split(",") if args.models else recurrent_presets()
     rows: list[Row] = []
     for m in models:
         rows += bench_model(m, batches, g, args.replay_window, args.context,
