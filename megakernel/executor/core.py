@@ -123,6 +123,8 @@ class Executor:
         self.state = torch.zeros(b.state_numel, dtype=torch.float32)
         self.k = torch.full(b.kv_shape, float("nan"), dtype=torch.bfloat16)
         self.v = torch.full(b.v_shape, float("nan"), dtype=torch.bfloat16)
+        self._arenas = {"f32": self.f32, "bf16": self.bf16, "i32": self.i32, "state": self.state,
+                        "k": self.k.view(-1), "v": self.v.view(-1)}  # flat views, made once
         self.counters = [0] * prog.counter_words()
         self.counter_names = [c.name for c in prog.counters]
         self.blocks = {(blk.layer, blk.kind): blk for blk in self.cfg.blocks}
@@ -139,8 +141,8 @@ class Executor:
 
     # ---- buffers ------------------------------------------------------------------------------
     def arena(self, name: str) -> torch.Tensor:
-        return {"f32": self.f32, "bf16": self.bf16, "i32": self.i32, "state": self.state,
-                "k": self.k.view(-1), "v": self.v.view(-1)}[name]
+        """A whole arena, flat (the KV caches flattened)."""
+        return self._arenas[name]
 
     def region(self, arena: str, name: str) -> torch.Tensor:
         """A region of an arena as a tensor of its shape (a view)."""
@@ -213,10 +215,9 @@ class Executor:
         return t[off : off + math.prod(shape)].view(shape)[idx]
 
     def _meta(self, buf: str, off: int, shape, idx):  # noqa: ANN001, ANN202
-        tr = self.tracks[buf]
-        return (self._view(tr.lw_sm, off, shape, idx), self._view(tr.lw_pos, off, shape, idx),
-                tr.lr[off : off + math.prod(shape)].view(*shape, self.n_sm)[idx],
-                self._view(tr.count, off, shape, idx))
+        tr, end = self.tracks[buf], off + math.prod(shape)
+        return (tr.lw_sm[off:end].view(shape)[idx], tr.lw_pos[off:end].view(shape)[idx],
+                tr.lr[off:end].view(*shape, self.n_sm)[idx], tr.count[off:end].view(shape)[idx])
 
     def read(self, buf: str, off: int, shape: tuple[int, ...], idx=(),  # noqa: ANN001, ANN201
              scratch: bool = True):

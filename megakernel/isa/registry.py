@@ -21,6 +21,8 @@ Properties:
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -106,6 +108,10 @@ class OpSpec:
     def op(self) -> OpCode:
         return _CODES[self.code]
 
+    @functools.cached_property
+    def name_set(self) -> frozenset[str]:
+        return frozenset(self.names)
+
     def index(self, name: str) -> int:
         """Word index of operand `name` (common fields included)."""
         if name in COMMON_FIELDS:
@@ -153,7 +159,7 @@ def specs() -> list[OpSpec]:
 
 def spec(op: int) -> OpSpec:
     """The declaration of opcode `op`."""
-    s = _SPECS.get(int(op))
+    s = _SPECS.get(op)  # an OpCode or an int hashes as its code
     if s is None:
         load_all()
         s = _SPECS.get(int(op))
@@ -176,7 +182,9 @@ class _Ops:
             load_all()
         if name not in _NAMES:
             raise AttributeError(f"no opcode named {name!r}")
-        return _CODES[_NAMES[name]]
+        op = _CODES[_NAMES[name]]
+        setattr(self, name, op)  # an opcode, once registered, stays: later reads skip this
+        return op
 
     def __call__(self, code: int) -> OpCode:
         return spec(code).op
@@ -200,7 +208,7 @@ def encode(op: int, *, wait: tuple[int, int, int] | None = None, signal: int = N
     for wide, (lo, hi) in WIDE.items():
         if wide in operands:
             operands[lo], operands[hi] = split64(operands.pop(wide))
-    if set(operands) != set(s.names):
+    if operands.keys() != s.name_set:
         unknown = sorted(set(operands) - set(s.names))
         if unknown:
             raise KeyError(f"opcode {s.name} has no operands {unknown}; operands: "
@@ -209,10 +217,10 @@ def encode(op: int, *, wait: tuple[int, int, int] | None = None, signal: int = N
         raise KeyError(f"opcode {s.name} is missing operands {missing}")
     cid, target, total = wait if wait is not None else (NO_COUNTER, 0, 0)
     rec = [int(op), cid, target, total, signal, layer] + [int(operands[n]) for n in s.names]
-    for i, v in enumerate(rec):
-        if not INT32_MIN <= v <= INT32_MAX:
-            name = (COMMON_FIELDS + s.names)[i]
-            raise OverflowError(f"field {name}={v} of {s.name} does not fit in int32")
+    if min(rec) < INT32_MIN or max(rec) > INT32_MAX:
+        i, v = next((i, v) for i, v in enumerate(rec) if not INT32_MIN <= v <= INT32_MAX)
+        name = (COMMON_FIELDS + s.names)[i]
+        raise OverflowError(f"field {name}={v} of {s.name} does not fit in int32")
     return rec + [0] * (RECORD_WORDS - len(rec))
 
 

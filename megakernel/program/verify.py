@@ -21,6 +21,7 @@ the compiler's stages.
 from __future__ import annotations
 
 import bisect
+import functools
 
 from megakernel import isa
 from megakernel.layers import kind
@@ -102,9 +103,15 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
             raise ProgramError(f"counter {name!r} gets {signals[c] + merges[c]} increments per "
                                f"step, its waiters expect {totals[c]}")
 
-    def producers(d: dict) -> set[tuple[str, int]]:
-        """(opcode name, block index) pairs whose signals the record may wait on."""
-        op = d["OPCODE"].name
+    @functools.cache
+    def producers_of(op: str, b: int) -> frozenset[tuple[str, int]]:
+        """(opcode name, block index) pairs whose signals an `op` record of block b may wait on."""
+        return frozenset(_producers(op, b))
+
+    def producers(d: dict) -> frozenset[tuple[str, int]]:
+        return producers_of(d["OPCODE"].name, owner[id(d)])
+
+    def _producers(op: str, b: int) -> set[tuple[str, int]]:
         if op == "EMBED":
             return set()
         if op == "ARGMAX":
@@ -112,7 +119,6 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
         if op == "LMHEAD":
             last = len(blocks.blocks) - 1
             return {(kind(blocks.blocks[last].kind).out_op, last)}
-        b = owner[id(d)]
         flow = kind(blocks.blocks[b].kind).flow[op]
         if flow is None:
             if b == 0:
@@ -120,7 +126,7 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
             return {(kind(blocks.blocks[b - 1].kind).out_op, b - 1)}
         return {(p, b) for p in ((flow,) if isinstance(flow, str) else flow)}
 
-    def counter_name(prod: set[tuple[str, int]]) -> str | None:
+    def counter_name(prod: frozenset[tuple[str, int]]) -> str | None:
         hits = [names[c] for c in range(len(names)) if signallers[c] and signallers[c] <= prod]
         return hits[0] if len(hits) == 1 else (" or ".join(hits) or None)
 
