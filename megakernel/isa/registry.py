@@ -22,7 +22,6 @@ Properties:
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
