@@ -111,6 +111,16 @@ class OpSpec:
     def name_set(self) -> frozenset[str]:
         return frozenset(self.names)
 
+    @functools.cached_property
+    def fields(self) -> tuple[str, ...]:
+        """Every word's name, in order: the common fields then the operands."""
+        return COMMON_FIELDS + self.names
+
+    @functools.cached_property
+    def wide(self) -> tuple[tuple[str, str, str], ...]:
+        """(name, low word, high word) of the 64-bit operands this opcode has."""
+        return tuple((w, lo, hi) for w, (lo, hi) in WIDE.items() if lo in self.name_set)
+
     def index(self, name: str) -> int:
         """Word index of operand `name` (common fields included)."""
         if name in COMMON_FIELDS:
@@ -204,7 +214,7 @@ def encode(op: int, *, wait: tuple[int, int, int] | None = None, signal: int = N
     """One record. `wait` = (counter, local target, per-step total); operands by name; a 64-bit
     operand (records.WIDE: `W`, `STATE`) may be given whole."""
     s = spec(op)
-    for wide, (lo, hi) in WIDE.items():
+    for wide, lo, hi in s.wide:
         if wide in operands:
             operands[lo], operands[hi] = split64(operands.pop(wide))
     if operands.keys() != s.name_set:
@@ -229,11 +239,10 @@ def decode(rec) -> dict:  # noqa: ANN001 (a sequence of 16 ints or an int32 tens
     if len(words) != RECORD_WORDS:
         raise ValueError(f"a record has {RECORD_WORDS} words, got {len(words)}")
     s = spec(words[0])
-    out = dict(zip(COMMON_FIELDS + s.names, words, strict=False))
+    out = dict(zip(s.fields, words, strict=False))
     out["OPCODE"] = s.op
-    for wide, (lo, hi) in WIDE.items():
-        if lo in out:
-            out[wide] = join64(out[lo], out[hi])
+    for wide, lo, hi in s.wide:
+        out[wide] = join64(out[lo], out[hi])
     return out
 
 

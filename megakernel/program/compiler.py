@@ -16,6 +16,7 @@ Compilation is deterministic: the same inputs give the same records.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass, field
 
@@ -76,7 +77,12 @@ class Program:
         return isa.encode(ins.op, wait=wait, signal=ins.signal, layer=ins.layer, **ins.operands)
 
     def records(self) -> torch.Tensor:
-        """int32 [num_sms, max_queue + 1, RECORD_WORDS], END-padded (the kernel's input)."""
+        """int32 [num_sms, max_queue + 1, RECORD_WORDS], END-padded (the kernel's input); a copy
+        of the records encoded once, so callers may edit theirs."""
+        return self._encoded.clone()
+
+    @functools.cached_property
+    def _encoded(self) -> torch.Tensor:
         return isa.as_tensor([[self.record(i) for i in q] for q in self.queues])
 
     def counter_words(self) -> int:

@@ -107,10 +107,15 @@ def test_real_plans_are_deadlock_free(name: str) -> None:
     """Every real dense preset x GPU x B in {1, 8, 64}: coverage, counters, dataflow,
     deadlock (Qwen2, which shares the dense structure, on H200)."""
     gpus = ("h200",) if preset(name).family == "qwen2" else GPUS
+    checked = []  # H100 and H200 (132 SMs each) get the same program: it is verified once
     for g in gpus:
         for batch in (1, 8, 64):
             prog = compile_program(preset(name), batch, gpu(g), policy="structure")
-            check_program(prog)
+            if not any(p.queues == prog.queues and p.instrs == prog.instrs
+                       and p.counters == prog.counters for p in checked):
+                check_program(prog)
+                checked.append(prog)
+    assert len(checked) >= len({gpu(g).num_sms for g in gpus}) * 3
 
 
 @pytest.mark.parametrize("name,batch,window,layers", [
