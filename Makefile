@@ -7,7 +7,7 @@ ARCHS   ?= sm_90a,sm_100a
 MODEL   ?= llama-3.2-1b
 OUTDIR  ?= out
 
-.PHONY: setup test demo lint bench build gpu-builds gpu-check clean
+.PHONY: setup test demo lint bench build gpu-builds gpu-check gpu-check-simulate clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -42,9 +42,16 @@ build: $(STAMP)
 gpu-builds: $(STAMP)
 	$(VPY) -m megakernel gpu-check --prepare --build-dir $(OUTDIR)/gpu-builds --arch $(ARCHS)
 
-# On a GPU machine without the DSL (python3 with torch + cuda-python): the one GPU script.
+# On a GPU machine without the DSL (python3 with torch + cuda-python): the one GPU script, staged
+# and bounded (under 8.5 minutes whatever hangs); OUT=DIR takes any directory, STAGES=0,1 a subset.
+OUT     ?= $(OUTDIR)/gpu-check
+STAGES  ?= 0,1,2
 gpu-check:
-	$(PY) -m megakernel gpu-check --build-dir $(OUTDIR)/gpu-builds --out $(OUTDIR)/gpu-check
+	$(PY) -m megakernel gpu-check --build-dir $(OUTDIR)/gpu-builds --out $(OUT) --stages $(STAGES)
+
+# The same run on the CPU executor (no GPU, no build): what CI checks of gpu-check itself.
+gpu-check-simulate: $(STAMP)
+	$(VPY) -m megakernel gpu-check --simulate --out $(OUT) --stages $(STAGES)
 
 clean:
 	rm -rf $(VENV) $(OUTDIR) build *.egg-info

@@ -7,6 +7,11 @@ SM's idle fraction, and the assumptions. `--json` adds one JSON object as the la
 `--refit gpu_check.json` fits cost parameters to a GPU run's measured step times
 (program/refit.py) and prints them with the predicted/measured table before and after;
 `--save-params OUT.json` keeps them and `--params OUT.json` plans with them.
+
+`--timeline OUT.png` draws the predicted per-SM timeline of the step (megakernel/timeline.py),
+beside the measured one of `--timeline-records FILE` (the timeline build's records, .npz or
+.json). `--refit FILE` with such a records file fits the per-instruction fixed cost and latency
+(`--fit`) to its busy intervals and finish times (refit.fit_timeline).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from megakernel.program import cost
@@ -39,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="cost", choices=("cost", "round_robin"),
                    help="SM assignment (default cost)")
     p.add_argument("--copy-bw", type=float, default=None,
-                   help="measured copy bandwidth in GB/s (replaces the assumed 90%% of spec)")
+                   help="measured copy bandwidth in GB/s (replaces the cited read bandwidth)")
     p.add_argument("--measured-step-us", type=float, default=None,
                    help="a measured step time to report against the prediction")
     p.add_argument("--isa", action="store_true", help="also print the instruction set table")
@@ -54,16 +60,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --refit: write the fitted parameters here (for --params)")
     p.add_argument("--params", default=None, metavar="FILE.json",
                    help="plan with cost parameters saved by --refit --save-params")
+    p.add_argument("--timeline", default=None, metavar="OUT.png",
+                   help="draw the predicted per-SM timeline of the step (and the measured one "
+                        "of --timeline-records) as a PNG")
+    p.add_argument("--timeline-records", default=None, metavar="FILE",
+                   help="records of the kernel's timeline build (.npz or .json, "
+                        "megakernel/timeline.py) to draw beside the prediction")
 
 
 def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
          context: int | None = None, max_seq_len: int | None = None, splits: int | None = None,
          policy: str = "cost", copy_bw_gbs: float | None = None,
-         params: cost.CostParams | None = None, replay_window: int | None = None
-         ) -> dict[str, Any]:
+         params: cost.CostParams | None = None, replay_window: int | None = None,
+         programs: list | None = None) -> dict[str, Any]:
     """Compile, verify and summarise one program of any family (the JSON-ready result of
     `plan`). `params`: cost parameters (e.g. refitted ones, refit.load_params); default the cited
-    ones. `replay_window`: ReplaySSM fold window of the recurrent layers (None: recurrent)."""
+    ones. `replay_window`: ReplaySSM fold window of the recurrent layers (None: recurrent).
+    `programs`: a list that receives the compiled program."""
     from megakernel import isa
     from megakernel.models import resolve
     from megakernel.program.bytes import step_bytes_by_category
@@ -82,6 +95,8 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
     t0 = time.perf_counter()
     check_program(prog)
     verify_s = time.perf_counter() - t0
+    if programs is not None:
+        programs.append(prog)
     r = prog.cost
     rates = cost.Rates.of(g, params or cost.CostParams(), prog.ring_bytes)  # what the replay used
     cats = step_bytes_by_category(prog)
@@ -131,7 +146,7 @@ def describe(r: dict[str, Any]) -> list[str]:
         f", KV read {r['kv_read_bytes'] / gb:.4f}, KV written {r['kv_write_bytes'] / gb:.5f})",
         f"predicted step: {r['predicted_step_us']:.1f} us",
         f"floor: {r['floor_us']:.1f} us at the copy bandwidth {r['copy_bw_gbs']:.0f} GB/s"
-        f" ({'measured' if r['copy_bw_measured'] else 'assumed 90% of spec'}); "
+        f" ({'measured' if r['copy_bw_measured'] else 'cited achievable read bandwidth'}); "
         f"{r['spec_floor_us']:.1f} us at the spec {r['hbm_bw_gbs']:.0f} GB/s",
         f"predicted efficiency: {100 * r['predicted_efficiency']:.1f}% of the copy floor "
         f"({100 * r['predicted_spec_efficiency']:.1f}% of the spec floor)",
@@ -161,10 +176,56 @@ def describe(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def is_timeline_file(path: str) -> bool:
+    """A timeline build's records (timeline.save_records / run_timeline), not step times."""
+    if path.endswith(".npz"):
+        return True
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "records" in data and "fields" in data
+
+
+def timeline_program(args: argparse.Namespace, data: dict, params) -> Any:  # noqa: ANN001, ANN401
+    """The program a timeline records file was measured on: its model and batch (or the
+    command line's), compiled for --gpu as `plan` does."""
+    from megakernel.program.refit import RefitError
+
+    model = args.model or data.get("model")
+    if model is None:
+        raise RefitError("the timeline records name no model: pass --model")
+    programs: list = []
+    plan(model, args.gpu, int(data.get("batch", args.batch)), int(data.get("tokens", args.tokens)),
+         args.context, args.max_seq_len, args.splits, args.policy, args.copy_bw, params,
+         args.replay_window, programs)
+    return programs[0]
+
+
+def run_refit_timeline(args: argparse.Namespace) -> int:
+    """`plan --refit RECORDS`: fit per-instruction costs to a timeline build's records."""
+    from megakernel import timeline
+    from megakernel.program import refit
+
+    start = refit.load_params(args.params) if args.params else None
+    fit = tuple(f.strip() for f in args.fit.split(",") if f.strip())
+    data = timeline.load_records(args.refit)
+    prog = timeline_program(args, data, start)
+    result = refit.fit_timeline(prog, timeline.decode(data["records"]), fit, start=start)
+    print("\n".join(refit.describe_timeline(result)))
+    if args.save_params:
+        Path(args.save_params).write_text(json.dumps(
+            {"cost_params": dataclasses.asdict(result.params)}, indent=2) + "\n")
+        print(f"fitted parameters written to {args.save_params} (plan with --params)")
+    return 0
+
+
 def run_refit(args: argparse.Namespace) -> int:
     """`plan --refit FILE`: fit, print the fitted parameters and the before/after table."""
     from megakernel.program import refit
 
+    if is_timeline_file(args.refit):
+        return run_refit_timeline(args)
     start = refit.load_params(args.params) if args.params else None
     fit = tuple(f.strip() for f in args.fit.split(",") if f.strip())
     result = refit.refit(refit.load_measurements(args.refit), fit, start=start)
@@ -187,8 +248,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise RefitError("plan needs --model (or --refit FILE.json)")
     params = load_params(args.params) if args.params else None
+    if args.timeline_records and not args.timeline:
+        raise RefitError("--timeline-records needs --timeline OUT.png (or --refit RECORDS)")
+    programs: list = []
     r = plan(args.model, args.gpu, args.batch, args.tokens, args.context, args.max_seq_len,
-             args.splits, args.policy, args.copy_bw, params, args.replay_window)
+             args.splits, args.policy, args.copy_bw, params, args.replay_window, programs)
     if args.params:
         r["cost_params_file"] = args.params
     if args.measured_step_us is not None:
@@ -199,6 +263,24 @@ def run(args: argparse.Namespace) -> int:
         print(table_markdown())
         print()
     print("\n".join(describe(r)))
+    if args.timeline:
+        print(draw_timeline(programs[0], params, args.timeline, args.timeline_records))
     if args.json:
         print(json.dumps(r))
     return 0
+
+
+def draw_timeline(prog, params, out: str, records: str | None) -> str:  # noqa: ANN001
+    """Write the predicted (and measured) timeline PNG; returns the legend to print."""
+    from megakernel import timeline
+    from megakernel.program.refit import RefitError
+
+    meas = None
+    if records:
+        meas = timeline.decode(timeline.load_records(records)["records"])
+        try:
+            timeline.check_matches(meas, prog)
+        except ValueError as e:
+            raise RefitError(str(e)) from None
+    legend = timeline.write_png(out, timeline.predicted(prog, params), meas, prog.num_sms)
+    return f"{legend}\nwritten to {out}"

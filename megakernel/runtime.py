@@ -6,7 +6,8 @@ next to the cubin. Before anything touches CUDA the runtime checks, with errors 
 problem:
 - the manifest: schema, program FORMAT_VERSION (a stale build is refused), arch;
 - the device: compute capability -> arch (9.0 -> sm_90a, 10.0 -> sm_100a), SM count >= CTAs of
-  the program (all CTAs must be co-resident: they spin on each other), shared-memory opt-in limit;
+  the program (all CTAs must be co-resident: they spin on each other), shared-memory opt-in limit,
+  and, before the first launch, the driver's occupancy (blocks per SM x SMs >= CTAs);
 - every tensor argument: dtype, shape (against the build's static config), contiguity, device,
   batch and length within what the build serves.
 The launch goes on torch's current stream with the cooperative attribute (co-residency is then
@@ -162,8 +163,14 @@ def device_info(device: int | torch.device | None = None) -> DeviceInfo:
     return DeviceInfo(p.name, (p.major, p.minor), int(p.multi_processor_count), smem)
 
 
-def check_device(m: Manifest, dev: DeviceInfo, num_ctas: int) -> None:
-    """The build fits the device: arch, co-residency of every CTA, shared memory."""
+def check_device(m: Manifest, dev: DeviceInfo, num_ctas: int,
+                 blocks_per_sm: int | None = None) -> None:
+    """The build fits the device: arch, co-residency of every CTA, shared memory.
+
+    `blocks_per_sm`: the driver's occupancy of the kernel at the manifest's block size and
+    dynamic shared memory (cuOccupancyMaxActiveBlocksPerMultiprocessor); a cooperative launch
+    needs blocks_per_sm * SMs >= CTAs, else the launch would fail (or, without the cooperative
+    attribute, the CTAs would spin on CTAs that never start)."""
     if dev.arch != m.arch:
         raise ManifestError(f"the build in {m.path} is for {m.arch}, but {dev.name} is "
                             f"{dev.arch}: build for {dev.arch}")
@@ -174,6 +181,12 @@ def check_device(m: Manifest, dev: DeviceInfo, num_ctas: int) -> None:
     if dev.smem_optin and m.smem > dev.smem_optin:
         raise ManifestError(f"the kernel needs {m.smem} B of shared memory per CTA, {dev.name} "
                             f"allows {dev.smem_optin} B")
+    if blocks_per_sm is not None and blocks_per_sm * dev.sm_count < num_ctas:
+        raise ArgumentError(
+            f"the cooperative launch needs all {num_ctas} CTAs resident, but the driver's "
+            f"occupancy is {blocks_per_sm} block(s) of {m.block[0]} threads with {m.smem} B of "
+            f"dynamic shared memory per SM x {dev.sm_count} SMs = "
+            f"{blocks_per_sm * dev.sm_count} < {num_ctas}")
 
 
 # ---- argument validation (CPU-only logic; runs before any CUDA call) ----------------------------
@@ -350,43 +363,51 @@ def _driver():
     return driver
 
 
-def _check(result):
-    """cuda-python returns (err, *values): raise on error, return the values."""
-    drv = _driver()
+def _check(result, call: str, drv=None):  # noqa: ANN001 (cuda-python objects)
+    """cuda-python returns (err, *values): raise naming `call` on error, return the values."""
+    drv = drv or _driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != int(drv.CUresult.CUDA_SUCCESS):
         _, msg = drv.cuGetErrorString(err)
         text = msg.decode() if isinstance(msg, bytes) else str(msg)
-        raise RuntimeError(f"CUDA driver error {int(err)}: {text}")
+        raise RuntimeError(f"{call} failed: CUDA driver error {int(err)}: {text}")
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
 class LoadedKernel:
-    """A cubin loaded into the current CUDA context, ready to launch on torch's streams."""
+    """A cubin loaded into the current CUDA context, ready to launch on torch's streams.
 
-    def __init__(self, manifest: Manifest, device: int | None = None):
+    `driver` (default: cuda.bindings.driver) and `dev` (default: device_info(device)) are
+    injectable so that the whole call sequence can be checked against a fake driver."""
+
+    def __init__(self, manifest: Manifest, device: int | None = None, *, driver=None,  # noqa: ANN001
+                 dev: DeviceInfo | None = None):
         self.manifest = manifest
-        self.dev = device_info(device)
+        self.dev = dev or device_info(device)
         if self.dev.arch != manifest.arch:
             raise ManifestError(f"the build in {manifest.path} is for {manifest.arch}, but "
                                 f"{self.dev.name} is {self.dev.arch}")
-        drv = _driver()
+        self.drv = drv = driver or _driver()
+        self.blocks_per_sm: int | None = None  # the driver's occupancy (first launch)
         torch.cuda.init()  # torch owns the primary context; the driver API uses it
         torch.cuda.current_stream()
         self._cubin = manifest.cubin_bytes()
-        self.library = _check(drv.cuLibraryLoadData(self._cubin, None, None, 0, None, None, 0))
-        self.kernel = _check(drv.cuLibraryGetKernel(self.library, manifest.symbol.encode()))
+        self.library = _check(drv.cuLibraryLoadData(self._cubin, None, None, 0, None, None, 0),
+                              "cuLibraryLoadData", drv)
+        self.kernel = _check(drv.cuLibraryGetKernel(self.library, manifest.symbol.encode()),
+                             "cuLibraryGetKernel", drv)
         dev_idx = torch.cuda.current_device() if device is None else int(device)
-        cu_dev = _check(drv.cuDeviceGet(dev_idx))
+        cu_dev = _check(drv.cuDeviceGet(dev_idx), "cuDeviceGet", drv)
         attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(drv.cuKernelSetAttribute(attr, manifest.smem, self.kernel, cu_dev))
+        _check(drv.cuKernelSetAttribute(attr, manifest.smem, self.kernel, cu_dev),
+               "cuKernelSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", drv)
 
     def launch(self, num_ctas: int, tensors: dict[str, torch.Tensor], ints: dict[str, int],
                stream: int | None = None) -> None:
         """One step. Validation is the caller's (validate_args) - this only launches."""
-        drv = _driver()
+        drv = self.drv
         check_device(self.manifest, self.dev, num_ctas)
         vals, keep = [], []
         for p in self.manifest.params:
@@ -402,8 +423,14 @@ class LoadedKernel:
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.manifest.block
         cfg.sharedMemBytes = self.manifest.smem
         # the tensors' device, not whichever device is current: its context and its stream
-        dev = tensors["program"].device
+        dev = next(iter(tensors.values())).device  # validate_args: all on one device
+        func = drv.CUfunction(int(self.kernel))  # the CUkernel, resolved in the current context
         with torch.cuda.device(dev):  # makes that device's primary context current
+            if self.blocks_per_sm is None:  # the co-residency a cooperative launch needs
+                self.blocks_per_sm = int(_check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    func, self.manifest.block[0], self.manifest.smem),
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor", drv))
+            check_device(self.manifest, self.dev, num_ctas, self.blocks_per_sm)
             s = torch.cuda.current_stream(dev).cuda_stream if stream is None else stream
             cfg.hStream = drv.CUstream(s)
             attr = drv.CUlaunchAttribute()
@@ -411,14 +438,14 @@ class LoadedKernel:
             attr.value.cooperative = 1
             cfg.attrs = [attr]
             cfg.numAttrs = 1
-            _check(drv.cuLaunchKernelEx(cfg, drv.CUfunction(int(self.kernel)),
-                                        ctypes.addressof(argv), 0))
+            _check(drv.cuLaunchKernelEx(cfg, func, ctypes.addressof(argv), 0),
+                   "cuLaunchKernelEx", drv)
         del keep
 
     def __del__(self):
         lib = getattr(self, "library", None)
         if lib is not None:
             try:
-                _driver().cuLibraryUnload(lib)
+                self.drv.cuLibraryUnload(lib)
             except Exception:  # interpreter shutdown: the context may be gone already
                 pass

@@ -36,8 +36,23 @@ ENV_BUILD_DIR = "MEGAKERNEL_BUILD_DIR"
 # ---- registry of builds the op may launch -------------------------------------------------------
 @dataclass
 class _Entry:
-    manifest: Manifest
+    """What a `kernel` id launches: a GPU build (`manifest`), or a program that the CPU executor
+    serves when the op gets CPU tensors (`prog`, `packed`)."""
+
+    manifest: Manifest | None = None
     loaded: LoadedKernel | None = None
+    prog: object | None = None  # megakernel.program.compiler.Program
+    packed: object | None = None  # megakernel.program.pack.PackedWeights
+    executor: object | None = None  # megakernel.executor.Executor over the last arenas
+
+    @property
+    def rows(self) -> int:
+        return self.manifest.rows if self.manifest is not None else self.prog.rows
+
+    @property
+    def vocab(self) -> int:
+        return (self.manifest.spec["vocab"] if self.manifest is not None
+                else self.prog.cfg.vocab_size)
 
 
 _REGISTRY: dict[int, _Entry] = {}
@@ -46,10 +61,21 @@ _REGISTRY: dict[int, _Entry] = {}
 def register_build(manifest: Manifest) -> int:
     """Make a build launchable by the op; returns the `kernel` id to pass to decode_step."""
     for k, e in _REGISTRY.items():
-        if e.manifest.path == manifest.path and e.manifest.data == manifest.data:
+        if (e.manifest is not None and e.manifest.path == manifest.path
+                and e.manifest.data == manifest.data):
             return k
+    return _add(_Entry(manifest))
+
+
+def register_program(prog, packed) -> int:  # noqa: ANN001
+    """Make a program runnable by the op on CPU tensors (served by the CPU executor, with its
+    race and write-count checks); returns the `kernel` id to pass to decode_step."""
+    return _add(_Entry(prog=prog, packed=packed))
+
+
+def _add(e: _Entry) -> int:
     k = len(_REGISTRY) + 1
-    _REGISTRY[k] = _Entry(manifest)
+    _REGISTRY[k] = e
     return k
 
 
@@ -73,22 +99,73 @@ def decode_step(program: torch.Tensor, counters: torch.Tensor, weights: torch.Te
 
     Returns (tokens_out [N] int32, logits [N, V] fp32 or [0, V] when not requested), copies.
     """
+    return _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel,
+                   offsets, return_logits)
+
+
+def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel, offsets,  # noqa: ANN001, ANN202
+            return_logits):
+    """The GPU launch of a registered build: every argument checked first, then one driver
+    call (ArgumentError "the kernel needs CUDA tensors" for CPU tensors after the checks)."""
     e = _entry(kernel)
-    spec = e.manifest.spec
+    if e.manifest is None:
+        raise ArgumentError(f"kernel id {kernel} is a program for the CPU executor; it runs on "
+                            f"CPU tensors, got {program.device}")
     lengths_off, tok_off, logits_off, s_max = _offsets(offsets)
     tensors = dict(program=program, counters=counters, weights=weights, f32=f32, bf16=bf16,
                    i32=i32, k_cache=k_cache, v_cache=v_cache)
-    validate_args(spec, tensors, lengths_off=lengths_off, max_seq_len=s_max)  # before CUDA
-    n, v = e.manifest.rows, spec["vocab"]
-    if tok_off < 0 or tok_off + n > i32.numel():
-        raise ArgumentError(f"tokens_out_off {tok_off} + {n} rows is outside the i32 arena")
-    if return_logits and (logits_off < 0 or logits_off + n * v > f32.numel()):
-        raise ArgumentError(f"logits_off {logits_off} + {n}x{v} is outside the f32 arena")
+    validate_args(e.manifest.spec, tensors, lengths_off=lengths_off, max_seq_len=s_max)
+    _check_outputs(e, f32, i32, tok_off, logits_off, return_logits)  # before CUDA
     if e.loaded is None:
         e.loaded = LoadedKernel(e.manifest, program.device.index)
     e.loaded.launch(program.shape[0], tensors,
                     dict(queue_len=program.shape[1], s_max=k_cache.shape[3],
                          lengths_off=lengths_off))
+    return _outputs(e, f32, i32, tok_off, logits_off, return_logits)
+
+
+@decode_step.register_kernel("cpu")
+def _decode_step_cpu(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel,
+                     offsets, return_logits=False):
+    """The same step on CPU tensors, served by the CPU executor over these very arenas (its
+    checks on): what `gpu-check --simulate` and a machine without a GPU run."""
+    from megakernel.executor import Executor
+
+    e = _entry(kernel)
+    if e.prog is None:  # a GPU build: its checks name what is wrong (CUDA tensors first)
+        return _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel,
+                       offsets, return_logits)
+    _, tok_off, logits_off, _ = _offsets(offsets)
+    _check_outputs(e, f32, i32, tok_off, logits_off, return_logits)
+    ex = e.executor
+    mine = dict(f32=f32, bf16=bf16, i32=i32, k=k_cache, v=v_cache)
+    if ex is None or any(ex.arena_tensor(n) is not t for n, t in mine.items()):
+        if not torch.equal(program, e.prog.records()):
+            raise ArgumentError("the program tensor is not the registered program's records")
+        ex = e.executor = Executor(e.prog, e.packed, check=True, arenas=mine)
+    if weights.data_ptr() != ex.weights.data_ptr():
+        raise ArgumentError("the weights tensor is not the registered program's packed arena")
+    if counters.numel() != len(ex.counters):
+        raise ArgumentError(f"counters has {counters.numel()} words, the program needs "
+                            f"{len(ex.counters)}")
+    ex.counters = [int(c) for c in counters.tolist()]
+    ex.step()
+    counters.copy_(torch.tensor(ex.counters, dtype=torch.int32))
+    return _outputs(e, f32, i32, tok_off, logits_off, return_logits)
+
+
+def _check_outputs(e: _Entry, f32: torch.Tensor, i32: torch.Tensor, tok_off: int,
+                   logits_off: int, return_logits: bool) -> None:
+    n, v = e.rows, e.vocab
+    if tok_off < 0 or tok_off + n > i32.numel():
+        raise ArgumentError(f"tokens_out_off {tok_off} + {n} rows is outside the i32 arena")
+    if return_logits and (logits_off < 0 or logits_off + n * v > f32.numel()):
+        raise ArgumentError(f"logits_off {logits_off} + {n}x{v} is outside the f32 arena")
+
+
+def _outputs(e: _Entry, f32: torch.Tensor, i32: torch.Tensor, tok_off: int, logits_off: int,
+             return_logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n, v = e.rows, e.vocab
     tokens = i32[tok_off: tok_off + n].clone()
     if return_logits:
         logits = f32[logits_off: logits_off + n * v].view(n, v).clone()
@@ -101,7 +178,7 @@ def decode_step(program: torch.Tensor, counters: torch.Tensor, weights: torch.Te
 def _(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel, offsets,
       return_logits=False):
     e = _entry(kernel)
-    n, v = e.manifest.rows, e.manifest.spec["vocab"]
+    n, v = e.rows, e.vocab
     tokens = i32.new_empty((n,))
     logits = f32.new_empty((n if return_logits else 0, v))
     return tokens, logits
@@ -145,7 +222,7 @@ def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
     # everything the build bakes in as a constant (eps included: a checkpoint whose
     # rms_norm_eps differs from the build's would otherwise run with the wrong one)
     want = {k: v for k, v in need.to_dict().items()
-            if k not in ("arch", "num_threads", "smem_stages")}
+            if k not in ("arch", "num_threads", "smem_stages", "timeline", "l2_window")}
     bad = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
     if bad:
         raise ArgumentError(
@@ -172,6 +249,7 @@ class DeviceState:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     offsets: list[int]  # [lengths_off, tokens_out_off, logits_off, S_MAX] for decode_step
+    packed: object = None  # megakernel.program.pack.PackedWeights (`weights` is its arena)
 
     def region(self, arena: str, name: str) -> torch.Tensor:
         r = getattr(self.prog.buffers, arena)[name]
@@ -214,6 +292,7 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # 
         v_cache=torch.zeros(buf.v_shape, dtype=torch.bfloat16, device=d),
         offsets=[hdr["I32_LENGTHS_OFF"], hdr["I32_TOKENS_OUT_OFF"], hdr["F32_LOGITS_OFF"],
                  hdr["S_MAX"]],
+        packed=packed,
     )
     for blk in cfg.blocks:  # host-written constants (RoPE tables, ...) and checkpoint tables
         for name, t in kind(blk.kind).constants(blk, cfg, prog.step_shape()).items():
@@ -227,28 +306,47 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # 
 
 class Megakernel:
     """Packed weights, program, arenas and KV cache of one model on one GPU; decodes with the
-    kernel after a prefill by the torch reference (bf16 mode) on the same GPU."""
+    kernel after a prefill by the torch reference (bf16 mode) on the same GPU.
+
+    On `device="cpu"` the same object runs the program compiled for `gpu` (a name of
+    program/gpus.py, default h200) through the op's CPU implementation, the CPU executor: no GPU
+    and no build are needed (`gpu-check --simulate`). `n_splits` forces the attention split count
+    (default: the compiler's choice)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], batch: int,
                  tokens: int = 1, max_seq_len: int | None = None,
                  build_dir: str | Path | None = None, device: str | torch.device = "cuda",
-                 replay_window: int | None = None):
-        _require_gpu()
+                 replay_window: int | None = None, gpu: str | None = None,
+                 n_splits: int | None = None):
         from megakernel.program.compiler import compile_program
         from megakernel.program.gpus import from_device
+        from megakernel.program.gpus import gpu as named_gpu
 
         self.cfg, self.batch, self.tokens = cfg, batch, tokens
         self.device = torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        dev = device_info(self.device)
-        self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir)
-        self.kernel_id = register_build(self.manifest)
-        self.prog = compile_program(cfg, batch, from_device(self.device.index), tokens=tokens,
-                                    max_seq_len=max_seq_len, replay_window=replay_window)
+        self.manifest: Manifest | None = None
+        if self.device.type == "cpu":
+            target = named_gpu(gpu or "h200")
+        else:
+            _require_gpu()
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            dev = device_info(self.device)
+            self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir)
+            target = from_device(self.device.index)
+        self.prog = compile_program(cfg, batch, target, tokens=tokens, max_seq_len=max_seq_len,
+                                    replay_window=replay_window, n_splits=n_splits)
         self.max_seq_len = self.prog.max_seq_len
-        check_records(self.prog.records(), self.manifest.spec)
+        if self.manifest is not None:
+            check_records(self.prog.records(), self.manifest.spec)
         self.state = allocate_state(cfg, weights, self.prog, self.device)
+        self.timeline: torch.Tensor | None = None  # the timeline build's records (timeline.py)
+        if self.manifest is not None and self.manifest.spec.get("timeline"):
+            from megakernel.timeline import attach_records
+
+            self.timeline = attach_records(self.state)  # it writes past the program records
+        self.kernel_id = (register_build(self.manifest) if self.manifest is not None
+                          else register_program(self.prog, self.state.packed))
         for name in TENSORS:
             setattr(self, name, getattr(self.state, name))
         self.offsets = self.state.offsets
@@ -280,7 +378,8 @@ class Megakernel:
     def step(self, tokens: torch.Tensor | None = None, return_logits: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel step; `tokens` [B, T] (None: the tokens the last step fed back)."""
-        check_lengths(self.manifest.spec, self.lengths, self.max_seq_len)
+        if self.manifest is not None:  # the executor checks its own
+            check_lengths(self.manifest.spec, self.lengths, self.max_seq_len)
         if tokens is not None:
             t = torch.as_tensor(tokens).reshape(-1)
             if t.numel() != self.prog.rows:

@@ -6,6 +6,8 @@ the measured errors appear in every test log without `-s`.
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,31 @@ import torch
 from megakernel.models import ModelConfig
 
 _NUMERICS: list[tuple[str, str]] = []
+
+# module -> pip package: a CI run where one of these does not import fails instead of skipping
+# the tests that need it. Without torch this conftest does not import at all (also an error).
+HARD_DEPENDENCIES = {"torch": "torch", "safetensors": "safetensors",
+                     "cutlass": "nvidia-cutlass-dsl"}
+WITHOUT_DSL = "MEGAKERNEL_TEST_WITHOUT_DSL"  # =1: a machine that cannot install the DSL
+
+
+def pytest_sessionstart(session) -> None:  # noqa: ANN001 (pytest hook)
+    """Fail the run, naming the package, when a hard dependency does not import (the DSL's tests
+    would otherwise skip and the suite pass). WITHOUT_DSL=1 waives the DSL only: its tests skip."""
+    waived = {"cutlass"} if os.environ.get(WITHOUT_DSL) == "1" else set()
+    problems = []
+    for module, package in HARD_DEPENDENCIES.items():
+        if module in waived:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 (a broken install raises more than ImportError)
+            problems.append(f"{module} (pip package {package}) does not import: "
+                            f"{type(e).__name__}: {e}")
+    if problems:
+        pytest.exit("; ".join(problems) + f". Install it (make setup); for the DSL only, "
+                    f"{WITHOUT_DSL}=1 runs the suite with the DSL's tests skipped.",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -103,7 +103,11 @@ class _Track:
 class Executor:
     """Holds a program's buffers and runs steps on them."""
 
-    def __init__(self, prog, packed, check: bool = True) -> None:  # noqa: ANN001
+    def __init__(self, prog, packed, check: bool = True,  # noqa: ANN001
+                 arenas: dict[str, torch.Tensor] | None = None) -> None:
+        """`arenas`: run on these CPU tensors (f32, bf16, i32, k, v and optionally state, shaped
+        as the kernel gets them) instead of fresh ones; they keep what they hold (lengths, cache),
+        so a caller that owns the kernel's arguments can have the executor serve its launch."""
         if packed.layout != prog.layout:
             raise ExecutorError("packed weights do not match the program's weight layout")
         self.ops = _load_ops()
@@ -117,12 +121,22 @@ class Executor:
         self.records = prog.records()  # [n_sm, Q, 16] int32: what the kernel reads
         self.n_sm = self.records.shape[0]
         self.weights = packed.arena
-        self.f32 = torch.full((b.f32_numel,), float("nan"), dtype=torch.float32)
-        self.bf16 = torch.full((b.bf16_numel,), float("nan"), dtype=torch.bfloat16)
-        self.i32 = torch.zeros(b.i32_numel, dtype=torch.int32)
-        self.state = torch.zeros(b.state_numel, dtype=torch.float32)
-        self.k = torch.full(b.kv_shape, float("nan"), dtype=torch.bfloat16)
-        self.v = torch.full(b.v_shape, float("nan"), dtype=torch.bfloat16)
+        fresh = {"f32": torch.full((b.f32_numel,), float("nan"), dtype=torch.float32),
+                 "bf16": torch.full((b.bf16_numel,), float("nan"), dtype=torch.bfloat16),
+                 "i32": torch.zeros(b.i32_numel, dtype=torch.int32),
+                 "state": torch.zeros(b.state_numel, dtype=torch.float32),
+                 "k": torch.full(b.kv_shape, float("nan"), dtype=torch.bfloat16),
+                 "v": torch.full(b.v_shape, float("nan"), dtype=torch.bfloat16)}
+        for name, t in (arenas or {}).items():
+            want = fresh[name]
+            if (t.dtype, tuple(t.shape), t.device.type) != (want.dtype, tuple(want.shape), "cpu") \
+                    or not t.is_contiguous():
+                raise ExecutorError(f"arena {name}: {t.dtype} {tuple(t.shape)} on {t.device} "
+                                    f"given, the program needs a contiguous CPU {want.dtype} "
+                                    f"{tuple(want.shape)}")
+            fresh[name] = t
+        self.f32, self.bf16, self.i32 = fresh["f32"], fresh["bf16"], fresh["i32"]
+        self.state, self.k, self.v = fresh["state"], fresh["k"], fresh["v"]
         self._arenas = {"f32": self.f32, "bf16": self.bf16, "i32": self.i32, "state": self.state,
                         "k": self.k.view(-1), "v": self.v.view(-1)}  # flat views, made once
         self.counters = [0] * prog.counter_words()
@@ -140,6 +154,11 @@ class Executor:
                 ("state", b.state_numel), ("k", self.k.numel()), ("v", self.v.numel()))}
 
     # ---- buffers ------------------------------------------------------------------------------
+    def arena_tensor(self, name: str) -> torch.Tensor:
+        """The arena tensor itself, as given or made (k and v keep their cache shape)."""
+        return {"f32": self.f32, "bf16": self.bf16, "i32": self.i32, "state": self.state,
+                "k": self.k, "v": self.v}[name]
+
     def arena(self, name: str) -> torch.Tensor:
         """A whole arena, flat (the KV caches flattened)."""
         return self._arenas[name]

@@ -23,7 +23,16 @@ from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel.fields import common, word
 from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
-from megakernel.kernel.spec import LANES, VEC, KernelSpec
+from megakernel.kernel.spec import (
+    LANES,
+    VEC,
+    KernelSpec,
+    attn_keys,
+    attn_query,
+    attn_scale,
+    attn_warp,
+    kv_row,
+)
 from megakernel.kernel.sync import cta_sync
 
 NEG_INF = -math.inf
@@ -40,7 +49,7 @@ class Attention:
         self.QG = spec.attn_queries
         self.WQ = max(1, self.NW // self.QG)  # warps per query
         self.E = self.D // LANES  # head dims per lane (contiguous)
-        self.scale = self.D ** -0.5
+        self.scale = attn_scale(self.D)
 
     # ---- ATTN_PARTIAL -------------------------------------------------------------------------
     @cute.jit
@@ -53,20 +62,14 @@ class Attention:
         pml_off = rec[word(Op.ATTN_PARTIAL, "PML_OFF")]
         len_off = rec[word(Op.ATTN_PARTIAL, "LEN_OFF")]
         length = ld(pI, len_off + b)
-        ctx = length + self.T
-        lo = s * ctx // n_splits
-        hi = (s + 1) * ctx // n_splits
-        kv_row0 = ((Int64(layer) * self.B + b) * self.Hkv + g) * Int64(s_max)
+        kv_row0 = kv_row(Int64(layer), b, g, Int64(s_max), self.B, self.Hkv)
         WQ = self.WQ
-        for qi in cutlass.range(warp // WQ, self.QG, self.NW // WQ):
-            part = warp - (warp // WQ) * WQ
-            t = qi // self.G
-            head = g * self.G + qi - t * self.G
-            n = b * self.T + t
-            # this query's keys, then this warp's share of them
-            nk = cutlass.max(cutlass.min(hi, length + t + 1) - lo, Int32(0))
-            kb = lo + part * nk // WQ
-            ke = lo + (part + 1) * nk // WQ
+        q0, part = attn_warp(warp, WQ)
+        for qi in cutlass.range(q0, self.QG, self.NW // WQ):
+            t, head, n = attn_query(qi, g, b, self.G, self.T)
+            # this query's keys in the split, then this warp's share of them
+            kb, ke = attn_keys(s, n_splits, length, t, part, WQ, self.T, cutlass.min,
+                               cutlass.max)
             # q -> shared (fp32), one warp-private row
             for d in cutlass.range(lane, self.D, LANES):
                 sQ[warp * self.D + d] = ld(pB, q_off + (n * self.Hq + head) * self.D + d).to(
@@ -85,9 +88,7 @@ class Attention:
         if cutlass.const_expr(WQ > 1):
             cta_sync(self.named)
             for qi in cutlass.range(warp, self.QG, self.NW):
-                t = qi // self.G
-                head = g * self.G + qi - t * self.G
-                n = b * self.T + t
+                _, head, n = attn_query(qi, g, b, self.G, self.T)
                 mm = Float32(NEG_INF)
                 for p in cutlass.range_constexpr(WQ):
                     mm = cute.arch.fmax(mm, sML[2 * (qi * WQ + p)])
@@ -181,9 +182,7 @@ class Attention:
               out_off: Int32, pF: cute.Pointer, pB: cute.Pointer, warp: Int32, lane: Int32):
         """out[n, head] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)), splits in order."""
         for qi in cutlass.range(warp, self.QG, self.NW):
-            t = qi // self.G
-            head = g * self.G + qi - t * self.G
-            n = b * self.T + t
+            _, head, n = attn_query(qi, g, b, self.G, self.T)
             mm = Float32(NEG_INF)
             for s in cutlass.range(n_splits):
                 mm = cute.arch.fmax(mm, ld(pF, pml_off + ((s * self.N + n) * self.Hq + head) * 2))
@@ -214,7 +213,7 @@ class Attention:
         hi = cutlass.min((s + 1) * ctx // n_splits, length)
         if tidx < 2:
             if hi > lo:
-                row0 = ((Int64(layer) * self.B + b) * self.Hkv + g) * Int64(s_max) + lo
+                row0 = kv_row(Int64(layer), b, g, Int64(s_max), self.B, self.Hkv) + lo
                 nbytes = (hi - lo) * self.D * 2
                 base = pK.toint()
                 if tidx == 1:

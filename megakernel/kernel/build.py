@@ -66,7 +66,8 @@ def check_entry_matches(entry: PtxEntry, params=PARAMS) -> None:
 
 
 def check_resources(res: dict, spec: KernelSpec) -> None:
-    """Build rules: no spills, no local memory, registers and shared memory within budget."""
+    """Build rules: no spills, no local memory, registers and shared memory within budget
+    (per CTA: the opt-in limit; per SM: with the 1 KiB the driver reserves per block)."""
     problems = []
     if res["spill_stores"] or res["spill_loads"]:
         problems.append(f"register spills ({res['spill_stores']} B stores, "
@@ -85,6 +86,12 @@ def check_resources(res: dict, spec: KernelSpec) -> None:
     if spec.smem_bytes + res["shared_bytes"] > spec_mod.SMEM_OPTIN:
         problems.append(f"shared memory {spec.smem_bytes} + {res['shared_bytes']} B > the "
                         f"{spec_mod.SMEM_OPTIN} B a CTA may opt into")
+    per_sm = spec.smem_bytes + res["shared_bytes"] + spec_mod.SMEM_RESERVED_PER_BLOCK
+    if per_sm > spec_mod.SMEM_PER_SM:
+        problems.append(f"shared memory per SM {spec.smem_bytes} dynamic + {res['shared_bytes']} "
+                        f"static + {spec_mod.SMEM_RESERVED_PER_BLOCK} reserved by the driver = "
+                        f"{per_sm} B > the SM's {spec_mod.SMEM_PER_SM} B: the CTA cannot be "
+                        f"resident")
     if problems:
         raise BuildError(f"{spec.arch} build breaks the kernel rules: " + "; ".join(problems))
 
@@ -108,17 +115,22 @@ def compile_to(spec: KernelSpec, dump_dir: str) -> tuple[str, str, float]:
         else:
             args.append(Int32(1))
     args += [Int32(1), make_fake_stream()]  # num_ctas (host-side grid), stream
+    return compile_kernel(DecodeMegakernel(spec), args, spec.arch, dump_dir)
+
+
+def compile_kernel(kernel, args: list, arch: str, dump_dir: str) -> tuple[str, str, float]:  # noqa: ANN001
+    """cute.compile(kernel, *args) for `arch`, PTX + cubin kept in `dump_dir` (which exists);
+    (ptx, cubin, seconds). Shared by every AOT-built kernel (the megakernel, the HBM stream)."""
+    import cutlass.cute as cute
+
     t0 = time.perf_counter()
     try:
-        cute.compile(DecodeMegakernel(spec), *args,
-                     options=f"--gpu-arch {spec.arch} --keep-ptx --keep-cubin "
-                             f"--dump-dir {dump_dir}")
+        cute.compile(kernel, *args,
+                     options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump_dir}")
     except Exception as e:  # the DSL's own errors are long; keep the head
-        raise BuildError(f"cute.compile failed for {spec.arch}: {str(e)[:2000]}") from e
+        raise BuildError(f"cute.compile failed for {arch}: {str(e)[:2000]}") from e
     dt = time.perf_counter() - t0
-    ptx = _newest(dump_dir, f"*.{spec.arch}.ptx")
-    cubin = _newest(dump_dir, f"*.{spec.arch}.cubin")
-    return ptx, cubin, dt
+    return _newest(dump_dir, f"*.{arch}.ptx"), _newest(dump_dir, f"*.{arch}.cubin"), dt
 
 
 def _newest(d: str, pattern: str) -> str:
@@ -130,10 +142,12 @@ def _newest(d: str, pattern: str) -> str:
 
 def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
                tokens: int = 1, num_threads: int = spec_mod.NUM_THREADS,
-               smem_stages: int | None = None) -> dict:
+               smem_stages: int | None = None, timeline: bool = False,
+               l2_window: int = -1) -> dict:
     """Compile one arch into out_dir/<arch>/ and return its manifest (`smem_stages`: the
-    shared-memory weight pipeline's stages, None = the deepest ring that fits, spec.make_spec)."""
-    spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages)
+    shared-memory weight pipeline's stages, None = the deepest ring that fits, spec.make_spec;
+    `timeline`: the variant that records per-instruction times, megakernel/timeline.py)."""
+    spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages, timeline, l2_window)
     dest = Path(out_dir) / arch
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mk-dump-") as dump:

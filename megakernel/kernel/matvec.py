@@ -58,12 +58,18 @@ from megakernel.kernel.spec import (
     MMA_N,
     VEC,
     KernelSpec,
+    acc_index,
+    chunk_ksplit,
+    k_slice,
+    kv_row,
     lm_row_live,
     mma_c_coord,
     mma_operand_word,
     mma_red_index,
     qkv_bias_index,
     ring_slot,
+    row_major,
+    tile_warp,
 )
 from megakernel.kernel.sync import cta_sync
 
@@ -106,9 +112,7 @@ class Matvec:
             for rc0 in cutlass.range(0, nrows, self.RC):
                 nr = cutlass.min(Int32(self.RC), nrows - rc0)
                 ng = nr // self.R
-                ksplit = Int32(1)
-                if ng < self.NW:
-                    ksplit = self.NW // ng
+                ksplit = chunk_ksplit(ng, self.NW, cutlass.max)
                 nrp = ng * self.R
                 cta_sync(self.named)  # previous epilogue done with sAcc
                 for i in cutlass.range(tidx, ksplit * self.NO * nrp, self.NT):
@@ -246,27 +250,23 @@ class Matvec:
         """sAcc[ks, n, rowl0 + r] += W_tile[r, slice(ks)] . x[n, slice(ks)], tile [rows][kc] at
         sRing[sbase]; warp = (r, ks) with NW / ksplit rows and ksplit K-slices."""
         NB = self.NB
-        nv = kc // VEC
-        vper = (nv + ksplit - 1) // ksplit
-        r = warp // ksplit
-        ks = warp - r * ksplit
+        r, ks = tile_warp(warp, ksplit)
         if r < rows:
-            vb = ks * vper
-            ve = cutlass.min(nv, vb + vper)
-            wrow = sbase + r * kc
+            vb, ve = k_slice(kc // VEC, ksplit, ks, cutlass.min)
+            wrow = sbase + row_major(r, 0, kc)  # the loader's layout (spec.tile_copy)
             for nbk in cutlass.range(self.NO // NB):
                 acc = cute.make_rmem_tensor((NB,), Float32)
                 acc.fill(0.0)
                 for v in cutlass.range(vb + lane, ve, LANES, unroll=2):
                     wv = load_smem_bf16x8(sRing, wrow + v * VEC)
                     for jj in cutlass.range_constexpr(NB):
-                        xv = load_smem_bf16x8(sX, (nbk * NB + jj) * self.XS + v * VEC)
+                        xv = load_smem_bf16x8(sX, row_major(nbk * NB + jj, v * VEC, self.XS))
                         acc[jj] = (wv * xv).reduce(cute.ReductionOp.ADD, acc[jj], 0)
                 for jj in cutlass.range_constexpr(NB):
                     acc[jj] = cute.arch.warp_reduction_sum(acc[jj])
                 if lane == 0:
                     for jj in cutlass.range_constexpr(NB):
-                        a = (ks * self.NO + nbk * NB + jj) * nrp + rowl0 + r
+                        a = acc_index(ks, nbk * NB + jj, rowl0, self.NO, nrp) + r
                         sAcc[a] = sAcc[a] + acc[jj]
 
     @cute.jit
@@ -326,7 +326,7 @@ class Matvec:
                 v = sRed[mma_red_index(buf, 0, nn, r, self.NW, self.NO)]
                 for w in cutlass.range_constexpr(1, self.NW):
                     v = v + sRed[mma_red_index(buf, w, nn, r, self.NW, self.NO)]
-                a = nn * nrp + t0 + r
+                a = acc_index(0, nn, t0, self.NO, nrp) + r
                 sAcc[a] = sAcc[a] + v
 
     # ---- prologue -----------------------------------------------------------------------------
@@ -365,7 +365,7 @@ class Matvec:
                     y.store((h * sRstd[nn]) * w)
                 else:
                     y.store(load_bf16x8(pB, in_off + n * k + col))
-            store_smem_bf16x8(sX, nn * self.XS + v * VEC, y.load())
+            store_smem_bf16x8(sX, row_major(nn, v * VEC, self.XS), y.load())
 
     # ---- the GEMV -----------------------------------------------------------------------------
     @cute.jit
@@ -375,23 +375,20 @@ class Matvec:
         """sAcc[ks, n, row] += W[rc0 + row, kc0 + slice(ks)] . x[n, slice(ks)] for this chunk."""
         R, NB = self.R, self.NB
         atom = weight_atom()
-        nv = kc // VEC
-        vper = (nv + ksplit - 1) // ksplit
         ks = warp // ng
         if ks < ksplit:
-            vb = ks * vper
-            ve = cutlass.min(nv, vb + vper)
+            vb, ve = k_slice(kc // VEC, ksplit, ks, cutlass.min)
             for gi in cutlass.range(warp - ks * ng, ng, self.NW):
                 rowl = gi * R
-                row_off = w_base + Int64(rc0 + rowl) * Int64(k) + Int64(kc0)
+                row_off = w_base + row_major(Int64(rc0 + rowl), Int64(kc0), Int64(k))
                 for nbk in cutlass.range(self.NO // NB):
                     acc = cute.make_rmem_tensor((R * NB,), Float32)
                     acc.fill(0.0)
                     for v in cutlass.range(vb + lane, ve, LANES, unroll=self.spec.gemv_unroll):
-                        wv = [load_weights8(atom, pW, row_off + Int64(r * k + v * VEC))
+                        wv = [load_weights8(atom, pW, row_off + Int64(row_major(r, v * VEC, k)))
                               for r in range(R)]
                         for j in cutlass.range_constexpr(NB):
-                            xv = load_smem_bf16x8(sX, (nbk * NB + j) * self.XS + v * VEC)
+                            xv = load_smem_bf16x8(sX, row_major(nbk * NB + j, v * VEC, self.XS))
                             for r in cutlass.range_constexpr(R):
                                 acc[r * NB + j] = (wv[r] * xv).reduce(
                                     cute.ReductionOp.ADD, acc[r * NB + j], 0)
@@ -400,16 +397,17 @@ class Matvec:
                     if lane == 0:
                         for r in cutlass.range_constexpr(R):
                             for j in cutlass.range_constexpr(NB):
-                                a = (ks * self.NO + nbk * NB + j) * nrp + rowl + r
+                                # + r last: R consecutive words (vectorised)
+                                a = acc_index(ks, nbk * NB + j, rowl, self.NO, nrp) + r
                                 sAcc[a] = sAcc[a] + acc[r * NB + j]
 
     @cute.jit
     def acc_value(self, sAcc: cute.Tensor, nn: Int32, row: Int32, ksplit: Int32,
                   nrp: Int32) -> Float32:
         """Result of (activation row nn, chunk row): the K-slices summed in order."""
-        v = sAcc[nn * nrp + row]
+        v = sAcc[acc_index(0, nn, row, self.NO, nrp)]
         for ks in cutlass.range(1, ksplit):
-            v = v + sAcc[(ks * self.NO + nn) * nrp + row]
+            v = v + sAcc[acc_index(ks, nn, row, self.NO, nrp)]
         return v
 
     # ---- epilogues ----------------------------------------------------------------------------
@@ -536,7 +534,7 @@ class Matvec:
                     for e in cutlass.range_constexpr(E):
                         st(pB, base + lane + LANES * e, x[e].to(BFloat16))
                 else:
-                    row = ((Int64(layer) * self.B + b) * self.Hkv + grp) * Int64(s_max) + pos
+                    row = kv_row(Int64(layer), b, grp, Int64(s_max), self.B, self.Hkv) + pos
                     for e in cutlass.range_constexpr(E):
                         if j == G:
                             st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))

@@ -31,7 +31,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 
 from megakernel import isa
 from megakernel.isa import Op
-from megakernel.kernel import sync
+from megakernel.kernel import sync, timeline
 from megakernel.kernel.attention import Attention
 from megakernel.kernel.fields import OpTable, common, none_of, one_of, slab_word, word
 from megakernel.kernel.lookahead import Lookahead
@@ -111,8 +111,14 @@ class DecodeMegakernel:
             cute.arch.sync_threads()  # the last CTA-wide barrier: mbarriers initialised
             if warp == self.NW:  # the loader warp
                 if lane == 0:
-                    self.pipe.load_queue(program + bidx * queue_len * isa.RECORD_WORDS, weights,
-                                         sRing.iterator, mbar)
+                    if cutlass.const_expr(self.spec.timeline):
+                        self.pipe.load_queue(program + bidx * queue_len * isa.RECORD_WORDS,
+                                             weights, sRing.iterator, mbar,
+                                             timeline.cta_records(program, num_ctas, queue_len,
+                                                                  bidx))
+                    else:
+                        self.pipe.load_queue(program + bidx * queue_len * isa.RECORD_WORDS,
+                                             weights, sRing.iterator, mbar)
             else:
                 self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
                              queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML,
@@ -146,6 +152,8 @@ class DecodeMegakernel:
         pf_cum = Int64(0)
         cum = Int64(0)
         j = Int32(0)  # pipeline tiles consumed (pipeline.py)
+        if cutlass.const_expr(self.spec.timeline):  # this CTA's timeline records (timeline.py)
+            tl = timeline.cta_records(program, num_ctas, queue_len, bidx)
         op = record_word(queue, pc, common("OPCODE"))
         while op != Op.END:
             rec = cute.make_rmem_tensor((isa.RECORD_WORDS,), Int32)
@@ -155,12 +163,20 @@ class DecodeMegakernel:
             layer = rec[common("LAYER")]
             if op == Op.ATTN_PARTIAL:
                 self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
-            if cutlass.const_expr(not self.piped):  # the loader warp slides it (pipeline.py)
+            # the loader warp slides it when piped (pipeline.py); l2_window 0 builds no lookahead
+            if cutlass.const_expr(not self.piped and self.window > 0):
                 pf_pc, pf_off, pf_cum = self.lookahead.extend(weights, queue, pc, cum, pf_pc,
                                                               pf_off, pf_cum, tidx, self.NT)
+            if cutlass.const_expr(self.spec.timeline):
+                if tidx == 0:
+                    timeline.stamp(tl, pc, "wait_start")
             sync.wait_counter(counters, rec[common("WAIT_CID")],
                               epoch * rec[common("WAIT_TOTAL")] + rec[common("WAIT_TARGET")],
                               tidx, named)
+            if cutlass.const_expr(self.spec.timeline):
+                if tidx == 0:
+                    timeline.stamp(tl, pc, "wait_end")
+                    timeline.put(tl, pc, "opcode", op)
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
             elif op == Op.ATTN_PARTIAL:
@@ -181,6 +197,9 @@ class DecodeMegakernel:
                 cute.arch.inline_ptx("trap;")
             if none_of(op, self.ops.ticket):  # a ticket opcode signals from its merge
                 sync.signal_counter(counters, rec[common("SIGNAL_CID")], tidx, named)
+            if cutlass.const_expr(self.spec.timeline):
+                if tidx == 0:
+                    timeline.stamp(tl, pc, "finish")
             if cutlass.const_expr(not self.piped):
                 cum = cum + self.lookahead.slab_bytes(op, rec[slab_word("NROWS")],
                                                       rec[slab_word("K")])

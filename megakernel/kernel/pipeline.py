@@ -38,9 +38,10 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from megakernel.isa import Op
+from megakernel.kernel import timeline
 from megakernel.kernel.fields import OpTable, common, one_of, slab_word
 from megakernel.kernel.memory import join64, record_word
-from megakernel.kernel.spec import SMEM_STAGE_BYTES, KernelSpec, ring_slot
+from megakernel.kernel.spec import SMEM_STAGE_BYTES, KernelSpec, ring_slot, tile_copy
 from megakernel.kernel.sync import WAIT_TIMEOUT_NS
 
 
@@ -78,11 +79,13 @@ class Pipeline:
     # ---- loader warp --------------------------------------------------------------------------
     @cute.jit
     def load_queue(self, queue: cute.Pointer, weights: cute.Pointer, ring: cute.Pointer,
-                   mbar: cute.Pointer):
+                   mbar: cute.Pointer, tl: cute.Pointer | None = None):
         """Stream every matvec slab of this CTA's queue into the ring (run by one thread), tile
         by tile in the consumers' loop nest (spec.matvec_tiles): pass > ROW_CHUNK rows > K-chunk
         > `tile_rows` rows. A tile of whole rows (K-chunk = K) is one bulk copy, else one per
-        row (the slab is row-major [NROWS, K]); the stage holds the tile as [rows][kc]."""
+        row (the slab is row-major [NROWS, K]); the stage holds the tile as [rows][kc].
+        `tl`: the timeline build's records (kernel/timeline.py; None otherwise): the loader stamps
+        when it reaches each slab and when it has issued the slab's last tile."""
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
         j = Int32(0)  # tiles issued
         pc = Int32(0)
@@ -96,6 +99,8 @@ class Pipeline:
                 w_base, nrows, k = slab_record(queue, pc)
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 src0 = weights.toint() + w_base * Int64(2)
+                if cutlass.const_expr(tl is not None):
+                    timeline.stamp(tl, pc, "load_start")
                 for _p in cutlass.range(self.spec.passes):
                     for rc0 in cutlass.range(0, nrows, RC):
                         nr = cutlass.min(Int32(RC), nrows - rc0)
@@ -104,22 +109,28 @@ class Pipeline:
                             for t0 in cutlass.range(0, nr, tr):
                                 rows = cutlass.min(tr, nr - t0)
                                 # the L2 lookahead: this CTA's coming tiles, `window` bytes on
-                                f_pc, f_p, f_rc, f_kc, f_t, f_vol = self.prefetch_tiles(
-                                    weights, queue, vol + Int64(self.window), f_pc, f_p, f_rc,
-                                    f_kc, f_t, f_vol)
+                                # (none built when the spec's l2_window is 0)
+                                if cutlass.const_expr(self.window > 0):
+                                    f_pc, f_p, f_rc, f_kc, f_t, f_vol = self.prefetch_tiles(
+                                        weights, queue, vol + Int64(self.window), f_pc, f_p,
+                                        f_rc, f_kc, f_t, f_vol)
                                 s, _, empty_parity = ring_slot(j, self.S)
                                 mbar_wait(mbar + self.S + s, empty_parity)
                                 cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, rows * kc * 2)
                                 dst = ring + s * self.stage_elems
-                                src = src0 + (Int64(rc0 + t0) * Int64(k) + Int64(kc0)) * Int64(2)
+                                row0, col0 = Int64(rc0 + t0), Int64(kc0)
                                 if kc == k:  # whole rows: the tile is contiguous
-                                    bulk_g2s(dst, src, rows * kc * 2, mbar + s)
-                                else:
+                                    d, e = tile_copy(Int32(0), row0, col0, kc, Int64(k))
+                                    bulk_g2s(dst + d, src0 + e * Int64(2), rows * kc * 2,
+                                             mbar + s)
+                                else:  # a K-chunk: one copy per row (spec.tile_copy)
                                     for r in cutlass.range(rows):
-                                        bulk_g2s(dst + r * kc, src + Int64(r) * Int64(k) * Int64(2),
-                                                 kc * 2, mbar + s)
+                                        d, e = tile_copy(r, row0, col0, kc, Int64(k))
+                                        bulk_g2s(dst + d, src0 + e * Int64(2), kc * 2, mbar + s)
                                 j += 1
                                 vol = vol + Int64(rows * kc * 2)
+                if cutlass.const_expr(tl is not None):
+                    timeline.stamp(tl, pc, "load_end")
             pc += 1
             op = record_word(queue, pc, common("OPCODE"))
         # END: publish the tile count (the consumers check it against theirs, check_done)

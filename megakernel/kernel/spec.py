@@ -29,6 +29,12 @@ REGISTER_BUDGET = 192  # per thread (one 256-thread CTA per SM may use 255; 512 
 # plus the 1 KiB the cubins report as static shared memory (build.check_resources)
 SMEM_OPTIN = 227 * 1024
 SMEM_BUDGET = SMEM_OPTIN - 1024  # dynamic shared memory per CTA
+# per SM: 228 KiB of shared memory on sm_90 and sm_100, of which the driver reserves 1 KiB per
+# resident block for system use (NVIDIA Hopper Tuning Guide, "Occupancy" / "Increased Memory
+# Capacity"; NVIDIA Blackwell Tuning Guide, "Unified Shared Memory/L1/Texture Cache"): a block
+# fits the SM only if dynamic + static + 1 KiB <= 228 KiB (build.check_resources)
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_BLOCK = 1024
 X_SMEM_BYTES = 64 * 1024  # staged matvec input (bf16 [NO, KC])
 ACC_SMEM_BYTES = 32 * 1024  # fp32 matvec results of one row chunk ([ks][n][row])
 
@@ -84,6 +90,33 @@ PIPELINE_STAGES = 6  # the deepest ring a build takes (192 KiB)
 MIN_PIPELINE_STAGES = 2
 
 
+# ---- timeline build (KernelSpec.timeline; kernel/timeline.py writes, megakernel/timeline.py reads)
+# The variant stamps %globaltimer (ns) into one record of TIMELINE_WORDS int64 words per (SM,
+# queue position), laid out [num_sms, queue_len, TIMELINE_WORDS] in the tail of the program
+# buffer, right after the records [num_sms, queue_len, RECORD_WORDS] int32 (the kernel parameter
+# `program` stays a view of the records: the ABI is that of the default build). Consumer thread 0
+# writes wait_start (before the dependency wait), wait_end (after it), finish (after the signal)
+# and the opcode; the loader warp (pipelined builds) writes load_start (it reached the slab) and
+# load_end (it has issued the slab's last tile). Unwritten words stay as the host zeroed them.
+TIMELINE_FIELDS = ("wait_start", "wait_end", "finish", "load_start", "load_end", "opcode")
+TIMELINE_WORDS = 8  # int64 per record (64 bytes; the last two spare)
+
+
+def timeline_word(name: str) -> int:
+    """Index of a timeline field in its record."""
+    return TIMELINE_FIELDS.index(name)
+
+
+def timeline_offset(num_sms: int, queue_len: int) -> int:
+    """int32 word offset of the timeline records from the start of the program buffer."""
+    return num_sms * queue_len * isa.RECORD_WORDS
+
+
+def timeline_int32_words(num_sms: int, queue_len: int) -> int:
+    """int32 words of a program buffer with its timeline tail (records + timeline)."""
+    return timeline_offset(num_sms, queue_len) + 2 * num_sms * queue_len * TIMELINE_WORDS
+
+
 def tile_rows(kc: int, num_warps: int, stage_bytes: int = SMEM_STAGE_BYTES) -> int:
     """Weight rows per pipeline tile for K-chunks of `kc` inputs: the largest power of two <= the
     warps per CTA whose rows fit one stage (0 when a single row does not fit). The kernel
@@ -129,6 +162,85 @@ def lm_row_live(row, vocab: int):
     (zero rows), which store no logit and never take part in the argmax (a 0 would win when
     every real logit is negative). Plain arithmetic: Int32 in the kernel, int in the tests."""
     return row < vocab
+
+
+# ---- index helpers of the GEMV, the loader and attention -----------------------------------------
+# Plain arithmetic shared by the device code (Int32/Int64 operands, `minimum`/`maximum` =
+# cutlass.min/max) and the host emulations (int operands, the builtins):
+# tests/kernel/test_kernel_index_emulation.py runs them against plain matrix products.
+def row_major(row, col, stride):
+    """Element (row, col) of a row-major matrix whose rows are `stride` elements apart: a slab
+    [NROWS, K] in the weight arena, a ring stage [rows][kc], staged activations sX [NO][XS]."""
+    return row * stride + col
+
+
+def tile_copy(r, row0, col0, kc, k):
+    """(stage element, slab element) of row r of the ring tile holding rows row0.. and columns
+    [col0, col0 + kc) of a row-major [NROWS, K] slab: the stage holds the tile as [rows][kc];
+    the loader copies row by row when kc < K (a K-chunk), else the whole tile at r = 0."""
+    return row_major(r, 0, kc), row_major(row0 + r, col0, k)
+
+
+def k_slice(nv, ksplit, ks, minimum=min):
+    """16-byte vectors [vb, ve) of K-slice ks when a K-chunk of `nv` vectors is cut into
+    `ksplit` contiguous slices, one warp each (the last slices may be short or empty)."""
+    vper = (nv + ksplit - 1) // ksplit
+    vb = ks * vper
+    return vb, minimum(nv, vb + vper)
+
+
+def tile_warp(warp, ksplit):
+    """(tile row, K-slice) of a consumer warp in the pipelined FMA GEMV: ksplit = NW / tile
+    rows warps share each row of a ring tile (matvec.gemv_tile)."""
+    r = warp // ksplit
+    return r, warp - r * ksplit
+
+
+def chunk_ksplit(ng, num_warps: int, maximum=max):
+    """K-slices of the global-memory FMA GEMV for a row chunk of `ng` row groups: the warps
+    split K when there are fewer groups than warps (matvec.gemv)."""
+    return maximum(1, num_warps // ng)
+
+
+def acc_index(ks, n, row, no: int, nrp):
+    """Element of sAcc [ksplit][NO][nrp] holding K-slice ks's partial of (activation row n,
+    row `row` of the row chunk); the epilogues add the slices in order (matvec.acc_value)."""
+    return (ks * no + n) * nrp + row
+
+
+def attn_scale(head_dim: int) -> float:
+    """The softmax scale of attention scores: 1 / sqrt(head_dim) of q and k."""
+    return head_dim ** -0.5
+
+
+def attn_query(qi, g, b, group: int, tokens: int):
+    """(token t, q head, activation row n) of query qi = t * G + j of ATTN_PARTIAL (sequence b,
+    kv head g): q head g * G + j reads kv head g (GQA, q heads grouped by kv head)."""
+    t = qi // group
+    return t, g * group + qi - t * group, b * tokens + t
+
+
+def attn_warp(warp, wq: int):
+    """(first query, share) of a warp when WQ warps share each query's keys; the warp then
+    takes queries first, first + NW / WQ, ..."""
+    q = warp // wq
+    return q, warp - q * wq
+
+
+def attn_keys(s, n_splits, length, t, part, wq: int, tokens: int, minimum=min, maximum=max):
+    """Keys [kb, ke) of token t's query that share `part` of WQ reads in split s of n_splits:
+    the split's range of the ctx = length + T positions, cut at the query's causal limit
+    length + t + 1, then into WQ contiguous shares."""
+    ctx = length + tokens
+    lo = s * ctx // n_splits
+    hi = (s + 1) * ctx // n_splits
+    nk = maximum(minimum(hi, length + t + 1) - lo, 0)
+    return lo + part * nk // wq, lo + (part + 1) * nk // wq
+
+
+def kv_row(layer, b, g, s_max, batch: int, kv_heads: int):
+    """First row of (layer, sequence b, kv head g) in a KV cache [L, B, Hkv, S_max, D]."""
+    return ((layer * batch + b) * kv_heads + g) * s_max
 
 
 def ring_slot(j, stages: int):
@@ -306,11 +418,13 @@ class KernelSpec:
     qkv_bias: bool = False  # the QKV epilogue adds the bias that follows the matrix
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
     smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (above)
+    timeline: bool = False  # the variant that stamps per-instruction times (TIMELINE_FIELDS)
+    l2_window: int = -1  # L2 lookahead bytes per SM; -1: the arch's (prefetch_window), 0: none
 
     # ---- derived ----------------------------------------------------------------------------
     @property
     def prefetch_window(self) -> int:
-        return prefetch_window(self.arch)
+        return prefetch_window(self.arch) if self.l2_window < 0 else self.l2_window
 
     @property
     def pipelined(self) -> bool:
@@ -456,6 +570,9 @@ class KernelSpec:
     def validate(self) -> None:
         if self.arch not in ARCHS:
             raise SpecError(f"unsupported arch {self.arch!r}; supported: {', '.join(ARCHS)}")
+        if self.l2_window != -1 and (self.l2_window < 0 or self.l2_window % PREFETCH_CHUNK):
+            raise SpecError(f"l2_window {self.l2_window}: -1 (the arch's) or a non-negative "
+                            f"multiple of {PREFETCH_CHUNK} bytes")
         if self.head_dim not in isa.SUPPORTED_HEAD_DIMS:
             raise SpecError(f"unsupported head_dim {self.head_dim}; the kernel supports "
                             f"{', '.join(map(str, isa.SUPPORTED_HEAD_DIMS))}")
@@ -504,7 +621,8 @@ class KernelSpec:
     def tag(self) -> str:
         """Short name of the static config: used in file names."""
         return (f"{self.family}-h{self.hidden}-i{self.inter}-v{self.vocab}-l{self.layers}"
-                f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}")
+                f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}"
+                + ("-timeline" if self.timeline else ""))
 
 
 def program_ops(cfg) -> set[int]:  # noqa: ANN001 (ModelConfig)
@@ -546,20 +664,23 @@ def check_kernel_support(cfg) -> None:  # noqa: ANN001 (ModelConfig)
 
 
 def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelConfig)
-              num_threads: int = NUM_THREADS, smem_stages: int | None = None) -> KernelSpec:
+              num_threads: int = NUM_THREADS, smem_stages: int | None = None,
+              timeline: bool = False, l2_window: int = -1) -> KernelSpec:
     """The build's static config for a model, batch and tokens per step. `smem_stages` None:
     the deepest ring (PIPELINE_STAGES down to MIN_PIPELINE_STAGES) whose spec is valid, else 0
     (the global-memory weight path); an int is taken as given (SpecError when it cannot serve
-    the model/batch)."""
+    the model/batch). `timeline`: the variant that records per-instruction times; `l2_window`:
+    the L2 lookahead in bytes per SM (-1: the arch's, 0: none, for an A/B of the lookahead)."""
     if batch < 1 or tokens < 1:
         raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
     if smem_stages is None:
         for stages in range(PIPELINE_STAGES, MIN_PIPELINE_STAGES - 1, -1):
             try:
-                return make_spec(cfg, batch, tokens, arch, num_threads, stages)
+                return make_spec(cfg, batch, tokens, arch, num_threads, stages, timeline,
+                                 l2_window)
             except SpecError:
                 pass
-        return make_spec(cfg, batch, tokens, arch, num_threads, 0)
+        return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window)
     from megakernel.models import validate
 
     validate(cfg)
@@ -570,14 +691,15 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         vocab=cfg.vocab_size, layers=cfg.num_layers, heads=att.num_heads,
         kv_heads=att.num_kv_heads, head_dim=att.head_dim, qk_norm=att.qk_norm,
         qkv_bias=att.qkv_bias, eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,
-        num_threads=num_threads, smem_stages=smem_stages)
+        num_threads=num_threads, smem_stages=smem_stages, timeline=timeline,
+        l2_window=l2_window)
     spec.validate()
     return spec
 
 
 # ---- fingerprint --------------------------------------------------------------------------------
 KERNEL_SOURCES = ("spec.py", "fields.py", "megakernel.py", "matvec.py", "attention.py", "sync.py",
-                  "memory.py", "pipeline.py", "lookahead.py")
+                  "memory.py", "pipeline.py", "lookahead.py", "timeline.py")
 
 
 def source_digest() -> str:

@@ -70,7 +70,10 @@ ARGMAX = register(OpSpec(
         ("TOK_OFF", "i32: tokens_in [N]"),
         ("LEN_OFF", "i32: lengths [B]"),
         ("FLAGS", "FLAG_ADVANCE (lengths[b] += T) | FLAG_FEEDBACK (tokens_in = tokens_out)"),
-    ), device=True))
+    ),
+    notes="tokens_out[n] = the index of the largest of the N_TILES partials of row n; equal "
+    "maxima (in one slab or several) go to the lowest vocab index, whatever the tile order.",
+    device=True))
 
 
 def padded_vocab(vocab: int) -> int:

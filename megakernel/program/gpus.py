@@ -9,10 +9,14 @@ Published figures, each with its source in `SOURCES`:
   dense BF16 tensor (HGX B200), 75 TFLOPS FP32 (assumed equal to the 1000 W part's figure).
 - [TUNE] CUDA Hopper and Blackwell tuning guides: 228 KB shared memory per SM, at most 227 KB per
   thread block (the opt-in dynamic shared-memory limit).
-- [COPY] Achievable device-to-device copy bandwidth: 90% of the HBM spec, an assumption until a
-  run measures it (DESIGN.md §5 reports every GPU run against a copy bandwidth measured in the same
-  run; `with_copy_bandwidth` replaces it). Public measurements of H100 SXM copies land near
-  3.0 TB/s of 3.35 (about 90%).
+- [READ] Achievable HBM read bandwidth, the rate the cost model streams at until a run measures
+  one: H200 3.89 TB/s (81% of spec), measured by a public read benchmark (te42kyfo/gpu-benches,
+  H200 result files; its triad reached 3.53 TB/s). H100 and B200 have no such figure here: they are
+  assumed to reach the same 81% of their spec (2.72 and 6.48 TB/s), an assumption the Llama-3.2-1B
+  hindcast (bench/hindcast.py) is consistent with but does not measure.
+- [COPY] `copy_bw`: the bandwidth the cost model streams at and divides the floor by: the [READ]
+  figure until a GPU run measures a copy in the same run (DESIGN.md §5; `with_copy_bandwidth`
+  replaces it). A prediction below bytes / this bandwidth is refused (cost.TooFastError).
 - [L2] L2 -> SM read bandwidth: 2.5x the HBM spec of the H100 SXM (8.4 TB/s), an assumption from
   Chips and Cheese's H100 PCIe measurement (about 5.5 TB/s of L2 against 2 TB/s of HBM2e). The
   L2 is on the die, so the H200 (the same GH100 die and 50 MB L2 with faster HBM) gets the H100
@@ -31,12 +35,13 @@ SOURCES = {
     "H200": "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
     "B200": "NVIDIA DGX B200 / HGX B200 datasheets",
     "TUNE": "NVIDIA Hopper and Blackwell tuning guides (shared memory per SM)",
-    "COPY": "assumption: copy bandwidth = 90% of the HBM spec until measured",
+    "READ": "H200 read 3.89 TB/s (te42kyfo/gpu-benches); H100, B200: same 81% of spec assumed",
+    "COPY": "the cost model streams at the [READ] bandwidth until a run measures a copy",
     "L2": "assumption: L2 read bandwidth = 2.5x HBM spec (Chips and Cheese, H100 PCIe); "
           "H200 = H100 (same die)",
 }
 
-COPY_FRACTION = 0.90
+READ_FRACTION = 3.89 / 4.8  # [READ]: the H200 measurement's fraction of its spec
 L2_FACTOR = 2.5
 
 
@@ -52,11 +57,17 @@ class GPU:
     smem_per_block: int  # bytes of dynamic shared memory one CTA may use
     memory_bytes: int
     hbm_bw: float  # bytes/s, spec peak
-    copy_bw: float  # bytes/s, achievable copy bandwidth (see [COPY])
+    copy_bw: float  # bytes/s, what the cost model streams at (see [COPY])
     l2_bw: float  # bytes/s, L2 -> SMs (see [L2])
     bf16_tensor_flops: float  # dense, whole GPU
     fp32_flops: float  # CUDA cores, whole GPU
+    read_bw: float = 0.0  # bytes/s, cited or assumed achievable HBM read bandwidth (see [READ])
     copy_bw_measured: bool = False
+
+    @property
+    def achievable_bw(self) -> float:
+        """Bytes/s no decode step can beat: the measured copy bandwidth, else [READ]."""
+        return self.copy_bw if self.copy_bw_measured else self.read_bw
 
     def with_copy_bandwidth(self, bytes_per_s: float) -> GPU:
         """This GPU with a measured copy bandwidth."""
@@ -78,15 +89,19 @@ class GPU:
             num_sms=num_sms,
             hbm_bw=self.hbm_bw * f,
             copy_bw=self.copy_bw * f,
+            read_bw=self.read_bw * f,
             l2_bw=self.l2_bw * f,
             bf16_tensor_flops=self.bf16_tensor_flops * f,
             fp32_flops=self.fp32_flops * f,
         )
 
 
-def _gpu(name, arch, sms, mem_gb, hbm_tb, bf16_tf, fp32_tf, l2_hbm_tb=None) -> GPU:  # noqa: ANN001
-    """`l2_hbm_tb`: the HBM spec the [L2] factor applies to (the die's own part), default hbm_tb."""
+def _gpu(name, arch, sms, mem_gb, hbm_tb, bf16_tf, fp32_tf, l2_hbm_tb=None,  # noqa: ANN001
+         read_tb=None) -> GPU:  # noqa: ANN001
+    """`l2_hbm_tb`: the HBM spec the [L2] factor applies to (the die's own part), default hbm_tb;
+    `read_tb`: a published achievable read bandwidth, default READ_FRACTION of the spec."""
     hbm = hbm_tb * 1e12
+    read = read_tb * 1e12 if read_tb else READ_FRACTION * hbm
     return GPU(
         name=name,
         arch=arch,
@@ -94,16 +109,17 @@ def _gpu(name, arch, sms, mem_gb, hbm_tb, bf16_tf, fp32_tf, l2_hbm_tb=None) -> G
         smem_per_block=227 * 1024,
         memory_bytes=int(mem_gb * 1e9),
         hbm_bw=hbm,
-        copy_bw=COPY_FRACTION * hbm,
+        copy_bw=read,
         l2_bw=L2_FACTOR * (l2_hbm_tb or hbm_tb) * 1e12,
         bf16_tensor_flops=bf16_tf * 1e12,
         fp32_flops=fp32_tf * 1e12,
+        read_bw=read,
     )
 
 
 GPUS: dict[str, GPU] = {
     "h100": _gpu("H100 SXM", "sm_90a", 132, 80, 3.35, 989.4, 66.9),
-    "h200": _gpu("H200 SXM", "sm_90a", 132, 141, 4.8, 989.4, 66.9, l2_hbm_tb=3.35),
+    "h200": _gpu("H200 SXM", "sm_90a", 132, 141, 4.8, 989.4, 66.9, l2_hbm_tb=3.35, read_tb=3.89),
     "b200": _gpu("B200", "sm_100a", 148, 180, 8.0, 2250.0, 75.0),
 }
 

@@ -255,13 +255,7 @@ def predict(prog, m: Measurement, params: CostParams) -> float:  # noqa: ANN001
 
 # ---- fit ----------------------------------------------------------------------------------------
 def validate(measurements: list[Measurement], fit: tuple[str, ...]) -> None:
-    if not fit:
-        raise RefitError("nothing to fit: name at least one parameter")
-    bad = [f for f in fit if f not in BOUNDS]
-    if bad:
-        raise RefitError(f"cannot fit {bad}; fittable parameters: {', '.join(BOUNDS)}")
-    if len(set(fit)) != len(fit):
-        raise RefitError(f"parameters to fit repeat: {list(fit)}")
+    validate_fit(fit)
     if len(measurements) < len(fit):
         raise RefitError(f"{len(measurements)} measurement(s) cannot determine {len(fit)} "
                          f"parameters ({', '.join(fit)}): need at least {len(fit)}")
@@ -272,6 +266,17 @@ def validate(measurements: list[Measurement], fit: tuple[str, ...]) -> None:
         if m.copy_bw_gbs is not None and not m.copy_bw_gbs > 0:
             raise RefitError(f"measured copy bandwidth must be positive, got {m.copy_bw_gbs} "
                              f"GB/s for {m.describe()}")
+
+
+def validate_fit(fit: tuple[str, ...]) -> None:
+    """The parameter names are fittable and distinct."""
+    if not fit:
+        raise RefitError("nothing to fit: name at least one parameter")
+    bad = [f for f in fit if f not in BOUNDS]
+    if bad:
+        raise RefitError(f"cannot fit {bad}; fittable parameters: {', '.join(BOUNDS)}")
+    if len(set(fit)) != len(fit):
+        raise RefitError(f"parameters to fit repeat: {list(fit)}")
 
 
 def refit(measurements: list[Measurement], fit: tuple[str, ...] = DEFAULT_FIT,
@@ -288,28 +293,44 @@ def refit(measurements: list[Measurement], fit: tuple[str, ...] = DEFAULT_FIT,
     start = start or CostParams()
     cache = cache or ProgramCache()
     progs = [cache.get(m) for m in measurements]
+    meas = np.array([m.step_s for m in measurements])
+
+    def residuals(p: CostParams) -> np.ndarray:  # [M] relative errors
+        pred = np.array([predict(pr, m, p) for pr, m in zip(progs, measurements, strict=True)])
+        return pred / meas - 1.0
+
+    before = (residuals(start) + 1.0) * meas
+    params, loss0, fbest, evals, cond = least_squares(residuals, fit, start, grid, tol, max_evals)
+    after = [predict(pr, m, params) for pr, m in zip(progs, measurements, strict=True)]
+    rows = [FitRow(m, float(b), a) for m, b, a in zip(measurements, before, after,
+                                                       strict=True)]
+    return FitResult(start, params, fit, rows, loss0, fbest, evals, cond)
+
+
+def least_squares(residuals, fit: tuple[str, ...], start: CostParams, grid: int = 7,  # noqa: ANN001
+                  tol: float = 1e-3, max_evals: int = 400
+                  ) -> tuple[CostParams, float, float, int, float]:
+    """Minimise mean(residuals(params)^2) over the parameters named in `fit` (module docstring:
+    log space inside BOUNDS, coarse grid, then Levenberg-Marquardt). `residuals`: CostParams ->
+    1-D array. Returns (fitted params, loss at start, loss at the fit, evaluations, condition
+    number of the Jacobian at the fit)."""
     lo = np.array([math.log(BOUNDS[k][0]) for k in fit])
     hi = np.array([math.log(BOUNDS[k][1]) for k in fit])
-    meas = np.array([m.step_s for m in measurements])
     seen: dict[tuple[float, ...], np.ndarray] = {}
 
     def params_at(x: np.ndarray) -> CostParams:
         return dataclasses.replace(start, **{k: math.exp(v) for k, v in zip(fit, x, strict=True)})
 
-    def resid(x: np.ndarray) -> np.ndarray:  # [M] relative errors at log-parameters x
+    def resid(x: np.ndarray) -> np.ndarray:  # residuals at log-parameters x
         key = tuple(np.clip(x, lo, hi).tolist())
         if key not in seen:
-            p = params_at(np.array(key))
-            pred = np.array([predict(pr, m, p) for pr, m in zip(progs, measurements,
-                                                                 strict=True)])
-            seen[key] = pred / meas - 1.0
+            seen[key] = residuals(params_at(np.array(key)))
         return seen[key]
 
     def loss(x: np.ndarray) -> float:
         return float(np.mean(resid(x) ** 2))
 
     x0 = np.clip([math.log(getattr(start, k)) for k in fit], lo, hi)
-    before = (resid(x0) + 1.0) * meas
     loss0 = loss(x0)
     # coarse grid (fewer points per axis when the cap would be exceeded)
     n = max(3, min(grid, int((max_evals // 2) ** (1 / len(fit)))))
@@ -341,11 +362,7 @@ def refit(measurements: list[Measurement], fit: tuple[str, ...] = DEFAULT_FIT,
     jac = np.stack([(resid(best + h * e) - r) / h for e in np.eye(len(fit))], axis=1)
     sv = np.linalg.svd(jac, compute_uv=False)
     cond = float(sv[0] / sv[-1]) if sv[-1] > 0 else float("inf")
-    params = params_at(best)
-    after = [predict(pr, m, params) for pr, m in zip(progs, measurements, strict=True)]
-    rows = [FitRow(m, float(b), a) for m, b, a in zip(measurements, before, after,
-                                                       strict=True)]
-    return FitResult(start, params, fit, rows, loss0, fbest, len(seen), cond)
+    return params_at(best), loss0, fbest, len(seen), cond
 
 
 # ---- saved parameters ---------------------------------------------------------------------------
@@ -395,4 +412,78 @@ def describe(result: FitResult) -> list[str]:
         lines.append(f"| {r.measurement.describe()} | {r.measurement.step_s * 1e6:.1f} | "
                      f"{r.before_s * 1e6:.1f} | {r.before_ratio:.3f} | {r.after_s * 1e6:.1f} | "
                      f"{r.after_ratio:.3f} |")
+    return lines
+
+
+# ---- per-instruction costs from a timeline (megakernel/timeline.py) ------------------------------
+@dataclass
+class TimelineFit:
+    """Cost parameters fitted to one step's per-instruction wait and busy intervals."""
+
+    start: CostParams
+    params: CostParams
+    fitted: tuple[str, ...]
+    loss_before: float
+    loss_after: float
+    evaluations: int
+    condition: float
+    instructions: int
+
+
+def timeline_residuals(prog, rows: np.ndarray, params: CostParams) -> np.ndarray:  # noqa: ANN001
+    """Per measured instruction (timeline rows, megakernel/timeline.py), the replayed minus the
+    measured busy interval (finish - wait_end) and finish time (from the step's first stamp),
+    over the mean measured busy interval: [2n]. A busy interval costs about fixed + 2 latencies
+    (a valley on its own); the finish times add up the waits along each SM's queue and pin the
+    latency (a wait interval alone jumps with every change of the critical producer)."""
+    from megakernel.timeline import COL, predicted
+
+    pred = predicted(prog, params, exact=True)
+    first = np.concatenate(([0], np.cumsum([len(q) for q in prog.queues])))
+    p = pred[first[rows[:, COL["sm"]]] + rows[:, COL["pos"]].astype(np.int64)]
+
+    def intervals(r: np.ndarray) -> np.ndarray:
+        we, fin = (r[:, COL[k]].astype(float) for k in ("wait_end", "finish"))
+        return np.concatenate([fin - we, fin])
+
+    meas = intervals(rows)
+    scale = max(float(np.mean(rows[:, COL["finish"]] - rows[:, COL["wait_end"]])), 1.0)
+    return (intervals(p) - meas) / scale
+
+
+def fit_timeline(prog, rows: np.ndarray, fit: tuple[str, ...] = DEFAULT_FIT,  # noqa: ANN001
+                 start: CostParams | None = None, grid: int = 5, tol: float = 1e-3,
+                 max_evals: int = 200) -> TimelineFit:
+    """Fit the per-instruction fixed cost and latency parameters (any of BOUNDS) to the busy
+    intervals and finish times of a measured step (`rows`: timeline.decode of the timeline
+    build's records, checked against `prog`, the program the step ran). Same search as
+    `refit`."""
+    from megakernel.timeline import check_matches
+
+    fit = tuple(fit)
+    validate_fit(fit)  # one step holds many intervals
+    if not len(rows):
+        raise RefitError("the timeline holds no instruction records")
+    try:
+        check_matches(rows, prog)
+    except ValueError as e:
+        raise RefitError(str(e)) from None
+    start = start or CostParams()
+    params, loss0, fbest, evals, cond = least_squares(
+        lambda p: timeline_residuals(prog, rows, p), fit, start, grid, tol, max_evals)
+    return TimelineFit(start, params, fit, loss0, fbest, evals, cond, len(rows))
+
+
+def describe_timeline(result: TimelineFit) -> list[str]:
+    """The fitted parameters (printed by `plan --refit --timeline-records`)."""
+    lines = [f"refit of {', '.join(result.fitted)} to the busy intervals and finish times of "
+             f"{result.instructions} instruction(s) ({result.evaluations} loss evaluations):"]
+    for k in result.fitted:
+        s, u = (1e9, "ns") if k in ("mem_latency", "l2_latency") else (1e6, "us")
+        lines.append(f"  {k}: {getattr(result.start, k) * s:.3g} {u} -> "
+                     f"{getattr(result.params, k) * s:.4g} {u}")
+    lines.append(f"rms error (of the mean busy interval): "
+                 f"{100 * math.sqrt(result.loss_before):.2f}% -> "
+                 f"{100 * math.sqrt(result.loss_after):.2f}% (condition number "
+                 f"{result.condition:.3g})")
     return lines

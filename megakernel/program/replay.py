@@ -42,12 +42,16 @@ from megakernel.program.cost import (
     CostParams,
     CostReport,
     Rates,
+    refuse_too_fast,
     staged_bytes,
     step_bytes,
     written_bytes,
 )
 
 _WAIT, _SETUP, _CONSUME, _STORE, _DONE = range(5)
+# columns of a replay trace (replay's `trace`): the times of kernel.spec.TIMELINE_FIELDS
+TRACE_FIELDS = ("wait_start", "wait_end", "finish", "load_start", "load_end")
+_TW0, _TW1, _TFIN, _TL0, _TL1 = range(5)
 
 
 def _fair_rates(active: np.ndarray, cap: np.ndarray, total: float) -> np.ndarray:
@@ -66,8 +70,14 @@ def _fair_rates(active: np.ndarray, cap: np.ndarray, total: float) -> np.ndarray
 _EPS = 0.5  # bytes: below this a stream or a window counts as done or full
 
 
-def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN001
-    """Predicted step of `prog` under fair bandwidth sharing (see the module docstring)."""
+def replay(prog, params: CostParams | None = None,  # noqa: ANN001
+           trace: list[np.ndarray] | None = None) -> CostReport:
+    """Predicted step of `prog` under fair bandwidth sharing (see the module docstring).
+
+    `trace`: an empty list to receive, per SM, a [queue length, 5] array of the seconds at which
+    each instruction reached its wait, saw its dependency, finished (signal issued), and its
+    weight slab (or an ATTN_PARTIAL's cached K/V) started and finished arriving (TRACE_FIELDS;
+    NaN where none): the predicted timeline (megakernel/timeline.py)."""
     params = params or CostParams()
     gpu = prog.gpu
     r = Rates.of(gpu, params, getattr(prog, "ring_bytes", None))
@@ -103,6 +113,9 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
     reached = np.zeros(n)  # when the compute side reached its instruction (ring freed)
     streamed = np.zeros(n)
     t = 0.0
+    tr = [np.full((int(k), len(TRACE_FIELDS)), np.nan) for k in qlen]
+    if trace is not None:
+        trace[:] = tr
 
     def skip_empty(s: int) -> None:
         while lq[s] < qlen[s] and lrem[s] <= _EPS:
@@ -119,6 +132,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
             limit[s] = max(limit[s], wstart[s][i] + r.window)  # the lookahead, before the wait
         reached[s] = t
         kvrem[s] = kvb[s][i]
+        tr[s][i, _TW0] = t
         phase[s], phase_end[s] = _WAIT, np.inf
         if ins.wait == NO_COUNTER or visible[ins.wait] <= t:
             start_setup(s)
@@ -129,6 +143,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
 
     def start_setup(s: int) -> None:
         ins = queues[s][ci[s]]
+        tr[s][ci[s], _TW1] = t
         dur = r.fixed
         if ins.l2_bytes or ins.hbm_bytes:
             dur += r.lat + ins.l2_bytes / r.l2 + ins.hbm_bytes / r.bw
@@ -174,6 +189,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
             phase_end[s] = t + ins.store_bytes / r.bw + r.lat  # stores, then the fence
             streamed[s] += ins.store_bytes + ins.hbm_bytes
         elif phase[s] == _STORE:
+            tr[s][ci[s], _TFIN] = t
             land = t + r.lat  # the release add lands
             if ins.signal != NO_COUNTER:
                 last = spec(ins.op).ticket and seen[ins.signal] + 1 == totals[ins.signal]
@@ -227,6 +243,11 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
             most = np.where(kv_on, kvrem,
                             np.minimum(lrem, np.where(at_limit, np.inf, room + c_in)))
             moved = np.where(on, np.minimum(rate * dt, most), 0.0)
+            if trace is not None:  # first bytes of a slab (or of the reached K/V) moving
+                for s in np.nonzero(moved > 0)[0].tolist():
+                    i = ci[s] if kv_on[s] else lq[s]
+                    if np.isnan(tr[s][i, _TL0]):
+                        tr[s][i, _TL0] = t
             kvrem -= np.where(kv_on, moved, 0.0)
             lrem -= np.where(kv_on, 0.0, moved)
             wpos += np.where(kv_on, 0.0, moved)
@@ -237,11 +258,13 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
         t = t_next
         for s in np.nonzero(kv_on & (kvrem <= _EPS))[0].tolist():
             kvrem[s] = 0.0
+            tr[s][ci[s], _TL1] = t
             if phase[s] == _CONSUME and kvb[s][ci[s]]:
                 phase_end[s] = max(t, consume_min[s])  # the last keys/values arrived
         for s in np.nonzero(active & ~kv_on & (lrem <= _EPS))[0].tolist():
             done_i = lq[s]
             lrem[s] = 0.0
+            tr[s][done_i, _TL1] = t
             skip_empty(s)
             if phase[s] == _CONSUME and ci[s] == done_i:
                 phase_end[s] = max(t, consume_min[s])  # the last bytes arrived
@@ -260,6 +283,7 @@ def replay(prog, params: CostParams | None = None) -> CostReport:  # noqa: ANN00
     step = t + r.lat + params.launch  # exit atomic, launch
     nbytes = step_bytes(prog.instrs) + written_bytes(prog)
     idle = 1.0 - np.minimum(1.0, streamed / (r.bw * step))
-    return CostReport(gpu.name, step, nbytes, nbytes / gpu.copy_bw, nbytes / gpu.hbm_bw,
-                      gpu.copy_bw, gpu.hbm_bw, float(idle.max()), float(idle.mean()),
-                      len(prog.instrs))
+    return refuse_too_fast(CostReport(gpu.name, step, nbytes, nbytes / gpu.copy_bw,
+                                      nbytes / gpu.hbm_bw, gpu.copy_bw, gpu.hbm_bw,
+                                      float(idle.max()), float(idle.mean()), len(prog.instrs)),
+                           gpu)

@@ -1,13 +1,16 @@
 """CPU executor of dense programs (rung 2: Llama, Qwen3, Qwen2) against the reference's bf16
 mode (rung 1).
 
-Error bound asserted: logits of every executor step are within LOGIT_TOL = 0.1 (absolute; the
-logits have std about 1) of the bf16 reference's, and within 2x the bf16 reference's own error
-against the fp32 reference plus 0.01. The two bf16 computations differ only by fp32 reassociation
-(split-KV merge and unnormalised softmax vs torch.softmax, slab vs whole-matrix matvecs), which
-now and then flips a bf16 rounding (1 in ~10^4 attention outputs); measured differences are 0 to
-0.03. Greedy tokens must be identical, except where the reference's own top-2 logit margin is
-below 2 * LOGIT_TOL (a near-tie that such a flip can reorder); those are counted and reported.
+Error bound asserted, per step: |logits - bf16 reference| <= min(LOGIT_TOL, REL_TOL x |bf16
+reference - fp32 reference|) (absolute; the logits have std about 1), and |logits - fp32
+reference| <= 2 |bf16 reference - fp32 reference| + 0.01 (DESIGN.md section 4). The two bf16
+computations differ only by fp32 reassociation (split-KV merge and unnormalised softmax vs
+torch.softmax, slab vs whole-matrix matvecs), which now and then flips a bf16 rounding (1 in ~10^4
+attention outputs). Measured over every case below (8 steps each): |logits - bf16 ref| 0 to
+0.0296 (qwen3-tiny B=8 T=1), at most 0.54 x the bf16 reference's own error, which is 0.018 to
+0.23; so LOGIT_TOL = 0.04 and helpers.REL_TOL = 0.75. A result that rounds as the fp32
+reference does (ratio 1) fails. Greedy tokens must be identical, except where the reference's own
+top-2 logit margin is below 2 * LOGIT_TOL (a near-tie that such a flip can reorder); counted.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ from reference.model import ReferenceModel, greedy
 from reference.model import generate as ref_generate
 from tests.executor.helpers import check_logits
 
-LOGIT_TOL = 0.1
+LOGIT_TOL = 0.04  # measured max 0.0296 (module docstring)
 STEPS = 8
 
 
-def _setup(name: str, batch: int, tokens: int, seed: int, steps: int = STEPS):
+def _setup(name: str, batch: int, tokens: int, seed: int, steps: int = STEPS,
+           n_splits: int | None = None):
     cfg = preset(name)
     w = random_weights(cfg, seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -50,7 +54,8 @@ def _setup(name: str, batch: int, tokens: int, seed: int, steps: int = STEPS):
     c16, c32 = ref16.new_cache(batch, s_max), ref32.new_cache(batch, s_max)
     first = greedy(ref16.prefill(c16, prompts))
     ref32.prefill(c32, prompts)
-    prog = compile_program(cfg, batch, executor_gpu(), tokens=tokens, max_seq_len=s_max)
+    prog = compile_program(cfg, batch, executor_gpu(), tokens=tokens, max_seq_len=s_max,
+                           n_splits=n_splits)
     ex = Executor(prog, pack_weights(cfg, w))
     ex.load_cache(c16)
     return cfg, g, ref16, ref32, c16, c32, ex, first
@@ -58,14 +63,23 @@ def _setup(name: str, batch: int, tokens: int, seed: int, steps: int = STEPS):
 
 # every (B, T) for the families that differ in the attention epilogue (RoPE only, q/k norm) and
 # in size; Qwen2 (q/k/v biases, the same epilogue otherwise) at the two corners
-CASES = [(n, b, t) for n in ("llama-tiny", "qwen3-tiny", "llama-mid") for b in (1, 3, 8)
-         for t in (1, 4)] + [("qwen2-tiny", 1, 1), ("qwen2-tiny", 8, 4)]
+CASES = [(n, b, t, None) for n in ("llama-tiny", "qwen3-tiny", "llama-mid") for b in (1, 3, 8)
+         for t in (1, 4)] + [("qwen2-tiny", 1, 1, None), ("qwen2-tiny", 8, 4, None)]
+# several attention splits (the cases above compile one: their context is short): 2, 3 and more
+# splits than keys (S_max <= 43 here), so that splits are empty, and for T = 4 causally empty
+# for the step's first tokens
+MANY_SPLITS = 64
+SPLIT_CASES = [(n, 3, t, s) for n, t in (("llama-tiny", 1), ("qwen3-tiny", 1), ("qwen3-tiny", 4))
+               for s in (2, 3, MANY_SPLITS)]
 
 
-@pytest.mark.parametrize("name, batch, tokens", CASES)
-def test_executor_matches_reference(name: str, batch: int, tokens: int, record_numerics) -> None:
-    seed = 10 * batch + tokens
-    cfg, g, ref16, ref32, c16, c32, ex, first = _setup(name, batch, tokens, seed)
+@pytest.mark.parametrize("name, batch, tokens, n_splits", CASES + SPLIT_CASES)
+def test_executor_matches_reference(name: str, batch: int, tokens: int, n_splits: int | None,
+                                    record_numerics) -> None:
+    seed = 10 * batch + tokens + (n_splits or 0)
+    cfg, g, ref16, ref32, c16, c32, ex, first = _setup(name, batch, tokens, seed,
+                                                       n_splits=n_splits)
+    assert ex.prog.n_splits == (n_splits or 1)
     tok = first[:, None] if tokens == 1 else torch.randint(0, cfg.vocab_size, (batch, tokens),
                                                            generator=g)
     feed = True  # first step: the host writes tokens_in; later (T = 1) the program feeds back
@@ -92,8 +106,23 @@ def test_executor_matches_reference(name: str, batch: int, tokens: int, record_n
         written = ~theirs.isnan()
         assert (mine[written].float() - theirs[written].float()).abs().max() <= 0.07
         assert mine.isnan().equal(theirs.isnan())  # no slot written that the reference did not
-    record_numerics(f"executor {name} B={batch} T={tokens}",
+    record_numerics(f"executor {name} B={batch} T={tokens} splits={ex.prog.n_splits}",
                     f"max |logits - bf16 ref| {worst:.3g}, near-tie token swaps {near_ties}")
+
+
+@pytest.mark.parametrize("name, batch, tokens", [("llama-tiny", 1, 1), ("qwen3-tiny", 3, 4)])
+def test_the_logit_bound_rejects_an_unrounded_result(name: str, batch: int, tokens: int) -> None:
+    """The bound can fail: at every step the executor's logits pass and logits computed in fp32
+    throughout (the fp32 reference's, as a kernel that skipped the bf16 roundings would give) do
+    not."""
+    cfg, g, ref16, ref32, c16, c32, ex, _ = _setup(name, batch, tokens, seed=4, steps=3)
+    for step in range(3):
+        tok = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=g)
+        ex.step(tok, seed=step)
+        l16, l32 = ref16.decode(c16, tok), ref32.decode(c32, tok)
+        check_logits(step, ex.logits.view(batch, tokens, -1), l16, l32, LOGIT_TOL)
+        with pytest.raises(AssertionError, match="executor vs bf16 reference"):
+            check_logits(step, l32, l16, l32, LOGIT_TOL)
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "qwen2-tiny"])
@@ -182,3 +211,56 @@ def test_bad_step_input() -> None:
         ex.step(tok + 10_000)
     with pytest.raises(ExecutorError, match="tokens must be"):
         ex.step(tok[:1])
+
+
+# ---- argmax ties: the lowest index wins, as in the kernel (LMHEAD epilogue and ARGMAX) ---------
+def test_argmax_merges_tied_partials_to_the_lowest_index() -> None:
+    """ARGMAX alone, on crafted partials: equal maxima in several tiles, listed out of index
+    order, go to the lowest index (not the first or last tile's, not the highest index)."""
+    cfg = preset("qwen3-tiny")
+    prog = compile_program(cfg, 2, executor_gpu(), max_seq_len=16)
+    ex = Executor(prog, pack_weights(cfg, random_weights(cfg, seed=1)), check=False)
+    s, p = (ex.records[:, :, 0] == Op.ARGMAX).nonzero()[0].tolist()
+    d = isa.decode(ex.records[s, p].tolist())
+    nt = d["N_TILES"]
+    g = torch.Generator().manual_seed(6)
+    vals = torch.randn(nt, 2, generator=g)  # [tiles, N]
+    idxs = torch.randint(0, cfg.vocab_size, (nt, 2), generator=g)
+    top = vals.max() + 1
+    for row, tied in ((0, {2: 130, 5: 323, 6: 400}), (1, {1: 500, 4: 70, 6: 300})):
+        for tile, i in tied.items():
+            vals[tile, row], idxs[tile, row] = top, i
+    ex.region("f32", "part_argmax")[:nt] = torch.stack((vals, idxs.float()), dim=-1)
+    ex.ops["ARGMAX"](ex, d, 0)
+    assert ex.tokens_out.tolist() == [130, 70]
+
+
+def test_tied_logits_give_the_lowest_index_in_executor_and_reference() -> None:
+    """Copies of each sequence's winning LM-head row at lower and higher indices, two of them in
+    one slab (LMHEAD's slab argmax) and the others in other slabs (ARGMAX's merge): the logits
+    tie exactly, and executor and reference both pick the lowest copy."""
+    cfg, batch = preset("qwen3-tiny"), 2  # untied LM head: the copies change nothing else
+    w = random_weights(cfg, seed=8)
+    prompts, tok = [[5, 17, 3], [7, 1]], torch.tensor([[11], [42]])
+    ref = ReferenceModel(cfg, w, mode="bf16")
+    cache = ref.new_cache(batch, 8)
+    ref.prefill(cache, prompts)
+    winners = greedy(ref.decode(cache, tok))[:, 0].tolist()
+    copies = [[9 + b, 20 + b, 200 + b, cfg.vocab_size - 1 - b] for b in range(batch)]  # slab 0: 2
+    assert not {*winners} & {*copies[0], *copies[1]}
+    head = w["lm_head.weight"].clone()
+    for b, win in enumerate(winners):
+        head[copies[b]] = head[win].clone()
+    w = {**w, "lm_head.weight": head}
+    ref = ReferenceModel(cfg, w, mode="bf16")
+    cache = ref.new_cache(batch, 8)
+    ref.prefill(cache, prompts)
+    ex = Executor(compile_program(cfg, batch, executor_gpu(), max_seq_len=8),
+                  pack_weights(cfg, w))
+    ex.load_cache(cache)
+    out, l16 = ex.step(tok)[:, 0], ref.decode(cache, tok)[:, 0]
+    for b, win in enumerate(winners):
+        tied = [win, *copies[b]]
+        for logits in (ex.logits[b], l16[b]):  # an exact tie at the maximum
+            assert (logits[tied] == logits.max()).all(), logits[tied]
+        assert int(out[b]) == int(greedy(l16)[b]) == min(tied), (out.tolist(), tied)

@@ -145,6 +145,19 @@ def test_ptx_has_the_l2_lookahead(builds):
         assert str(256 * 1024) not in ptx, (name, arch)  # the old per-slab clamp is gone
 
 
+@pytest.mark.parametrize("stages", [0, None], ids=["global", "piped"])
+def test_l2_window_0_builds_no_weight_lookahead(kernel_build, stages):
+    """The lookahead A/B variant (l2_window 0) keeps only the K/V prefetch site: its weight
+    lookahead is compiled out on both weight paths, not merely run with an empty window."""
+    cfg = preset("llama-tiny")
+    on, _ = kernel_build(cfg, "sm_90a", 1, 1, smem_stages=stages)
+    off, m = kernel_build(cfg, "sm_90a", 1, 1, smem_stages=stages, l2_window=0)
+    count = [(d / "megakernel.ptx").read_text().count("cp.async.bulk.prefetch.L2.global")
+             for d in (on, off)]
+    assert count[1] == 1 and count[0] > count[1], count
+    assert m["spec"]["l2_window"] == 0 and m["resources"]["spill_stores"] == 0
+
+
 def test_resource_rules_reject_spills_and_budget_overruns():
     s = make_spec(preset("llama-tiny"), 1, 1, "sm_90a")
     ok = dict(registers=64, spill_stores=0, spill_loads=0, local_bytes=0, local_stores=0,
@@ -163,6 +176,22 @@ def test_resource_rules_reject_spills_and_budget_overruns():
     with pytest.raises(BuildError, match="opt into"):
         check_resources({**ok, "shared_bytes": 1024 + spec_mod.SMEM_BUDGET - big.smem_bytes + 16},
                         big)
+
+
+def test_resource_rules_hold_the_sm_with_the_reserved_kib(monkeypatch):
+    """dynamic + static + the 1 KiB the driver reserves per block must fit the SM's 228 KiB,
+    checked on its own (the opt-in limit lifted): just under passes, 16 B over fails."""
+    s = make_spec(preset("llama-3.2-1b"), 1, 1, "sm_90a")
+    monkeypatch.setattr(spec_mod, "SMEM_OPTIN", 1 << 20)
+    ok = dict(registers=64, spill_stores=0, spill_loads=0, local_bytes=0, local_stores=0,
+              local_loads=0)
+    room = spec_mod.SMEM_PER_SM - spec_mod.SMEM_RESERVED_PER_BLOCK - s.smem_bytes
+    assert spec_mod.SMEM_PER_SM == 228 * 1024 and room > 0
+    check_resources({**ok, "shared_bytes": room}, s)
+    with pytest.raises(BuildError, match=rf"per SM {s.smem_bytes} dynamic \+ {room + 16} static "
+                                         rf"\+ 1024 reserved by the driver = 233488 B > the "
+                                         rf"SM's 233472 B"):
+        check_resources({**ok, "shared_bytes": room + 16}, s)
 
 
 def test_fingerprint_tracks_static_config():

@@ -1,50 +1,120 @@
-"""The greedy-token rules of gpu-check on CPU tensors (no GPU): near ties of the reference may
-flip, a clear margin may not; free-running generations are compared up to the first near tie."""
+"""gpu-check on the CPU: its judgement (every bound from the reference's own error; zero, negated
+and shifted logits, a wrong argmax and a bad KV cache all fail), its driver (a crash or a hang ends
+one item, the next process carries on, the deadline holds, the report is rewritten after every
+item, at most 8 files) with scripted children, and the whole run simulated on the CPU executor."""
 
 from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
 
-from megakernel.gpu_check import MIN_PREFIX, common_prefix, greedy_check, top2_margin
+from megakernel.gpu_check import MIN_PREFIX, common_prefix, compare, driver
+from megakernel.gpu_check.cases import Case, Group, Stage
 
 
-def _logits(seed: int, rows: int = 6, vocab: int = 50) -> torch.Tensor:
-    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+def _refs(seed: int = 0, rows: int = 6, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 reference, fp32 truth) logits [rows, vocab]: the bf16 one off by rounding."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, vocab, generator=g) * 3
+    return t.to(torch.bfloat16).float() + 1e-3 * torch.randn(rows, vocab, generator=g), t
 
 
-def test_top2_margin():
-    x = torch.tensor([[1.0, 5.0, 4.5, -2.0], [0.0, 0.0, 0.0, 0.0]])
-    assert torch.allclose(top2_margin(x), torch.tensor([0.5, 0.0]))
+def _verdict(logits: torch.Tensor, ref16: torch.Tensor, ref32: torch.Tensor) -> dict:
+    return compare.step_verdict(logits, compare.greedy(logits), ref16, ref32)
 
 
-def test_clear_margin_mismatch_is_a_failure():
-    ref = _logits(1)
-    kern = ref + 1e-3 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
-    tok = torch.argmax(ref, dim=-1)
-    r = greedy_check(kern, tok, ref)
-    assert r == {**r, "clear": 0, "near_ties": 0, "mismatch": False}
-    wrong = tok.clone()
-    wrong[3] = (wrong[3] + 1) % ref.shape[-1]  # e.g. a broken argmax: logits fine, token wrong
-    r = greedy_check(kern, wrong, ref)
-    assert r["clear"] == 1 and r["near_ties"] == 0 and r["mismatch"]
+def test_the_bf16_reference_itself_passes():
+    r16, r32 = _refs()
+    assert _verdict(r16, r16, r32)["ok"]
+    assert _verdict(r32, r16, r32)["ok"]
 
 
-def test_near_tie_flip_is_only_counted():
-    ref = _logits(3)
-    tok = torch.argmax(ref, dim=-1)
-    second = torch.topk(ref[0], 2).indices[1]
-    kern = ref.clone()
-    gap = float(ref[0, tok[0]] - ref[0, second])
-    kern[0, second] += gap * 0.6  # an error of 0.6 gap on each of the two: the order flips
-    kern[0, tok[0]] -= gap * 0.6
-    ktok = torch.argmax(kern, dim=-1)
-    assert ktok[0] != tok[0]
-    r = greedy_check(kern, ktok, ref)
-    assert r["clear"] == 0 and r["near_ties"] == 1
-    # the same flip with a tiny measured error elsewhere is a clear mismatch
-    r = greedy_check(ref, ktok, ref)
-    assert r["clear"] == 1
+@pytest.mark.parametrize("broken", ["zeros", "negated", "shifted", "scaled", "nan"])
+def test_broken_logits_fail(broken):
+    r16, r32 = _refs(1)
+    bad = {"zeros": torch.zeros_like(r16), "negated": -r16, "shifted": r16 + 0.5,
+           "scaled": r16 * 1.05, "nan": r16.masked_fill(r16 > 5, float("nan"))}[broken]
+    v = _verdict(bad, r16, r32)
+    assert not v["ok"] and not v["band"]["ok"], v
+
+
+def test_a_token_that_is_not_the_logits_argmax_fails():
+    r16, r32 = _refs(2)
+    tok = compare.greedy(r16).clone()
+    tok[3] = (tok[3] + 1) % r16.shape[-1]  # a broken argmax: logits fine, token wrong
+    v = compare.step_verdict(r16, tok, r16, r32)
+    assert not v["ok"] and v["greedy"]["not_own_argmax"] == 1 and v["greedy"]["clear"] == 1
+
+
+def test_ties_go_to_the_lowest_index():
+    r16, r32 = _refs(3)
+    x = r16.clone()
+    top = int(compare.greedy(x)[0])
+    x[0, top + 1 if top + 1 < x.shape[1] else top - 1] = x[0, top]  # an exact tie
+    lo, hi = sorted((top, top + 1 if top + 1 < x.shape[1] else top - 1))
+    assert int(compare.greedy(x)[0]) == lo
+    tok = compare.greedy(x).clone()
+    tok[0] = hi
+    assert compare.greedy_check(x, tok, r16, r32)["not_own_argmax"] == 1
+
+
+def test_a_near_tie_flip_is_counted_and_a_clear_one_fails():
+    r16, r32 = _refs(4)
+    want, second = (int(i) for i in torch.topk(r32[0], 2).indices)
+    allow = float(compare.row_allowance(r16, r32)[0])
+    for gap, clear in ((0.5 * allow, 0), (1.0, 1)):  # inside twice the band / far outside it
+        t32, t16 = r32.clone(), r16.clone()
+        t32[0, second] = t16[0, second] = t32[0, want] - gap  # references agree there
+        k = t32.clone()
+        k[0, second] = k[0, want] + 1e-4  # the kernel's logits reorder row 0's top two
+        g = compare.greedy_check(k, compare.greedy(k), t16, t32)
+        assert (g["clear"], g["near_ties"]) == (clear, 1 - clear), (gap, g)
+
+
+def test_the_bound_never_grows_with_the_kernels_error():
+    """A kernel far off cannot widen the near-tie bound (it comes from the reference)."""
+    r16, r32 = _refs(5)
+    noisy = r32 + 5.0 * torch.randn(r32.shape, generator=torch.Generator().manual_seed(9))
+    g1 = compare.greedy_check(noisy, compare.greedy(noisy), r16, r32)
+    g0 = compare.greedy_check(r16, compare.greedy(r16), r16, r32)
+    assert g1["max_bound"] == g0["max_bound"] and g1["clear"] > 0
+
+
+def test_near_ties_are_bounded_by_the_references_own_flips():
+    assert compare.near_ties_ok(1, 0, 10)
+    assert not compare.near_ties_ok(2, 0, 10)
+    assert compare.near_ties_ok(4, 2, 10) and not compare.near_ties_ok(5, 2, 10)
+    assert compare.near_ties_ok(5, 0, 100) and not compare.near_ties_ok(6, 0, 100)
+
+
+def test_kv_band_checks_written_positions_only():
+    g = torch.Generator().manual_seed(6)
+    t = torch.randn(2, 3, 2, 10, 8, generator=g)  # [layers, B, Hkv, S, D]
+    r16 = t.to(torch.bfloat16).float()
+    lengths = [4, 7, 10]
+    k = r16.clone()
+    k[:, 0, :, 4:] = float("nan")  # beyond sequence 0's length: never compared
+    assert compare.kv_band(k, r16, t, lengths)["ok"]
+    k[1, 1, 0, 6, 3] += 1.0  # a wrong entry inside sequence 1
+    assert not compare.kv_band(k, r16, t, lengths)["ok"]
+    k = r16.clone()
+    k[0, 2, 1, 9] = 0.0  # a position never written (zeros) at the last slot
+    assert not compare.kv_band(k, r16, t, lengths)["ok"]
+
+
+def test_same_program_allows_one_ulp_flips_only():
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    y = x.clone()
+    y[0, 0] = torch.nextafter(y[0, 0].float(), torch.tensor(1e9)).to(torch.bfloat16)
+    y.view(torch.int16)[1, 1] += 1  # one bf16 ulp
+    assert compare.same_program(x, y)["ok"]
+    y[2, 2] = y[2, 2] * 1.1
+    assert not compare.same_program(x, y)["ok"]
 
 
 def test_common_prefix_stops_at_the_first_near_tie():
@@ -64,62 +134,205 @@ def test_common_prefix_stops_at_the_first_near_tie():
     assert not common_prefix(short, ref, margins, 0.1)["ok"]  # lengths differ
 
 
-def test_variants_are_the_two_sides_of_the_pipeline_switch():
+# ---- the driver, with scripted children ---------------------------------------------------------
+FAKE_CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    job = json.load(open(sys.argv[1]))
+    ev = open(job["events"], "a")
+    def emit(**e):
+        ev.write(json.dumps(e) + "\\n"); ev.flush()
+    emit(event="device", info={"device": "scripted"})
+    for it in job["items"]:
+        emit(event="start", name=it["name"], t=time.time())
+        what = it["case"]["model"]
+        print("running", it["name"], flush=True)
+        if what == "crash":
+            print("CUDA error: an illegal instruction was encountered", flush=True)
+            os._exit(3)
+        if what == "hang":
+            time.sleep(600)
+        seen = len(json.load(open(os.environ["FAKE_OUT"] + "/gpu_check.json"))["cases"])
+        emit(event="done", name=it["name"], result={"ok": True, "seen": seen})
+""")
+
+
+@pytest.fixture
+def scripted(tmp_path, monkeypatch):
+    script = tmp_path / "child.py"
+    script.write_text(FAKE_CHILD)
+    monkeypatch.setattr(driver, "child_command", lambda job: [sys.executable, str(script),
+                                                              str(job)])
+    monkeypatch.setattr(driver, "PARENT_START_S", 0.0)
+    monkeypatch.setattr(driver, "REPORT_S", 0.5)
+    monkeypatch.setattr(driver, "MIN_ITEM_S", 0.5)
+    out = tmp_path / "out"
+    monkeypatch.setenv("FAKE_OUT", str(out))
+
+    def run(stages: tuple[Stage, ...], budget_s: float = 60.0) -> dict:
+        return driver.run(out, tmp_path / "builds", [s.number for s in stages], simulate=True,
+                          budget_s=budget_s, stage_table=stages)
+    return run, out
+
+
+def _case(what: str, cap_s: float = 30.0) -> Case:
+    return Case(what, 1, 1, 1, cap_s=cap_s)
+
+
+def test_a_crash_fails_its_item_and_the_next_process_carries_on(scripted):
+    run, out = scripted
+    r = run((Stage(0, "s", "doc", (Group("v", (_case("ok"), _case("crash"), _case("ok2"))),)),))
+    a, b, c = r["cases"]
+    assert a["ok"] and a["seen"] == 0
+    assert not b["ok"] and "exit 3" in b["error"] and "illegal instruction" in b["output_tail"]
+    assert "crash" in b["item"]
+    assert c["ok"] and c["seen"] == 2  # a fresh process, and the report had both earlier items
+    assert not r["ok"] and r["ok_by_stage"] == {"0": False}
+    assert json.loads((out / "gpu_check.json").read_text())["cases"][1]["item"] == b["item"]
+    assert "illegal instruction" in (out / "gpu_check.log").read_text()
+
+
+def test_a_hang_is_cut_at_its_cap_and_its_variant_is_not_waited_for_again(scripted):
+    run, _ = scripted
+    t0 = time.time()
+    r = run((Stage(0, "s", "doc", (Group("v", (_case("hang", cap_s=1.0), _case("ok"))),)),
+             Stage(1, "t", "doc", (Group("v", (_case("ok3"),)),
+                                   Group("default", (_case("ok4"),))))))
+    assert time.time() - t0 < 30
+    hang, ok, ok4 = r["cases"]
+    assert "timed out after" in hang["error"] and ok["ok"] and ok4["variant"] == "default"
+    assert [s["why"] for s in r["skipped"]] == ["the v variant hung earlier"]
+
+
+def test_the_deadline_holds_whatever_hangs(scripted):
+    run, _ = scripted
+    t0 = time.time()
+    r = run((Stage(0, "s", "doc", (Group("v", (_case("hang", cap_s=300.0), _case("ok"))),
+                                   Group("w", (_case("ok2"),)))),), budget_s=4.0)
+    assert time.time() - t0 < 4.0 + 3.0  # the kill and the last report included
+    assert "deadline" in r["cases"][0]["error"]
+    assert {s["why"] for s in r["skipped"]} == {"time budget spent"}
+
+
+def test_the_report_files_fit_what_a_gpu_machine_returns(scripted):
+    from megakernel.gpu_check.report import MAX_FILES
+
+    run, out = scripted
+    run((Stage(0, "s", "doc", (Group("v", (_case("ok"),)),)),))
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 0 < len(files) <= MAX_FILES
+    assert all(len(p.relative_to(out).parts) <= 3 for p in files)  # at most two folders down
+
+
+# ---- the whole run, simulated on the CPU executor -----------------------------------------------
+def test_simulated_stage_0_runs_end_to_end(tmp_path, capsys):
+    from megakernel.cli import main
+
+    rc = main(["gpu-check", "--simulate", "--stages", "0", "--out", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    r = json.loads((tmp_path / "o" / "gpu_check.json").read_text())
+    assert r["simulated"] and r["ok"] and [c["variant"] for c in r["cases"]] == ["global",
+                                                                                 "default"]
+    for c in r["cases"]:
+        assert c["steps"] > 0 and c["executor_ok"] and c["kv_ok"] and c["deterministic"]
+        assert 0 < c["max_err_kernel"] <= c["max_allowed"]
+    assert "SIMULATED" in (tmp_path / "o" / "gpu_check.md").read_text()
+
+
+def test_simulated_case_catches_a_broken_launch(tmp_path, monkeypatch):
+    """The simulated path judges what the op returns: a launch that negates the logits fails."""
+    from megakernel import torch_op
+    from megakernel.gpu_check.case import Weights, run_case
+
+    real = torch_op._outputs
+
+    def negated(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        tok, logits = real(*a, **k)
+        return tok, -logits
+    monkeypatch.setattr(torch_op, "_outputs", negated)
+    r = run_case(Case("llama-tiny", 2, 1, 2), None, Weights(), simulate=True)
+    assert not r["ok"] and r["band_failures"] == r["steps"] == 2
+
+
+def test_stages_flag_is_checked(capsys):
+    from megakernel.cli import main
+
+    with pytest.raises(SystemExit, match="--stages"):
+        main(["gpu-check", "--simulate", "--stages", "7", "--out", "unused"])
+
+
+def test_variants_and_their_directories():
     from megakernel.gpu_check import variant_dir, variants
 
-    # the default build (None: the deepest ring that fits, spec.make_spec) and the global path
-    (d_name, d_stages), (o_name, o_stages) = variants()
-    assert (d_name, d_stages) == ("default", None)
-    assert (o_name, o_stages) == ("global", 0)
+    v = dict(variants())
+    assert v["default"] is None and v["global"] == 0
     assert variant_dir("b", "default").as_posix() == "b"
-    assert variant_dir("b", o_name).as_posix() == f"b/{o_name}"
+    assert variant_dir("b", "global").as_posix() == "b/global"
 
 
-def test_a_failing_variant_process_is_reported_not_fatal(tmp_path):
-    """Each variant runs in its own process; here (no GPU) both die before writing a report:
-    each is recorded as a failed case of its variant, and the merged report is still written."""
-    import json
-
-    from megakernel.gpu_check import _run_variants, variants
-
-    r = _run_variants(tmp_path / "out", tmp_path / "builds", quick=True)
-    names = [n for n, _ in variants()]
-    assert [c["variant"] for c in r["cases"]] == names
-    assert not r["ok"] and r["ok_by_variant"] == {n: False for n in names}
-    for c in r["cases"]:
-        assert "needs a CUDA GPU" in c["error"], c["error"]
-    on_disk = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert on_disk["ok_by_variant"] == r["ok_by_variant"]
-    md = (tmp_path / "out" / "gpu_check.md").read_text()
-    assert all(f"| {n} |" in md for n in names)
-
-
-def test_prepare_builds_one_variant_when_the_other_cannot_serve_the_case(tmp_path, monkeypatch,
-                                                                          capsys):
+def test_prepare_reports_a_variant_that_cannot_serve_the_case(tmp_path, monkeypatch, capsys):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel import gpu_check
+    from megakernel.gpu_check import cases, prepare
 
-    monkeypatch.setattr(gpu_check, "variants", lambda: (("default", 0), ("huge", 8)))
-    ms, failed = gpu_check.prepare(tmp_path, ["sm_90a"], [gpu_check.Case("llama-tiny", 1, 1, 1)])
+    monkeypatch.setitem(cases.VARIANTS, "huge", {"smem_stages": 8})
+    ms, failed = prepare(tmp_path, ["sm_90a"], [(Case("llama-tiny", 1, 1, 1), "global"),
+                                                (Case("llama-tiny", 1, 1, 1), "huge")])
     assert [m["smem_stages"] for m in ms] == [0]
     assert len(failed) == 1 and failed[0].startswith("huge llama-tiny B=1 T=1 sm_90a: SpecError")
-    assert "shared memory > budget" in failed[0]
     assert "FAILED huge" in capsys.readouterr().out
 
 
-def test_markdown_renders_passing_cases_and_bench_rows():
-    """The report table of a GPU run (rendered here from a synthetic report: no GPU) names the
-    variant, the GEMV path and the ring depth of each case."""
-    from megakernel.gpu_check import markdown
+def test_stage_tables_cover_what_the_issue_asks():
+    from megakernel.gpu_check.cases import STAGES, VARIANTS
+    from megakernel.kernel.spec import make_spec, tile_rows
+    from megakernel.models import preset
 
-    case = dict(model="llama-3.2-1b", batch=16, tokens=1, steps=64, ok=True,
-                max_err_kernel=1.5e-2, max_err_bf16ref=2.0e-2, token_mismatches=1,
-                near_tie_mismatches=1, executor_max_logit_diff=3.0e-3, seconds=4.2,
-                variant="default", gemv="mma", smem_stages=4)
-    bench = dict(model="llama-3.2-1b", batch=1, variant="default", step_ms=0.7,
-                 tokens_per_s=1428.6, bandwidth_fraction_of_copy=0.83, predicted_ms=0.63)
-    md = markdown({"device": "NVIDIA H200", "arch": "sm_90a", "sms": 132, "cases": [case],
-                   "bench": [bench], "skipped": [], "copy_bandwidth_GBps": 4300.0})
-    assert "| llama-3.2-1b B=16 T=1 | default (mma, 4 stages) | 64 | yes | 1.500e-02 |" in md
-    assert "| 1 (1) | 3.00e-03 | 4.2 |" in md
-    assert "0.700 ms/step (1429 tok/s), 83% of copy bandwidth, cost model 0.630 ms" in md
+    s0 = STAGES[0]
+    assert [g.variant for g in s0.groups] == ["global", "default"]
+    assert all(c.model == "llama-tiny" and c.batch == 1 and c.steps == 8 and c.cap_s <= 60
+               for g in s0.groups for c in g.cases)
+    reach = set()
+    for g in STAGES[1].groups:
+        for c in g.cases:
+            if c.model != "llama-mid":
+                continue
+            s = make_spec(preset(c.model), c.batch, c.tokens, "sm_90a", **VARIANTS[g.variant])
+            ks = (s.hidden, s.heads * s.head_dim, s.inter)
+            if any(tile_rows(min(s.k_chunk, k), s.num_warps) < s.num_warps for k in ks):
+                reach.add(("ksplit", s.mma))
+            if any(k > s.k_chunk for k in ks):
+                reach.add(("kchunk", s.mma))
+    assert ("ksplit", False) in reach and ("kchunk", True) in reach and ("kchunk", False) in reach
+    assert any(c.n_splits and c.n_splits > 1 and c.tokens > 1
+               for g in STAGES[1].groups for c in g.cases)
+
+
+def test_a_gpu_report_renders_and_judges_the_targets(tmp_path):
+    """A synthetic GPU report (no GPU here): bandwidths, decode steps, the torch.compile baseline
+    and the timeline records land in the report, and the targets are judged from them."""
+    from megakernel.gpu_check.report import Report
+
+    r = Report(tmp_path, tmp_path / "b", simulate=False, budget_s=510)
+    r.device({"device": "NVIDIA H200", "arch": "sm_90a", "sms": 132})
+    r.stage(Stage(2, "real", "doc"))
+    r.result(2, {"kind": "measure", "name": "measure"},
+             {"read": {"bytes_per_s": 4.0e12}, "copy": {"bytes_per_s": 3.8e12}, "clocks": {}})
+    row = {"case": "llama-3.2-1b B=1 T=1", "model": "llama-3.2-1b", "batch": 1,
+           "variant": "default", "step_us": 660.0, "tokens_per_s": 1515.0,
+           "bytes_per_step": 2.5e9, "predicted_us": 700.0, "timed": "cuda graph",
+           "fraction_of_achievable": 2.5e9 / 660e-6 / 4.0e12}
+    r.result(2, {"kind": "bench", "name": "bench a", "variant": "default"}, row)
+    r.result(2, {"kind": "compile", "name": "compile a"},
+             {"case": row["case"], "ms": 1.0, "compiled": True})
+    r.result(2, {"kind": "timeline", "name": "timeline"},
+             {"case": row["case"], "records": {"rows": [[0, 1, 2]]}})
+    r.finish(12.0)
+    d = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert d["read_bandwidth_GBps"] == 4000.0 and d["bench"][0]["step_ms"] == 0.66
+    met = {t["target"].split()[2]: t["met"] for t in d["targets"]}
+    # 2.5 GB in 660 us = 3.79 TB/s = 0.947 of 4.0; 760 / 660 = 1.15; 1.0 ms / 0.66 ms = 1.52
+    assert met == {"bw_fraction": True, "vs_hazy": True, "vs_compile": True}
+    assert json.loads((tmp_path / "timeline.json").read_text())["records"] == {"rows": [[0, 1, 2]]}
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| llama-3.2-1b B=1 T=1 | default | 660.0 | 1515 | 94.7% | 700.0 | cuda graph |" in md
+    assert "read (stream kernel): 4000 GB/s" in md and "(met)" in md

@@ -170,6 +170,18 @@ def test_bad_call_leaves_cache_untouched(call):
 def test_greedy_takes_lowest_index_on_ties():
     logits = torch.tensor([[0.5, 2.0, -1.0, 2.0], [3.0, 3.0, 3.0, 3.0]])
     assert greedy(logits).tolist() == [1, 0]
+    # [B, T, V]: the maximum at 2..5 random positions of each row, spread over the vocabulary
+    # (the kernel's LM-head slabs are 64 rows): the lowest of them, as the kernel resolves it
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(3, 4, 512, generator=g)
+    want = torch.empty(3, 4, dtype=torch.int64)
+    for b in range(3):
+        for t in range(4):
+            n = int(torch.randint(2, 6, (), generator=g))
+            at = torch.randperm(512, generator=g)[:n]
+            logits[b, t, at] = logits[b, t].max() + 1
+            want[b, t] = at.min()
+    assert torch.equal(greedy(logits), want)
 
 
 def test_generate_is_the_greedy_loop():

@@ -24,6 +24,17 @@ def rope(ex: Executor, x: torch.Tensor, pos: torch.Tensor, rope_off: int) -> tor
     return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
+def split_keys(split: int, n_splits: int, length: int, tokens: int
+               ) -> tuple[int, int, torch.Tensor]:
+    """ATTN_PARTIAL's split rule (layers/attention.py): split s of a sequence with `length`
+    cached keys covers keys [k0, k1) = [floor(s ctx / S), floor((s + 1) ctx / S)), ctx = length
+    + T, and query token t sees those <= length + t. Returns k0, k1 and visible [T, k1 - k0]."""
+    ctx = length + tokens
+    k0, k1 = split * ctx // n_splits, (split + 1) * ctx // n_splits
+    qpos = length + torch.arange(tokens)
+    return k0, k1, torch.arange(k0, k1)[None, :] <= qpos[:, None]
+
+
 @op("QKV")
 def qkv(ex: Executor, d: dict, epoch: int) -> None:
     p, hdr = ex.prog, ex.prog.header
@@ -63,8 +74,7 @@ def attn_partial(ex: Executor, d: dict, epoch: int) -> None:
     b, grp, s, ns = d["B_IDX"], d["KV_HEAD"], d["SPLIT"], d["N_SPLITS"]
     slot, kv = p.buffers.kv_slot[d["LAYER"]], p.buffers.kv_shape
     length = int(ex.read("i32", d["LEN_OFF"], (p.batch,), b, scratch=False))
-    ctx = length + t_
-    k0, k1 = s * ctx // ns, (s + 1) * ctx // ns
+    k0, k1, visible = split_keys(s, ns, length, t_)  # visible [T, nk]
     rows = slice(b * t_, (b + 1) * t_)
     heads = slice(grp * g, (grp + 1) * g)
     q = ex.read("bf16", d["Q_OFF"], (n, hq, dh), (rows, heads)).float()  # [T, G, D]
@@ -74,8 +84,6 @@ def attn_partial(ex: Executor, d: dict, epoch: int) -> None:
     vv = torch.cat((ex.read("v", 0, kv, (slot, b, grp, slice(k0, mid)), scratch=False),
                     ex.read("v", 0, kv, (slot, b, grp, slice(mid, k1))))).float()
     scores = torch.einsum("tgd,sd->tgs", q, kk) * dh**-0.5  # [T, G, nk]
-    qpos = length + torch.arange(t_)
-    visible = torch.arange(k0, k1)[None, :] <= qpos[:, None]  # [T, nk]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     m = scores.amax(dim=-1) if k1 > k0 else torch.full((t_, g), float("-inf"))
     safe_m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

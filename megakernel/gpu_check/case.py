@@ -1,0 +1,235 @@
+"""One gpu-check case: the kernel (or, simulated, the CPU executor behind the same op) against the
+torch reference in bf16 and fp32 on the same device, teacher-forced with the kernel's own tokens.
+
+Per step: scratch and outputs poisoned first (NaN, tokens -1), nothing left unwritten after; the
+logits within the band (compare.band) and the greedy tokens checked (compare.greedy_check). After
+the steps: the KV cache within the band on every written position, four steps replayed from a
+snapshot bit-identical, and (executor_steps > 0) the first steps equal to the CPU executor's run of
+the same program from the same cache (logits and new KV entries up to shared-rounding flips).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megakernel.gpu_check import compare
+from megakernel.gpu_check.cases import Case
+
+SIMULATED_STEPS = 3  # steps of a simulated case (the executor is slow; the machinery is the point)
+SIMULATED_LAYERS = 2  # a simulated real preset keeps its shapes but only this many layers
+
+
+def config(model: str, simulate: bool):  # noqa: ANN201 (ModelConfig)
+    """The preset, cut to SIMULATED_LAYERS layers when simulated (every real shape, vocab
+    included, stays: the executor of a whole 1B model would take minutes a step)."""
+    import dataclasses
+
+    from megakernel.models import preset
+
+    cfg = preset(model)
+    n = getattr(cfg, "num_layers", 0)
+    if simulate and n > SIMULATED_LAYERS and not model.endswith(("-tiny", "-mid")):
+        cfg = dataclasses.replace(cfg, num_layers=SIMULATED_LAYERS)
+    return cfg
+
+
+class Weights:
+    """Random weights made once per model and seed: in this process, and on disk for the next
+    process (`cache_dir`), since generating a real preset's takes longer than loading them."""
+
+    def __init__(self, cache_dir: Path | None = None):
+        self.cache_dir = cache_dir
+        self.mem: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def get(self, cfg, seed: int = 0) -> dict[str, torch.Tensor]:  # noqa: ANN001
+        from megakernel.models.weights import random_weights
+
+        key = (cfg.name, cfg.num_layers, seed)
+        if key not in self.mem:
+            f = (self.cache_dir / f"{cfg.name}-{cfg.num_layers}-{seed}.pt" if self.cache_dir
+                 else None)
+            if f is not None and f.is_file():
+                self.mem[key] = torch.load(f, weights_only=True)
+            else:
+                self.mem = {}  # one model at a time: real presets are GBs
+                self.mem[key] = random_weights(cfg, seed=seed)
+                if f is not None:
+                    torch.save(self.mem[key], f)
+        return self.mem[key]
+
+
+def _to_cpu(obj):  # noqa: ANN001, ANN202
+    """A deep copy of a reference cache with every tensor on the CPU."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, map_location="cpu", weights_only=False)
+
+
+def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool = False,
+             seed: int = 0) -> dict[str, Any]:
+    from megakernel.torch_op import Megakernel
+    from reference.model import ReferenceModel
+
+    t0 = time.perf_counter()
+    cfg = config(c.model, simulate)
+    dev = torch.device("cpu") if simulate else torch.device("cuda", torch.cuda.current_device())
+    steps = min(c.steps, SIMULATED_STEPS) if simulate else c.steps
+    w = weights.get(cfg, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    lens = [int(x) for x in torch.randint(2, 24, (c.batch,), generator=g)]
+    prompts = [[int(t) for t in torch.randint(0, cfg.vocab_size, (n,), generator=g)]
+               for n in lens]
+    s_max = max(lens) + steps * c.tokens + 8
+    mk = Megakernel(cfg, w, batch=c.batch, tokens=c.tokens, max_seq_len=s_max,
+                    build_dir=build_dir, device=dev, n_splits=c.n_splits)
+    ref16 = ReferenceModel(cfg, w, mode="bf16", device=dev)
+    ref32 = ReferenceModel(cfg, w, mode="fp32", device=dev)
+    cache16, cache32 = ref16.new_cache(c.batch, s_max), ref32.new_cache(c.batch, s_max)
+    first = mk.prefill(prompts)
+    ref16.prefill(cache16, prompts)
+    ref32.prefill(cache32, prompts)
+    ex = _executor(mk, cache16) if c.executor_steps else None
+    _poison_scratch(mk)
+    res: dict[str, Any] = dict(
+        case=c.name, model=c.model, layers=cfg.num_layers, batch=c.batch, tokens=c.tokens,
+        n_splits=mk.prog.n_splits,
+        prompt_lengths=lens, steps=0, band_failures=0, max_err_kernel=0.0, max_allowed=0.0,
+        token_mismatches=0, near_tie_mismatches=0, ref_near_ties=0, not_own_argmax=0,
+        unwritten=0,
+        first_failure_step=None, simulated=simulate)
+    if mk.manifest is not None:
+        from megakernel.kernel.spec import KernelSpec
+
+        built = KernelSpec.from_dict(mk.manifest.spec)
+        res.update(gemv="mma" if built.mma else "fma", smem_stages=built.smem_stages)
+    ex_res: dict[str, Any] = {"executor_max_logit_diff": 0.0, "executor_logit_over": 0,
+                              "executor_kv_over": 0, "executor_token_mismatches": 0}
+    snap = None
+    last = first
+    tok = first[:, None].repeat(1, c.tokens)
+    for step in range(steps):
+        if c.tokens > 1 and step > 0:  # a verify-style step: last token + random drafts
+            draft = torch.randint(0, cfg.vocab_size, (c.batch, c.tokens - 1), generator=g)
+            tok = torch.cat((last[:, None].cpu(), draft), dim=1)
+        tok = tok.to(dev)
+        if step == min(8, steps - 1):
+            snap = _snapshot(mk)
+        mk.logits.fill_(float("nan"))
+        mk._region("i32", "tokens_out").fill_(-1)
+        out_tok, logits = mk.step(tok, return_logits=True)
+        l16, l32 = ref16.decode(cache16, tok), ref32.decode(cache32, tok)
+        logits = logits.view(c.batch * c.tokens, -1)
+        l16, l32 = l16.reshape(logits.shape), l32.reshape(logits.shape)
+        v = compare.step_verdict(logits, out_tok.view(-1), l16, l32)
+        b, gc = v["band"], v["greedy"]
+        res["unwritten"] += not v["written"]
+        res["max_err_kernel"] = max(res["max_err_kernel"], b["err"])
+        res["max_allowed"] = max(res["max_allowed"], b["allowed"])
+        res["band_failures"] += not b["ok"]
+        res["token_mismatches"] += gc["clear"]
+        res["near_tie_mismatches"] += gc["near_ties"]
+        res["ref_near_ties"] += gc["ref_near_ties"]
+        res["not_own_argmax"] += gc["not_own_argmax"]
+        if not v["ok"] and res["first_failure_step"] is None:
+            res["first_failure_step"] = step
+        if ex is not None and step < c.executor_steps:
+            _against_executor(ex, mk, tok, logits, out_tok, l16, l32, ex_res)
+        last = out_tok.view(c.batch, c.tokens)[:, -1].long()
+        tok = last[:, None]
+        res["steps"] += 1
+    if not simulate:
+        torch.cuda.synchronize()
+    kv16, kv32 = cache16.attention_kv(), cache32.attention_kv()
+    lengths = [int(n) for n in cache16.lengths.tolist()]
+    kb = [compare.kv_band(mine, r16, r32, lengths)
+          for mine, r16, r32 in zip((mk.k_cache, mk.v_cache), kv16, kv32, strict=True)]
+    worst = max(kb, key=lambda x: x["err"] / max(x["allowed"], 1e-30))  # K or V
+    res["kv"] = {"k": kb[0], "v": kb[1]}
+    res["kv_max_err"], res["kv_allowed"] = worst["err"], worst["allowed"]
+    res["kv_ok"] = all(x["ok"] for x in kb)
+    if snap is not None:
+        res["deterministic"] = _replay_is_identical(mk, snap, cfg.vocab_size, c,
+                                                    1 if simulate else 4)
+    if ex is not None:
+        res.update(ex_res)
+        res["executor_ok"] = (ex_res["executor_logit_over"] == 0
+                              and ex_res["executor_kv_over"] == 0
+                              and ex_res["executor_token_mismatches"] == 0)
+    compared = res["steps"] * c.batch * c.tokens
+    res["near_ties_ok"] = compare.near_ties_ok(res["near_tie_mismatches"],
+                                               res["ref_near_ties"], compared)
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    res["ok"] = (res["steps"] == steps and res["unwritten"] == 0 and res["band_failures"] == 0
+                 and res["token_mismatches"] == 0 and res["not_own_argmax"] == 0
+                 and res["near_ties_ok"] and res["kv_ok"] and res.get("deterministic", True)
+                 and res.get("executor_ok", True))
+    return res
+
+
+def _poison_scratch(mk) -> None:  # noqa: ANN001
+    """NaN over every scratch value (the program's constants, e.g. RoPE tables, are kept)."""
+    consts = mk.prog.buffers.constants
+    keep = [mk._region("f32", n).clone() for n in consts]
+    mk.f32.fill_(float("nan"))
+    mk.bf16.fill_(float("nan"))
+    for n, k in zip(consts, keep, strict=True):
+        mk._region("f32", n).copy_(k)
+
+
+def _executor(mk, cache16):  # noqa: ANN001, ANN202
+    """The CPU executor of the kernel's program from the reference's prefill cache (the one the
+    kernel starts from)."""
+    from megakernel.executor import Executor
+
+    ex = Executor(mk.prog, mk.state.packed, check=True)
+    ex.load_cache(_to_cpu(cache16))
+    return ex
+
+
+def _against_executor(ex, mk, tok, logits, out_tok, l16, l32, acc: dict) -> None:  # noqa: ANN001
+    """One step of the executor with the kernel's inputs; kernel and executor round at the same
+    points, so logits and the new KV entries agree up to a few bf16 ulps."""
+    n0 = ex.lengths.tolist()
+    ex.step(tok.cpu().view(mk.batch, mk.tokens))
+    exl = ex.logits.reshape(logits.shape)
+    s = compare.same_program(logits, exl)
+    acc["executor_max_logit_diff"] = max(acc["executor_max_logit_diff"], s["max_diff"])
+    acc["executor_logit_over"] += s["over"]
+    gc = compare.greedy_check(exl, out_tok.view(-1).cpu(), l16.cpu(), l32.cpu())
+    acc["executor_token_mismatches"] += gc["clear"]
+    for mine, theirs in ((mk.k_cache, ex.k), (mk.v_cache, ex.v)):
+        for b, n in enumerate(n0):
+            new = slice(n, n + mk.tokens)
+            acc["executor_kv_over"] += compare.same_program(
+                mine[:, b, :, new].cpu(), theirs[:, b, :, new])["over"]
+
+
+def _snapshot(mk) -> dict:  # noqa: ANN001
+    return {n: getattr(mk, n).clone() for n in ("f32", "bf16", "i32", "k_cache", "v_cache")} | {
+        "lengths": list(mk.lengths)}
+
+
+def _replay_is_identical(mk, snap: dict, vocab: int, c: Case, steps: int) -> bool:  # noqa: ANN001
+    """Run `steps` steps from the snapshot twice (same tokens): logits must be bit-identical
+    (the counters keep counting epochs: no reset between replays)."""
+    outs = []
+    for _ in range(2):
+        for n in ("f32", "bf16", "i32", "k_cache", "v_cache"):
+            getattr(mk, n).copy_(snap[n])
+        mk.lengths = list(snap["lengths"])
+        g = torch.Generator().manual_seed(123)
+        seq = []
+        for _ in range(steps):
+            if max(mk.lengths) + c.tokens > mk.max_seq_len:
+                break
+            tok = torch.randint(0, vocab, (c.batch, c.tokens), generator=g)
+            _, lg = mk.step(tok.to(mk.device), return_logits=True)
+            seq.append(lg)
+        outs.append(torch.stack(seq))
+    return bool(torch.equal(outs[0], outs[1]))

@@ -1,0 +1,115 @@
+"""What gpu-check runs: cases, the kernel variants they run on, and the stages they come in.
+
+Stage 0 asks the one question that must be answered first (does the kernel launch, finish and agree
+at all: the smallest model, B = 1, 8 steps, the global-memory variant before the default one);
+stage 1 covers the shapes (the quick tiny set, llama-mid cases that reach a K-split > 1 at B = 1 and
+K-chunked slabs at B = 16 on both GEMV paths, several attention splits with an empty one); stage 2
+runs the real presets (one of them against the CPU executor too) and then the benchmark with what
+the cost model assumes, measured in the same run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch: int
+    tokens: int
+    steps: int
+    executor_steps: int = 0  # first steps also run by the CPU executor (same cache and tokens)
+    bench: bool = False  # time it in the benchmark stage
+    n_splits: int | None = None  # attention splits (None: the compiler's choice)
+    cap_s: float = 60.0  # the longest it may take (weights, program, reference and all steps)
+
+    @property
+    def name(self) -> str:
+        s = f" S={self.n_splits}" if self.n_splits is not None else ""
+        return f"{self.model} B={self.batch} T={self.tokens}{s}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Case:
+        return cls(**d)
+
+
+# name -> KernelSpec overrides (megakernel.kernel.spec.make_spec keywords) of each build variant
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},  # the deepest shared-memory weight ring that fits, L2 lookahead on
+    "global": {"smem_stages": 0},  # no loader warp: weights read from global memory
+    "timeline": {"timeline": True},  # stamps per-instruction times (benchmark stage only)
+    "nolookahead": {"l2_window": 0},  # the default without the L2 lookahead (its A/B)
+}
+
+
+def variant_dir(build_dir: str | Path, name: str) -> Path:
+    """Build set of a variant: the default one is build_dir itself (what `Megakernel` finds)."""
+    return Path(build_dir) if name == "default" else Path(build_dir) / name
+
+
+@dataclass(frozen=True)
+class Group:
+    """Cases that run in one process on one variant (a crash ends the process, not the group:
+    the rest go on in a fresh one)."""
+
+    variant: str
+    cases: tuple[Case, ...]
+
+
+@dataclass(frozen=True)
+class Stage:
+    number: int
+    name: str
+    doc: str
+    groups: tuple[Group, ...] = field(default_factory=tuple)
+
+
+TINY = (
+    Case("llama-tiny", 1, 1, 64, 4, cap_s=45),
+    Case("llama-tiny", 4, 1, 32, 2, cap_s=30),
+    Case("llama-tiny", 16, 1, 32, 1, cap_s=30),
+    Case("llama-tiny", 1, 4, 32, 1, cap_s=30),
+    Case("llama-tiny", 4, 4, 32, 1, cap_s=30),
+    # several attention splits; with T = 4 and prompts of 2.. tokens some splits hold no keys
+    Case("llama-tiny", 4, 4, 16, 1, n_splits=3, cap_s=30),
+    Case("llama-tiny", 2, 1, 16, 1, n_splits=5, cap_s=30),
+    Case("qwen3-tiny", 1, 1, 64, 4, cap_s=45),
+    Case("qwen3-tiny", 4, 1, 32, 2, cap_s=30),
+    Case("qwen3-tiny", 16, 1, 32, 1, cap_s=30),
+    Case("qwen3-tiny", 4, 4, 32, 1, n_splits=2, cap_s=30),
+    Case("qwen3-tiny", 40, 1, 16, 1, cap_s=30),  # 40 > NO = 32 rows: two passes over the rows
+)
+MID = (  # K-split 2 on the FMA path (B = 1); K-chunked slabs on mma (default) and FMA (global)
+    Case("llama-mid", 1, 1, 16, 1, cap_s=45),
+    Case("llama-mid", 16, 1, 16, 1, cap_s=45),
+)
+REAL = (
+    Case("llama-3.2-1b", 1, 1, 32, 2, bench=True, cap_s=90),
+    Case("llama-3.2-1b", 16, 1, 16, bench=True, cap_s=60),
+    Case("llama-3.2-1b", 1, 4, 16, cap_s=60),
+    Case("qwen3-0.6b", 1, 1, 32, bench=True, cap_s=60),
+    Case("qwen3-0.6b", 4, 4, 16, cap_s=60),
+)
+STAGES = (
+    Stage(0, "launch", "does the kernel launch, finish and agree at all",
+          (Group("global", (Case("llama-tiny", 1, 1, 8, 2, cap_s=60),)),
+           Group("default", (Case("llama-tiny", 1, 1, 8, 2, cap_s=60),)))),
+    Stage(1, "shapes", "the tiny set, K-split and K-chunked slabs, several attention splits",
+          (Group("default", TINY + MID), Group("global", TINY + MID))),
+    Stage(2, "real", "the real presets against the references (one against the executor too)",
+          (Group("default", REAL), Group("global", REAL[:1]))),
+)
+BENCH_CASES = tuple(c for c in REAL if c.bench)
+
+
+def stage_cases() -> list[tuple[Case, str]]:
+    """Every (case, variant) of every stage: what --prepare builds (plus the benchmark's)."""
+    out = [(c, g.variant) for s in STAGES for g in s.groups for c in g.cases]
+    out.append((BENCH_CASES[0], "timeline"))
+    return out

@@ -1,0 +1,70 @@
+"""`gpu-check --prepare`: AOT-build, on a machine with the DSL, every cubin the run needs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from megakernel.gpu_check.cases import VARIANTS, Case, stage_cases, variant_dir
+
+
+def wanted() -> list[tuple[Case, str]]:
+    """(case, variant) of every build: the stages' cases and the benchmark's variants."""
+    from megakernel.gpu_check.driver import bench_items
+
+    out = stage_cases()
+    out += [(Case.from_dict(it["case"]), it["variant"]) for it in bench_items(Path("."), None)
+            if it["kind"] in ("bench", "timeline")]
+    return out
+
+
+def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str]] | None = None
+            ) -> tuple[list[dict], list[str]]:
+    """Build every (case, variant) for every arch, and the HBM stream kernel; a build that fails
+    (or a variant that cannot serve a case) is reported and skipped. Returns the manifests and the
+    failures ('variant case arch: error')."""
+    from megakernel.kernel.build import build_arch
+    from megakernel.kernel.spec import make_spec
+    from megakernel.models import preset
+
+    out, failed, done = [], [], set()
+    for c, v in wanted() if cases is None else cases:
+        cfg = preset(c.model)
+        for arch in archs:
+            what = f"{v} {c.model} B={c.batch} T={c.tokens} {arch}"
+            t0 = time.perf_counter()
+            try:
+                make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[v])  # can it serve it?
+                tag = make_spec(cfg, c.batch, c.tokens, arch).tag  # what find_build looks for
+                if (tag, arch, v) in done:
+                    continue
+                done.add((tag, arch, v))
+                m = build_arch(cfg, arch, variant_dir(build_dir, v) / tag, c.batch, c.tokens,
+                               **VARIANTS[v])
+            except Exception as e:  # SpecError (the variant cannot serve the case), BuildError
+                failed.append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
+                print(f"FAILED {failed[-1]}", flush=True)
+                continue
+            r = m["resources"]
+            print(f"built {what}: {r['registers']} regs, spills {r['spill_stores']}/"
+                  f"{r['spill_loads']}, smem {m['dynamic_smem_bytes']} B, "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+            out.append(m)
+    if cases is None:
+        out += _stream(build_dir, archs, failed)
+    return out, failed
+
+
+def _stream(build_dir: str | Path, archs: list[str], failed: list[str]) -> list[dict]:
+    from megakernel.kernel.stream import build_stream
+    from megakernel.measure import stream_build_dir
+
+    out = []
+    for arch in archs:
+        try:
+            out.append(build_stream(stream_build_dir(build_dir), arch))
+            print(f"built the HBM stream kernel for {arch}", flush=True)
+        except Exception as e:
+            failed.append(f"stream {arch}: {type(e).__name__}: {str(e)[:300]}")
+            print(f"FAILED {failed[-1]}", flush=True)
+    return out

@@ -1,0 +1,301 @@
+"""numpy emulations of the kernel's index arithmetic, run with the kernel's own helpers.
+
+No GPU here. The device code computes its addresses with the pure-Python helpers of spec.py
+(row_major, tile_copy, k_slice, tile_warp, chunk_ksplit, acc_index, attn_query, attn_warp,
+attn_keys, kv_row; ring_slot, matvec_tiles); these emulations walk the same loop nests with the
+same helpers over numpy arrays laid out as shared and global memory, and compare with plain
+matrix products (float64):
+- the GEMV: loader copies into the ring (whole tiles or one copy per row of a K-chunk), the
+  consumer warps' (row, K-slice) roles, the shared accumulator [ksplit][NO][rows] and the
+  epilogue's in-order sum; pipelined FMA, pipelined mma (tile product plain: test_kernel_mma
+  checks the fragments) and the global-memory FMA path;
+- split-KV GQA attention: which queries a warp serves, which kv head and keys it reads, the
+  softmax scale of the kernel's Attention, the warp-share and split merges.
+Shapes: llama-tiny, llama-mid, llama-3.2-1b, qwen3-0.6b at B = 1 and 16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megakernel.kernel.spec import (
+    LANES,
+    ROW_CHUNK,
+    SMEM_STAGE_BYTES,
+    VEC,
+    KernelSpec,
+    acc_index,
+    attn_keys,
+    attn_query,
+    attn_warp,
+    chunk_ksplit,
+    k_slice,
+    kv_row,
+    make_spec,
+    matvec_tiles,
+    ring_slot,
+    row_major,
+    tile_copy,
+    tile_rows,
+    tile_warp,
+)
+from megakernel.models import preset
+
+MODELS = ("llama-tiny", "llama-mid", "llama-3.2-1b", "qwen3-0.6b")
+BATCHES = (1, 16)
+NROWS = ROW_CHUNK + 32  # a full row chunk and a short one (fewer row groups than warps)
+
+
+def _specs(smem_stages=None) -> list[KernelSpec]:  # noqa: ANN001
+    return [make_spec(preset(m), b, 1, "sm_90a", smem_stages=smem_stages)
+            for m in MODELS for b in BATCHES]
+
+
+def _ks(spec: KernelSpec) -> list[int]:
+    """The matvec K's of a layer: hidden (QKV, GATEUP, LMHEAD), q size (OPROJ), inter (DOWN)."""
+    return sorted({spec.hidden, spec.heads * spec.head_dim, spec.inter})
+
+
+# ---- the GEMV -----------------------------------------------------------------------------------
+def _stage_x(spec: KernelSpec, x: np.ndarray, n0: int, kc0: int, kc: int) -> np.ndarray:
+    """sX [NO][XS] flat: rows n0.. of the input's K-chunk, zeros past N (matvec.stage_x)."""
+    sx = np.full(spec.no * spec.x_stride, np.nan)
+    for nn in range(spec.no):
+        a = row_major(nn, 0, spec.x_stride)
+        sx[a:a + kc] = x[n0 + nn, kc0:kc0 + kc] if n0 + nn < spec.rows else 0.0
+    return sx
+
+
+def _load_tile(ring: np.ndarray, stage: int, w: np.ndarray, row0: int, rows: int, col0: int,
+               kc: int) -> None:
+    """The loader's bulk copies of one tile (pipeline.load_queue) into its stage."""
+    k = w.shape[1]
+    flat, base = w.reshape(-1), stage * (SMEM_STAGE_BYTES // 2)
+    ring[base:base + SMEM_STAGE_BYTES // 2] = np.nan  # stale data must not leak
+    copies = [(0, rows * kc)] if kc == k else [(r, kc) for r in range(rows)]
+    for r, n in copies:
+        d, e = tile_copy(r, row0, col0, kc, k)
+        assert 0 <= d and d + n <= SMEM_STAGE_BYTES // 2  # within the stage
+        ring[base + d:base + d + n] = flat[e:e + n]
+
+
+def _emulate_piped(spec: KernelSpec, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, dict]:
+    """Matvec.run_piped over one slab w [NROWS, K]: [N, NROWS] and what occurred."""
+    nrows, k = w.shape
+    NO, NW, KC = spec.no, spec.num_warps, spec.k_chunk
+    tr = tile_rows(min(KC, k), NW)
+    ksplit = NW // tr
+    loads = list(matvec_tiles(nrows, k, spec.passes, KC, NW))  # the loader's sequence
+    ring = np.full(spec.smem_stages * SMEM_STAGE_BYTES // 2, np.nan)
+    out = np.full((spec.rows, nrows), np.nan)
+    seen = {"ksplit": ksplit, "k_chunked": KC < k}
+    j = 0
+    for p, n0 in enumerate(range(0, spec.rows, NO)):
+        for rc0 in range(0, nrows, spec.row_chunk):
+            nr = min(spec.row_chunk, nrows - rc0)
+            acc = np.full(spec.acc_words, np.nan)
+            acc[:ksplit * NO * nr] = 0.0
+            for kc0 in range(0, k, KC):
+                kc = min(KC, k - kc0)
+                sx = _stage_x(spec, x, n0, kc0, kc).reshape(-1)
+                for t0 in range(0, nr, tr):
+                    rows = min(tr, nr - t0)
+                    s = ring_slot(j, spec.smem_stages)[0]
+                    assert loads[j] == (p, rc0 + t0, rows, kc0, kc)  # loader = consumers
+                    _load_tile(ring, s, w, rc0 + t0, rows, kc0, kc)
+                    sbase = s * (SMEM_STAGE_BYTES // 2)
+                    if spec.mma:  # one 8-row tile, K over the warps, summed (mma_reduce)
+                        tile = ring[sbase:sbase + rows * kc].reshape(rows, kc)
+                        xs = np.stack([sx[row_major(nn, 0, spec.x_stride):][:kc]
+                                       for nn in range(NO)])
+                        part = xs @ tile.T  # [NO, rows]
+                        for nn in range(NO):
+                            a = acc_index(0, nn, t0, NO, nr)
+                            acc[a:a + rows] += part[nn]
+                    else:
+                        for warp in range(NW):  # gemv_tile
+                            r, ks = tile_warp(warp, ksplit)
+                            if r >= rows:
+                                continue
+                            vb, ve = k_slice(kc // VEC, ksplit, ks)
+                            wrow = sbase + row_major(r, 0, kc)
+                            wv = ring[wrow + vb * VEC:wrow + ve * VEC]
+                            for nn in range(NO):
+                                xa = row_major(nn, vb * VEC, spec.x_stride)
+                                xv = sx[xa:xa + (ve - vb) * VEC]
+                                acc[acc_index(ks, nn, t0, NO, nr) + r] += wv @ xv
+                    j += 1
+            for nn in range(min(NO, spec.rows - n0)):  # the epilogue's acc_value
+                for r in range(nr):
+                    out[n0 + nn, rc0 + r] = sum(acc[acc_index(ks, nn, r, NO, nr)]
+                                                for ks in range(ksplit))
+    assert j == len(loads)
+    return out, seen
+
+
+def _emulate_global(spec: KernelSpec, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, dict]:
+    """Matvec.run + gemv (weights from global memory) over one slab w [NROWS, K]."""
+    nrows, k = w.shape
+    NO, NW, KC, R = spec.no, spec.num_warps, spec.k_chunk, spec.rows_per_group
+    flat = w.reshape(-1)
+    out = np.full((spec.rows, nrows), np.nan)
+    seen = {"ksplit": 1, "k_chunked": KC < k}
+    for n0 in range(0, spec.rows, NO):
+        for rc0 in range(0, nrows, spec.row_chunk):
+            nr = min(spec.row_chunk, nrows - rc0)
+            ng = nr // R
+            ksplit = chunk_ksplit(ng, NW)
+            nrp = ng * R
+            seen["ksplit"] = max(seen["ksplit"], ksplit)
+            acc = np.full(spec.acc_words, np.nan)
+            acc[:ksplit * NO * nrp] = 0.0
+            for kc0 in range(0, k, KC):
+                kc = min(KC, k - kc0)
+                sx = _stage_x(spec, x, n0, kc0, kc)
+                for warp in range(NW):
+                    ks = warp // ng
+                    if ks >= ksplit:
+                        continue
+                    vb, ve = k_slice(kc // VEC, ksplit, ks)
+                    for gi in range(warp - ks * ng, ng, NW):
+                        rowl = gi * R
+                        row_off = row_major(rc0 + rowl, kc0, k)
+                        for r in range(R):
+                            a0 = row_off + row_major(r, vb * VEC, k)
+                            wv = flat[a0:a0 + (ve - vb) * VEC]
+                            for nn in range(NO):
+                                xa = row_major(nn, vb * VEC, spec.x_stride)
+                                acc[acc_index(ks, nn, rowl, NO, nrp) + r] += (
+                                    wv @ sx[xa:xa + (ve - vb) * VEC])
+            for nn in range(min(NO, spec.rows - n0)):
+                for r in range(nr):
+                    out[n0 + nn, rc0 + r] = sum(acc[acc_index(ks, nn, r, NO, nrp)]
+                                                for ks in range(ksplit))
+    return out, seen
+
+
+def _check_gemv(specs: list[KernelSpec], emulate) -> list[dict]:  # noqa: ANN001
+    rng = np.random.default_rng(7)
+    seen = []
+    for spec in specs:
+        for k in _ks(spec):
+            w = rng.standard_normal((NROWS, k))
+            x = rng.standard_normal((spec.rows, k))
+            got, s = emulate(spec, w, x)
+            np.testing.assert_allclose(got, x @ w.T, rtol=1e-10, atol=1e-10,
+                                       err_msg=f"{spec.tag} K={k}")
+            seen.append(s)
+    return seen
+
+
+def test_pipelined_gemv_indexing_computes_the_matrix_product():
+    specs = _specs()
+    assert all(s.pipelined for s in specs)
+    seen = _check_gemv(specs, _emulate_piped)
+    assert any(s["ksplit"] > 1 for s in seen)  # warps split K (FMA, B = 1)
+    assert any(s["k_chunked"] for s in seen)  # per-row copies of K-chunked tiles (B = 16)
+    assert {s.mma for s in specs} == {False, True}
+
+
+def test_global_memory_gemv_indexing_computes_the_matrix_product():
+    seen = _check_gemv(_specs(smem_stages=0), _emulate_global)
+    assert any(s["ksplit"] > 1 for s in seen) and any(s["k_chunked"] for s in seen)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.ndarray,
+                       vc: np.ndarray, lengths: list[int], layer: int, n_splits: int
+                       ) -> np.ndarray:
+    """ATTN_PARTIAL for every (sequence, kv head, split) then the merge: out [N, Hq, D].
+    q [N * Hq * D] flat (the q buffer), kc / vc [L * B * Hkv * S_max * D] flat (the caches)."""
+    D, G, T, N, Hq, NW = (spec.head_dim, spec.group, spec.tokens, spec.rows, spec.heads,
+                          spec.num_warps)
+    s_max = kc.size // (spec.layers * spec.batch * spec.kv_heads * D)
+    WQ = max(1, NW // spec.attn_queries)
+    po = np.full((n_splits * N * Hq, D), np.nan)
+    pml = np.full((n_splits * N * Hq, 2), np.nan)
+    for b in range(spec.batch):
+        for g in range(spec.kv_heads):
+            row0 = kv_row(layer, b, g, s_max, spec.batch, spec.kv_heads)
+            for s in range(n_splits):
+                shares = {}
+                for warp in range(NW):
+                    q0, part = attn_warp(warp, WQ)
+                    for qi in range(q0, spec.attn_queries, NW // WQ):
+                        t, head, n = attn_query(qi, g, b, G, T)
+                        kb, ke = attn_keys(s, n_splits, lengths[b], t, part, WQ, T)
+                        qa = row_major(row_major(n, head, Hq), 0, D)
+                        qv = q[qa:qa + D]
+                        m, lsum, o = -np.inf, 0.0, np.zeros(D)
+                        for k0 in range(kb, ke, LANES):  # online softmax, 32 keys at a time
+                            keys = range(k0, min(ke, k0 + LANES))
+                            kr = np.stack([kc[(row0 + key) * D:][:D] for key in keys])
+                            vr = np.stack([vc[(row0 + key) * D:][:D] for key in keys])
+                            sc = kr @ qv * scale
+                            m_new = max(m, sc.max())
+                            p = np.exp(sc - m_new)
+                            alpha = np.exp(m - m_new)
+                            lsum = lsum * alpha + p.sum()
+                            o = o * alpha + p @ vr
+                            m = m_new
+                        assert (n, head, part) not in shares  # each share once
+                        shares[(n, head, part)] = (m, lsum, o)
+                for (n, head, part) in shares:  # the WQ shares merged in order
+                    if part:
+                        continue
+                    parts = [shares[(n, head, pp)] for pp in range(WQ)]
+                    mm = max(p[0] for p in parts)
+                    wts = [np.exp(p[0] - mm) if mm > -np.inf else 0.0 for p in parts]
+                    slot = (s * N + n) * Hq + head
+                    pml[slot] = (mm, sum(p[1] * wt for p, wt in zip(parts, wts, strict=True)))
+                    po[slot] = sum(p[2] * wt for p, wt in zip(parts, wts, strict=True))
+    out = np.full((N, Hq, D), np.nan)
+    for b in range(spec.batch):  # the merge of the last split's CTA
+        for g in range(spec.kv_heads):
+            for qi in range(spec.attn_queries):
+                _, head, n = attn_query(qi, g, b, G, T)
+                slots = [(s * N + n) * Hq + head for s in range(n_splits)]
+                mm = max(pml[sl, 0] for sl in slots)
+                wts = [np.exp(pml[sl, 0] - mm) for sl in slots]
+                den = sum(pml[sl, 1] * wt for sl, wt in zip(slots, wts, strict=True))
+                out[n, head] = sum(po[sl] * wt for sl, wt in zip(slots, wts, strict=True)) / den
+    return out
+
+
+def _reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: list[int],
+                         tokens: int) -> np.ndarray:
+    """Plain causal GQA decode attention: q [B, T, Hq, D], k/v [B, Hkv, S, D] -> [B, T, Hq, D];
+    q head h reads kv head h // (Hq / Hkv), scores scaled by 1 / sqrt(D) of q and k."""
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = np.zeros_like(q)
+    for b in range(B):
+        for t in range(T):
+            n_keys = lengths[b] + t + 1
+            for h in range(Hq):
+                sc = k[b, h // G, :n_keys] @ q[b, t, h] / np.sqrt(q.shape[-1])
+                p = np.exp(sc - sc.max())
+                out[b, t, h] = p @ v[b, h // G, :n_keys] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("batch,tokens,n_splits", [(1, 1, 3), (16, 1, 2), (2, 3, 2)])
+def test_attention_indexing_computes_gqa_attention(model, batch, tokens, n_splits):
+    pytest.importorskip("cutlass", reason="the kernel's Attention holds the softmax scale")
+    from megakernel.kernel.attention import Attention
+
+    spec = make_spec(preset(model), batch, tokens, "sm_90a")
+    rng = np.random.default_rng(batch * 31 + tokens)
+    L, B, Hkv, D, Hq = spec.layers, spec.batch, spec.kv_heads, spec.head_dim, spec.heads
+    lengths = [int(x) for x in rng.integers(1, 70, B)]
+    s_max = max(lengths) + tokens + 5
+    layer = L - 1
+    kc = rng.standard_normal((L, B, Hkv, s_max, D))
+    vc = rng.standard_normal((L, B, Hkv, s_max, D))
+    q = rng.standard_normal((B, tokens, Hq, D))
+    got = _emulate_attention(spec, Attention(spec).scale, q.reshape(-1), kc.reshape(-1),
+                             vc.reshape(-1), lengths, layer, n_splits)
+    want = _reference_attention(q, kc[layer], vc[layer], lengths, tokens)
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-9, atol=1e-12)
