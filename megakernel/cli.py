@@ -55,7 +55,7 @@ USER_ERRORS: list[tuple[str, str]] = [
     (__name__, "CliError"),
     ("megakernel.models.config", "ConfigError"),
     ("megakernel.models.weights", "WeightError"),
-    ("reference.layers.common", "ReferenceError"),
+    ("megakernel.reference.layers.common", "ReferenceError"),
     ("megakernel.program.stages", "PlanError"),
     ("megakernel.program.gpus", "GPUError"),
     ("megakernel.runtime", "KernelUnavailable"),
@@ -103,7 +103,7 @@ def reference_generate(
     replay_window: int | None = None, mode: str = "bf16", device: str = "cpu",
 ) -> list[list[int]]:
     """The reference model's greedy generation (seed unused: greedy decoding is deterministic)."""
-    from reference.model import ReferenceModel, generate
+    from megakernel.reference.model import ReferenceModel, generate
 
     model = ReferenceModel(cfg, weights, mode=mode, device=device, replay_window=replay_window)
     return generate(model, prompts, steps, max_seq_len)
@@ -188,7 +188,7 @@ def run_generation(
                        f"got {replay_window}")
     fn = backend_function(backend)  # fail early, before loading weights
     if backend == "reference":
-        import reference.model  # noqa: F401 (import time is not generation time)
+        import megakernel.reference.model  # noqa: F401 (import time is not generation time)
 
         fn = functools.partial(fn, mode=dtype, device=device)
 
@@ -358,7 +358,7 @@ def machine_info() -> dict[str, Any]:
         run_why = "cuda-python is not installed"
     backends = {
         "reference": {**can(versions["torch"] is not None, "torch is not installed",
-                            "reference.model"),
+                            "megakernel.reference.model"),
                       "devices": ["cpu"] + (["cuda"] if gpu["available"] else [])},
         "cpu-executor": can(versions["torch"] is not None, "torch is not installed",
                             BACKENDS["cpu-executor"][0]),

@@ -48,8 +48,8 @@ def _executor_vs_reference(steps: int) -> list[dict[str, Any]]:
     from megakernel.executor import generate as executor_generate
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
-    from reference.model import ReferenceModel
-    from reference.model import generate as reference_generate
+    from megakernel.reference.model import ReferenceModel
+    from megakernel.reference.model import generate as reference_generate
 
     out = []
     for name in EXECUTOR_MODELS:
@@ -96,9 +96,9 @@ def _gpu_run(model: str, steps: int) -> dict[str, Any]:
 
     from megakernel.models import resolve
     from megakernel.models.weights import random_weights
+    from megakernel.reference.model import ReferenceModel
+    from megakernel.reference.model import generate as reference_generate
     from megakernel.torch_op import generate as kernel_generate
-    from reference.model import ReferenceModel
-    from reference.model import generate as reference_generate
 
     cfg = resolve(model)
     w = random_weights(cfg, seed=0)

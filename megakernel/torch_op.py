@@ -363,7 +363,7 @@ class Megakernel:
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Prefill with the reference (bf16 mode) on this GPU; returns the first tokens [B]."""
-        from reference.model import ReferenceModel
+        from megakernel.reference.model import ReferenceModel
 
         if len(prompts) != self.batch:
             raise ArgumentError(f"{len(prompts)} prompts for a kernel built for batch "

@@ -28,7 +28,7 @@ def generate(cfg, weights: dict[str, torch.Tensor], prompts: list[list[int]], st
     """
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
-    from reference.model import ReferenceModel, greedy
+    from megakernel.reference.model import ReferenceModel, greedy
 
     if steps < 0:
         raise ExecutorError(f"steps must be >= 0, got {steps}")

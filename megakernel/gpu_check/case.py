@@ -73,8 +73,8 @@ def _to_cpu(obj):  # noqa: ANN001, ANN202
 
 def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool = False,
              seed: int = 0) -> dict[str, Any]:
+    from megakernel.reference.model import ReferenceModel
     from megakernel.torch_op import Megakernel
-    from reference.model import ReferenceModel
 
     t0 = time.perf_counter()
     cfg = config(c.model, simulate)

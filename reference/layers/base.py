@@ -22,7 +22,8 @@ from .common import ReferenceError
 if TYPE_CHECKING:
     from megakernel.models.config import Block, ModelConfig
 
-LAYERS: Registry[type[ReferenceLayer]] = Registry("reference.layers", "reference layer kind",
+LAYERS: Registry[type[ReferenceLayer]] = Registry("megakernel.reference.layers",
+                                                  "reference layer kind",
                                                   skip=("base", "common", "replay"))
 
 

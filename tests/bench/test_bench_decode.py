@@ -15,7 +15,7 @@ import torch
 from megakernel import measure
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
-from reference.model import ReferenceModel
+from megakernel.reference.model import ReferenceModel
 
 _spec = importlib.util.spec_from_file_location(
     "bench_decode", Path(__file__).resolve().parents[2] / "bench" / "decode.py")

@@ -28,7 +28,7 @@ def last_json(out: str) -> dict:
 
 def reference_tokens(cfg: ModelConfig, weights: dict, prompts: list[list[int]], steps: int,
                      mode: str = "bf16") -> list[list[int]]:
-    from reference.model import ReferenceModel, generate
+    from megakernel.reference.model import ReferenceModel, generate
 
     return generate(ReferenceModel(cfg, weights, mode=mode), prompts, steps)
 
@@ -162,7 +162,7 @@ def test_plan_error_of_a_backend_exits_2(capsys) -> None:
 @pytest.mark.parametrize(("module", "name"), [
     ("megakernel.models.config", "ConfigError"),
     ("megakernel.models.weights", "WeightError"),
-    ("reference.layers.common", "ReferenceError"),
+    ("megakernel.reference.layers.common", "ReferenceError"),
     ("megakernel.program.stages", "PlanError"),
     ("megakernel.kernel.spec", "SpecError"),
 ])
@@ -193,7 +193,7 @@ def test_builtin_reference_error_is_a_bug() -> None:
     bad input: it keeps its traceback."""
     import builtins
 
-    import reference.layers.common as common
+    import megakernel.reference.layers.common as common
 
     assert common.ReferenceError is not builtins.ReferenceError
     assert cli._is_user_error(common.ReferenceError("x"))

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import megakernel.reference.model
 from megakernel import cli
 from megakernel.models import FAMILIES, preset
 
@@ -68,16 +69,15 @@ def test_cpu_executor_matches_reference(capsys, model, window):
 def test_reference_backend_gets_the_replay_window(capsys, monkeypatch):
     """--replay-window reaches the reference model (its ReplaySSM and recurrent tokens agree,
     so the tokens alone would not show a window that was dropped)."""
-    import reference.model
 
     seen = []
 
-    class Spy(reference.model.ReferenceModel):
+    class Spy(megakernel.reference.model.ReferenceModel):
         def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
             seen.append(kwargs.get("replay_window"))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(reference.model, "ReferenceModel", Spy)
+    monkeypatch.setattr(megakernel.reference.model, "ReferenceModel", Spy)
     for extra, want in (((), None), (("--replay-window", "3"), 3), (("--replay-window", "0"),
                                                                        None)):
         rc, _, err = _run(capsys, "generate", "--model", "qwen3.5-tiny", "--steps", "2", *extra)

@@ -33,8 +33,8 @@ from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
 from megakernel.program.pack import pack_weights
-from reference.model import ReferenceModel, greedy
-from reference.model import generate as ref_generate
+from megakernel.reference.model import ReferenceModel, greedy
+from megakernel.reference.model import generate as ref_generate
 from tests.executor.helpers import check_logits
 
 LOGIT_TOL = 0.04  # measured max 0.0296 (module docstring)

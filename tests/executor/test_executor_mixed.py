@@ -36,8 +36,8 @@ from megakernel.program.bytes import step_bytes_by_category
 from megakernel.program.compiler import PlanError, compile_program
 from megakernel.program.gpus import gpu
 from megakernel.program.pack import pack_weights
-from reference.model import ReferenceModel
-from reference.model import generate as ref_generate
+from megakernel.reference.model import ReferenceModel
+from megakernel.reference.model import generate as ref_generate
 from tests.executor.helpers import REL_TOL, check_logits
 
 LOGIT_TOL = 0.05
@@ -364,7 +364,7 @@ def test_cost_counts_state_ring_and_kv_bytes():
 def test_expert_ids_come_from_the_router_at_run_time(monkeypatch):
     """The program's router picks the same experts as the reference, per token, and different
     tokens use different experts (so the expert slabs really depend on run-time ids)."""
-    import reference.layers.moe as moe
+    import megakernel.reference.layers.moe as moe
 
     seen = []
     route = moe.route

@@ -74,9 +74,9 @@ def test_generate_backend_kernel_agrees_with_reference(build_dir, monkeypatch):
     from megakernel.gpu_check import MIN_PREFIX, common_prefix, compare
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
+    from megakernel.reference.model import ReferenceModel
+    from megakernel.reference.model import generate as ref_generate
     from megakernel.torch_op import Megakernel, generate
-    from reference.model import ReferenceModel
-    from reference.model import generate as ref_generate
 
     steps = 64
     cfg = preset("llama-tiny")

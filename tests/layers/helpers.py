@@ -244,7 +244,7 @@ def executor_vs_reference(cfg: ModelConfig, window: int | None = None, steps: in
     from megakernel.executor import Executor
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
-    from reference.model import ReferenceModel
+    from megakernel.reference.model import ReferenceModel
 
     w = random_weights(cfg, seed=1)
     ref = ReferenceModel(cfg, w, mode="bf16", replay_window=window)

@@ -21,7 +21,7 @@ from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
 from megakernel.program.pack import pack_weights, weight_layout
-from reference.model import ReferenceModel
+from megakernel.reference.model import ReferenceModel
 from tests.layers.helpers import (
     LOGIT_TOL,
     TINY,

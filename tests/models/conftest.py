@@ -57,7 +57,7 @@ def dense_hf_model(hf_classes: Callable[[str], tuple[type, type]]
 def reference_model() -> Callable[..., Any]:
     """(cfg, weights, mode="fp32") -> the torch reference model of any family (prefill,
     new_cache, ...), and `reference_model.generate`: greedy decoding."""
-    from reference.model import ReferenceModel, generate
+    from megakernel.reference.model import ReferenceModel, generate
 
     def make(cfg: ModelConfig, weights: dict[str, torch.Tensor], mode: str = "fp32") -> Any:
         return ReferenceModel(cfg, weights, mode=mode)

@@ -13,7 +13,7 @@ import torch
 from megakernel.layers import all_kinds
 from megakernel.models import load_all, presets
 from megakernel.models.weights import random_weights
-from reference import (
+from megakernel.reference import (
     Cache,
     KVLayerCache,
     MLACache,

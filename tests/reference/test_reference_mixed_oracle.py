@@ -16,7 +16,7 @@ import torch
 
 from megakernel.models import preset
 from megakernel.models.weights import random_weights, save_checkpoint
-from reference import ReferenceModel
+from megakernel.reference import ReferenceModel
 
 FAMILIES = ["qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"]
 HF_CLASS = {"qwen3_5": "Qwen3_5ForCausalLM", "kimi_linear": "KimiLinearForCausalLM",

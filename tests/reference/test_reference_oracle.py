@@ -21,7 +21,7 @@ from megakernel.models.dense import DenseConfig
 from megakernel.models.llama import LlamaConfig
 from megakernel.models.qwen2 import Qwen2Config
 from megakernel.models.qwen3 import Qwen3Config
-from reference import ReferenceModel
+from megakernel.reference import ReferenceModel
 
 TOL = 1e-4  # max abs logit error, as a fraction of the logit scale max|logits|
 PROMPT_LENS = (9, 3, 14)

@@ -26,8 +26,8 @@ import torch
 
 from megakernel.models import ConfigError, preset
 from megakernel.models.weights import WeightError, random_weights
-from reference import Cache, ReferenceError, ReferenceModel, all_layers, generate, greedy
-from reference.layers import common
+from megakernel.reference import Cache, ReferenceError, ReferenceModel, all_layers, generate, greedy
+from megakernel.reference.layers import common
 
 TINY = ("llama-tiny", "qwen3-tiny")  # GQA 2 / D 64 / tied / llama3 rope; GQA 4 / D 128 / untied
 FP32_RTOL = 1e-5  # batching changes only fp32 summation order
@@ -245,10 +245,11 @@ def _store_users() -> list[ModuleType]:
     """Every reference module that rounds through `store` (the model and the layer modules)."""
     all_layers()  # imports every layer module
     mods = [m for n, m in sys.modules.items()
-            if (n == "reference.model" or n.startswith("reference.layers."))
+            if (n == "megakernel.reference.model" or n.startswith("megakernel.reference.layers."))
             and getattr(m, "store", None) is common.store]
     names = {m.__name__ for m in mods}
-    want = {"reference.model", "reference.layers.attention", "reference.layers.swiglu"}
+    want = {"megakernel.reference.model", "megakernel.reference.layers.attention",
+            "megakernel.reference.layers.swiglu"}
     assert want <= names, f"store no longer reached as a module name in {want - names}"
     return mods
 

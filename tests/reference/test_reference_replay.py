@@ -15,8 +15,13 @@ import torch
 
 from megakernel.models import preset
 from megakernel.models.weights import load_model, random_weights
-from reference import ReferenceError, ReferenceModel, generate
-from reference.layers.replay import delta_rule_fold, delta_rule_replay, ssd_fold, ssd_replay
+from megakernel.reference import ReferenceError, ReferenceModel, generate
+from megakernel.reference.layers.replay import (
+    delta_rule_fold,
+    delta_rule_replay,
+    ssd_fold,
+    ssd_replay,
+)
 
 FAMILIES = ["qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"]
 

@@ -175,7 +175,7 @@ def test_prefill_cache_lands_where_the_executor_puts_it(model):
     from megakernel.models.weights import random_weights
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
-    from reference.model import ReferenceModel
+    from megakernel.reference.model import ReferenceModel
 
     cfg = preset(model)
     w = random_weights(cfg, seed=2)

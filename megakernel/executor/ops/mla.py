@@ -9,7 +9,7 @@ from megakernel.executor.core import Executor, op
 from megakernel.layers.frame import round_rows
 from megakernel.layers.mla import LATENT_NORM_EPS
 from megakernel.layers.mla import MultiLatentAttention as Kind
-from reference.layers.common import rms_norm
+from megakernel.reference.layers.common import rms_norm
 
 
 @op("MLA")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megakernel import isa
 from megakernel.executor.core import Executor, op
-from reference.layers.moe import route
+from megakernel.reference.layers.moe import route
 
 
 @op("ROUTER")

@@ -13,10 +13,15 @@ import torch.nn.functional as F
 
 from megakernel.executor.core import Executor, ExecutorError, op
 from megakernel.layers import kind
-from reference.layers.common import l2norm, rms_norm, shift_window, short_conv, softplus
-from reference.layers.gdn import delta_rule_step
-from reference.layers.mamba2 import ssd_step
-from reference.layers.replay import delta_rule_fold, delta_rule_replay, ssd_fold, ssd_replay
+from megakernel.reference.layers.common import l2norm, rms_norm, shift_window, short_conv, softplus
+from megakernel.reference.layers.gdn import delta_rule_step
+from megakernel.reference.layers.mamba2 import ssd_step
+from megakernel.reference.layers.replay import (
+    delta_rule_fold,
+    delta_rule_replay,
+    ssd_fold,
+    ssd_replay,
+)
 
 
 def state_views(ex: Executor, d: dict, blk) -> dict[str, tuple[int, tuple[int, ...]]]:  # noqa: ANN001
