@@ -18,6 +18,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megakernel.cli import check_names  # noqa: E402
+from megakernel.kernel.spec import ARCHS  # noqa: E402
+from megakernel.models import presets  # noqa: E402
+from megakernel.progress import stage  # noqa: E402
 
 
 def time_build(model: str, arch: str, batch: int, out: Path) -> dict:
@@ -43,11 +49,14 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=None, help="where to write build_times.json")
     args = ap.parse_args()
+    models = check_names("--models", args.models, list(presets()))
+    archs = check_names("--arch", args.arch, list(ARCHS))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models.split(","):
-            for arch in args.arch.split(","):
-                rows.append(time_build(model, arch, args.batch, Path(tmp) / model))
+        for model in models:
+            for arch in archs:
+                with stage(f"building {model} for {arch}"):
+                    rows.append(time_build(model, arch, args.batch, Path(tmp) / model))
     print(f"{'model':14s} {'arch':8s} {'wall s':>7s} {'compile s':>9s} {'regs':>5s} "
           f"{'spill B':>7s} {'smem B':>7s}")
     for r in rows:
@@ -63,4 +72,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megakernel.cli import run_main
+
+    sys.exit(run_main(main))

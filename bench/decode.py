@@ -12,6 +12,7 @@ Measured in one run (CUDA events; random bf16 weights):
 - torch eager: a static-cache bf16 decode step in plain torch ops (measure.TorchDecode);
 - torch.compile: the same step, mode="reduce-overhead" (measure.compile_timing: a failed compile
   is recorded and the eager step timed instead, flagged);
+- time to first token: the context-long prompts prefilled on the kernel itself (ttft_ms);
 - SM and memory clocks, sampled during the run (read only).
 Reports ms/step, tokens/s, bytes/step (weights + KV read + KV written, from the cost model) and
 the achieved fraction of the achievable bandwidth, the cost model's predicted step time, and each
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+from megakernel.cli import check_names  # noqa: E402  (after the sys.path insert)
 from megakernel.measure import (  # noqa: E402  (after the sys.path insert)
     HAZY_H200_S,
     TARGETS,
@@ -61,8 +63,10 @@ def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Name
     s_max = args.context + args.iters * 8 + 64
     res: dict = {"batch": batch}
     mk = Megakernel(cfg, w, batch=batch, max_seq_len=s_max, build_dir=args.build_dir)
-    mk.prefill([[1 + (b * 7919 + i) % (cfg.vocab_size - 1) for i in range(args.context)]
-                for b in range(batch)])
+    # prefill on the kernel (one token per step): time to first token of a context-long prompt
+    gen = mk.generate_program([[1 + (b * 7919 + i) % (cfg.vocab_size - 1)
+                                for i in range(args.context)] for b in range(batch)], 1)
+    res["ttft_ms"] = gen.first_token_s * 1e3
     mk.step(torch.ones(batch, 1, dtype=torch.int64, device=mk.device))
     cost = mk.prog.cost
     kargs = (mk.program, mk.counters, mk.weights, mk.f32, mk.bf16, mk.i32, mk.k_cache,
@@ -103,15 +107,16 @@ def markdown(res: dict) -> str:
              f"{f'{read:.0f} GB/s' if read else res['read'].get('error')}, copy "
              f"{res['copy_GBps'] or float('nan'):.0f} GB/s)", "",
              "| B | bytes/step | predicted ms | kernel ms | kernel tok/s/user "
-             "| kernel % achievable BW | eager ms | compile ms | speedup vs compile |",
-             "|" + "---|" * 9]
+             "| kernel % achievable BW | eager ms | compile ms | speedup vs compile | TTFT ms |",
+             "|" + "---|" * 10]
     for r in res["runs"]:
         k, e, c = r["kernel"], r.get("torch_eager", {}), r.get("torch_compile", {})
         lines.append(f"| {r['batch']} | {r['bytes_per_step'] / 1e9:.3f} GB | "
                      f"{r['predicted_ms']:.3f} | {k['ms']:.3f} | {k['tok_s_user']:.0f} | "
                      f"{100 * k['bw_fraction']:.1f}% | {e.get('ms', float('nan')):.3f} | "
                      f"{c.get('ms', float('nan')):.3f}{'' if c.get('compiled') else ' eager'} | "
-                     f"{r.get('speedup_vs_compile', float('nan')):.2f}x |")
+                     f"{r.get('speedup_vs_compile', float('nan')):.2f}x | "
+                     f"{r.get('ttft_ms', float('nan')):.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -143,7 +148,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main() -> int:
-    from megakernel.models import resolve
+    from megakernel.models import presets, resolve
     from megakernel.models.weights import random_weights
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -156,6 +161,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="directory for decode.{json,md,png}")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     args = ap.parse_args()
+    if not Path(args.model).is_dir():
+        check_names("--model", args.model, list(presets()))
     if not torch.cuda.is_available():
         print("error: bench/decode.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -197,4 +204,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megakernel.cli import run_main
+
+    sys.exit(run_main(main))

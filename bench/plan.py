@@ -17,10 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.models import preset, real_presets  # noqa: E402
+from megakernel.cli import check_names  # noqa: E402
+from megakernel.models import preset, presets, real_presets  # noqa: E402
 from megakernel.program.compiler import compile_program  # noqa: E402
 from megakernel.program.gpus import GPUS, gpu  # noqa: E402
 from megakernel.program.verify import check_program  # noqa: E402
+from megakernel.progress import stage  # noqa: E402
 
 
 def dense_presets() -> list[str]:
@@ -36,18 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None, help="cached tokens (default 1024)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
+    models = check_names("--models", args.models, list(presets()))
+    gpus = check_names("--gpus", args.gpus, list(GPUS))
     rows = []
     header = ("| model | GPU | B | plan s | instructions | predicted us | floor us | efficiency "
               "| round-robin us |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    for m in args.models.split(","):
-        for g in args.gpus.split(","):
+    for m in models:
+        for g in gpus:
             for b in (int(x) for x in args.batches.split(",")):
                 t0 = time.perf_counter()
-                prog = compile_program(preset(m), b, gpu(g), context=args.context)
-                plan_s = time.perf_counter() - t0
-                check_program(prog)
+                with stage(f"{m} on {g}, batch {b}"):
+                    prog = compile_program(preset(m), b, gpu(g), context=args.context)
+                    plan_s = time.perf_counter() - t0
+                    check_program(prog)
                 rr = compile_program(preset(m), b, gpu(g), context=args.context,
                                      policy="round_robin").cost
                 r = prog.cost
@@ -70,4 +75,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megakernel.cli import run_main
+
+    raise SystemExit(run_main(main))

@@ -35,9 +35,10 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel import isa  # noqa: E402
+from megakernel.cli import check_names  # noqa: E402
 from megakernel.layers import kind  # noqa: E402
 from megakernel.layers.base import StepShape  # noqa: E402
-from megakernel.models import ModelConfig, preset, real_presets  # noqa: E402
+from megakernel.models import ModelConfig, preset, presets, real_presets  # noqa: E402
 from megakernel.program.buffers import plan_buffers  # noqa: E402
 from megakernel.program.bytes import step_bytes_by_category  # noqa: E402
 from megakernel.program.compiler import (  # noqa: E402
@@ -47,7 +48,7 @@ from megakernel.program.compiler import (  # noqa: E402
     default_splits,
     validate,
 )
-from megakernel.program.gpus import GPU, gpu  # noqa: E402
+from megakernel.program.gpus import GPU, GPUS, gpu  # noqa: E402
 from megakernel.program.pack import weight_layout  # noqa: E402
 from megakernel.program.stages import PlanError  # noqa: E402
 
@@ -270,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay_window < 1:
         ap.error(f"--replay-window must be >= 1, got {args.replay_window}")
     t0 = time.perf_counter()
-    g = gpu(args.gpu)
+    g = gpu(check_names("--gpu", args.gpu, list(GPUS))[0])
     batches = [int(x) for x in args.batches.split(",")]
-    models = args.models.split(",") if args.models else recurrent_presets()
+    models = (check_names("--models", args.models, list(presets())) if args.models
+              else recurrent_presets())
     rows: list[Row] = []
     for m in models:
         rows += bench_model(m, batches, g, args.replay_window, args.context,
@@ -293,4 +295,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megakernel.cli import run_main
+
+    raise SystemExit(run_main(main))

@@ -3,8 +3,9 @@
 Commands live in the `COMMANDS` table: name -> `Command(help, module, add, run)`. Only the chosen
 command's module is imported, so a heavy or missing module (the DSL build, the GPU check) never
 slows down or breaks the others, and this module imports nothing but the standard library at the
-top (the GPU machine runs it without the DSL). Adding a command is one `register(...)` line plus a
-module exposing `add_arguments(parser)` and `run(args) -> int`.
+top. (The package itself imports torch and registers the op when loaded, never the DSL: the GPU
+machine runs every command but build without it.) Adding a command is one `register(...)` line
+plus a module exposing `add_arguments(parser)` and `run(args) -> int`.
 
 Errors that are the user's input (bad config, bad checkpoint, bad token ids, ...) print
 `error: <message>` on stderr and exit with status 2; anything else is a bug and keeps its traceback.
@@ -62,7 +63,52 @@ USER_ERRORS: list[tuple[str, str]] = [
     ("megakernel.runtime", "ManifestError"),
     ("megakernel.runtime", "ArgumentError"),
     ("megakernel.kernel.spec", "SpecError"),
+    ("megakernel.finite", "NonFiniteError"),
 ]
+
+
+def check_names(flag: str, text: str, known: Sequence[str]) -> list[str]:
+    """A comma list of names -> the list; CliError naming `flag` and the known names when one is
+    unknown (for sweeps, so a typo fails before the first long stage, not after)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in known] or ([] if names else [text])
+    if bad:
+        raise CliError(f"{flag}: unknown name {bad[0]!r}; known: {', '.join(known)}")
+    return names
+
+
+def run_main(fn: Callable[[], int | None]) -> int:
+    """Run a script's main(): a user error (USER_ERRORS) is one `error:` line and status 2."""
+    try:
+        return int(fn() or 0)
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def check_writable(path: str, flag: str, is_dir: bool = False) -> None:
+    """CliError naming `flag` unless `path` (a file, or a directory with `is_dir`) can be created:
+    a file's directory must exist, a directory's nearest existing ancestor must be a directory,
+    and either must be writable."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if is_dir and p.exists() and not p.is_dir():
+        raise CliError(f"{flag} {path}: exists and is not a directory")
+    if not is_dir and p.is_dir():
+        raise CliError(f"{flag} {path}: is a directory, expected a file name")
+    parent = p if is_dir else p.parent
+    if not is_dir and not parent.exists():
+        raise CliError(f"{flag} {path}: directory {parent} does not exist")
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CliError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"{flag} {path}: {parent} is not writable")
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -209,14 +255,18 @@ def run_generation(
 
     longest = max(len(p) for p in prompts)
     needed = longest + steps - 1  # the last new token is never fed back
+    given = max_seq_len is not None  # name only the flags the user passed
     if max_seq_len is None:
         max_seq_len = longest + steps
     if max_seq_len < needed:
         raise CliError(f"--max-seq-len {max_seq_len} is too small: the longest prompt "
-                       f"({longest} tokens) plus {steps} steps needs {needed}")
+                       f"({longest} tokens) plus --steps {steps} needs {needed}")
     if max_seq_len > cfg.max_position_embeddings:
-        raise CliError(f"--max-seq-len {max_seq_len} exceeds the model's "
-                       f"max_position_embeddings ({cfg.max_position_embeddings})")
+        what = (f"--max-seq-len {max_seq_len}" if given else
+                f"--steps {steps} after the longest prompt ({longest} tokens) needs "
+                f"{max_seq_len} positions, which")
+        raise CliError(f"{what} exceeds the model's max_position_embeddings "
+                       f"({cfg.max_position_embeddings})")
     for i, p in enumerate(prompts):
         bad = [t for t in p if t >= cfg.vocab_size]
         if bad:
@@ -259,7 +309,7 @@ def describe_generation(r: dict[str, Any]) -> list[str]:
         if "texts" in r:
             lines.append(f"    text: {r['texts'][i]!r}")
     lines.append(f"  {r['batch'] * r['steps']} new tokens in {r['generate_s']:.3f} s "
-                 f"({r['tokens_per_s']} tokens/s); weights ready in {r['load_s']:.2f} s")
+                 f"({r['tokens_per_s']} tokens/s); weights ready in {r['load_s']:.3f} s")
     return lines
 
 
@@ -285,6 +335,27 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
+def check_device(device: str, backend: str) -> None:
+    """CliError unless `--device` names a torch device this machine has (the reference's only)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CliError(f"--device {device!r} is not a torch device (use cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {device} needs CUDA; torch.cuda.is_available() is False here "
+                       "(use --device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CliError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+                       "device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise CliError(f"--device {device}: use cpu or cuda")
+    if backend != "reference" and dev.type != "cpu":
+        raise CliError(f"--device is for the reference backend; --backend {backend} chooses "
+                       "its own device")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     tok = None
     if args.prompt:
@@ -295,6 +366,10 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         prompts = [list(p) for p in DEFAULT_PROMPTS]
     replay = args.replay_window or None  # 0 = recurrent
+    check_device(args.device, args.backend)
+    from megakernel.progress import set_quiet
+
+    set_quiet(args.json)
     if args.replay_window is not None and args.replay_window < 0:
         raise CliError(f"--replay-window must be >= 0, got {args.replay_window}")
     r = run_generation(args.model, prompts, args.steps, args.backend, args.dtype, args.seed,
@@ -444,14 +519,11 @@ def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, Command 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def run_command() -> int:
         parser, cmd = build_parser(argv)
         args = parser.parse_args(argv)  # exits 2 with usage on bad syntax
         assert cmd is not None
-        run = getattr(importlib.import_module(cmd.module), cmd.run)
-        return int(run(args) or 0)
-    except Exception as e:
-        if not _is_user_error(e):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(importlib.import_module(cmd.module), cmd.run)(args)
+
+    return run_main(run_command)

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 from megakernel.program import cost
 from megakernel.program.gpus import GPUS, SOURCES, from_device, gpu
+from megakernel.progress import stage
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--splits", type=int, default=None, help="attention splits (default: auto)")
     p.add_argument("--replay-window", type=int, default=None, metavar="L",
                    help="models with recurrent layers: ReplaySSM folding every L tokens "
-                        "(default: the recurrent update)")
+                        "(0 = the recurrent update, the default)")
     p.add_argument("--policy", default="cost", choices=("cost", "round_robin"),
                    help="SM assignment (default cost)")
     p.add_argument("--copy-bw", type=float, default=None,
@@ -72,11 +74,12 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
          context: int | None = None, max_seq_len: int | None = None, splits: int | None = None,
          policy: str = "cost", copy_bw_gbs: float | None = None,
          params: cost.CostParams | None = None, replay_window: int | None = None,
-         programs: list | None = None) -> dict[str, Any]:
+         programs: list | None = None, quiet: bool = True) -> dict[str, Any]:
     """Compile, verify and summarise one program of any family (the JSON-ready result of
     `plan`). `params`: cost parameters (e.g. refitted ones, refit.load_params); default the cited
     ones. `replay_window`: ReplaySSM fold window of the recurrent layers (None: recurrent).
-    `programs`: a list that receives the compiled program."""
+    `programs`: a list that receives the compiled program. `quiet=False` prints progress
+    (megakernel.progress) on stderr."""
     from megakernel import isa
     from megakernel.models import resolve
     from megakernel.program.bytes import step_bytes_by_category
@@ -84,16 +87,28 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
     from megakernel.program.verify import check_program
 
     cfg = resolve(model)
+    if context is not None:  # named by the flags, before the compiler's own check
+        from megakernel.cli import CliError
+        from megakernel.program.compiler import default_max_seq_len
+
+        s_max = max_seq_len or default_max_seq_len(cfg)
+        if context + tokens > s_max:
+            given = (f"--max-seq-len {s_max}" if max_seq_len else
+                     f"the default --max-seq-len of {s_max} (min(max_position_embeddings, 4096))")
+            raise CliError(f"--context {context} + --tokens {tokens} do not fit {given}; lower "
+                           f"--context or raise --max-seq-len")
     g = from_device() if gpu_name == "device" else gpu(gpu_name)
     if copy_bw_gbs is not None:
         g = g.with_copy_bandwidth(copy_bw_gbs * 1e9)
     t0 = time.perf_counter()
-    prog = compile_program(cfg, batch, g, tokens=tokens, max_seq_len=max_seq_len,
-                           context=context, n_splits=splits, policy=policy, params=params,
-                           replay_window=replay_window)
+    with stage(f"compiling the {model} program", quiet):
+        prog = compile_program(cfg, batch, g, tokens=tokens, max_seq_len=max_seq_len,
+                               context=context, n_splits=splits, policy=policy, params=params,
+                               replay_window=replay_window)
     plan_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    check_program(prog)
+    with stage(f"verifying {len(prog.instrs)} instructions", quiet):
+        check_program(prog)
     verify_s = time.perf_counter() - t0
     if programs is not None:
         programs.append(prog)
@@ -238,9 +253,30 @@ def run_refit(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """CliError naming the flag the user passed, before anything is compiled."""
+    from megakernel.cli import CliError, check_writable
+
+    least_of = {"--batch": (args.batch, 1), "--tokens": (args.tokens, 1),
+                "--context": (args.context, 0), "--max-seq-len": (args.max_seq_len, 1),
+                "--splits": (args.splits, 1), "--replay-window": (args.replay_window, 0)}
+    for flag, (v, least) in least_of.items():
+        if v is not None and v < least:
+            raise CliError(f"{flag} must be >= {least}, got {v}")
+    for flag, x in (("--copy-bw", args.copy_bw), ("--measured-step-us", args.measured_step_us)):
+        if x is not None and not (math.isfinite(x) and x > 0):
+            unit = "GB/s" if flag == "--copy-bw" else "us"
+            raise CliError(f"{flag} must be a positive number of {unit}, got {x}")
+    for flag, out in (("--timeline", args.timeline), ("--save-params", args.save_params)):
+        if out:
+            check_writable(out, flag)
+
+
 def run(args: argparse.Namespace) -> int:
     from megakernel.program.refit import RefitError, load_params
 
+    check_flags(args)
+    args.replay_window = args.replay_window or None  # 0 = the recurrent update, as in generate
     if args.save_params and not args.refit:
         raise RefitError("--save-params needs --refit FILE.json")
     if args.refit:
@@ -252,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
         raise RefitError("--timeline-records needs --timeline OUT.png (or --refit RECORDS)")
     programs: list = []
     r = plan(args.model, args.gpu, args.batch, args.tokens, args.context, args.max_seq_len,
-             args.splits, args.policy, args.copy_bw, params, args.replay_window, programs)
+             args.splits, args.policy, args.copy_bw, params, args.replay_window, programs,
+             quiet=args.json)
     if args.params:
         r["cost_params_file"] = args.params
     if args.measured_step_us is not None:

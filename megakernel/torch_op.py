@@ -11,7 +11,9 @@ the DSL is installed, from the JIT cache (megakernel.kernel.jit).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,12 +141,18 @@ def _decode_step_cpu(program, counters, weights, f32, bf16, i32, k_cache, v_cach
     _check_outputs(e, f32, i32, tok_off, logits_off, return_logits)
     ex = e.executor
     mine = dict(f32=f32, bf16=bf16, i32=i32, k=k_cache, v=v_cache)
-    if ex is None or any(ex.arena_tensor(n) is not t for n, t in mine.items()):
+    if (ex is None or any(ex.arena_tensor(n) is not t for n, t in mine.items())
+            or weights.data_ptr() != ex.weights.data_ptr()):
         if not torch.equal(program, e.prog.records()):
             raise ArgumentError("the program tensor is not the registered program's records")
-        ex = e.executor = Executor(e.prog, e.packed, check=True, arenas=mine)
-    if weights.data_ptr() != ex.weights.data_ptr():
-        raise ArgumentError("the weights tensor is not the registered program's packed arena")
+        arena = e.packed.arena
+        if (weights.dtype, weights.shape, weights.device) != (arena.dtype, arena.shape,
+                                                              arena.device):
+            raise ArgumentError(f"weights {weights.dtype} {tuple(weights.shape)} on "
+                                f"{weights.device} is not the registered program's packed arena "
+                                f"({arena.dtype} {tuple(arena.shape)} on {arena.device})")
+        packed = dataclasses.replace(e.packed, arena=weights)  # the step reads its argument
+        ex = e.executor = Executor(e.prog, packed, check=True, arenas=mine)
     if counters.numel() != len(ex.counters):
         raise ArgumentError(f"counters has {counters.numel()} words, the program needs "
                             f"{len(ex.counters)}")
@@ -305,8 +313,9 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # 
 
 
 class Megakernel:
-    """Packed weights, program, arenas and KV cache of one model on one GPU; decodes with the
-    kernel after a prefill by the torch reference (bf16 mode) on the same GPU.
+    """Packed weights, program, arenas and KV cache of one model on one GPU. `generate` runs
+    prefill and decode on the kernel (megakernel.engine); `prefill` + `step` load a prefill by
+    the torch reference (bf16 mode) instead, which the GPU checks compare decode steps from.
 
     On `device="cpu"` the same object runs the program compiled for `gpu` (a name of
     program/gpus.py, default h200) through the op's CPU implementation, the CPU executor: no GPU
@@ -352,6 +361,9 @@ class Megakernel:
         self.offsets = self.state.offsets
         self.lengths: list[int] = [0] * batch  # host mirror of lengths (the op advances them)
         self._weights_hf = weights
+        self._how = dict(build_dir=build_dir, device=self.device, replay_window=replay_window,
+                         gpu=gpu, n_splits=n_splits)  # what a sibling program for T tokens needs
+        self._chunks: dict[int, Megakernel | None] = {}  # T -> the prefill program (None: no build)
 
     def _region(self, arena: str, name: str) -> torch.Tensor:
         return self.state.region(arena, name)
@@ -362,7 +374,8 @@ class Megakernel:
         return self._region("f32", "logits").view(self.prog.rows, self.cfg.vocab_size)
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Prefill with the reference (bf16 mode) on this GPU; returns the first tokens [B]."""
+        """Prefill with the reference (bf16 mode) on this GPU, its cache copied into the KV cache;
+        returns the first tokens [B]. (`generate` prefills on the program instead.)"""
         from megakernel.reference.model import ReferenceModel
 
         if len(prompts) != self.batch:
@@ -394,19 +407,91 @@ class Megakernel:
         self.lengths = [n + self.tokens for n in self.lengths]
         return out
 
+    def reset(self) -> None:
+        """Empty every sequence: lengths, ring counts and recurrent state to zero (KV slots past
+        the lengths are never read)."""
+        for arena, name in self.prog.buffers.persistent:
+            self.state.region(arena, name).zero_()
+        ex = _REGISTRY[self.kernel_id].executor  # the CPU executor keeps the recurrent state
+        if ex is not None:
+            ex.state.zero_()
+        self.lengths = [0] * self.batch
+
+    def chunk_program(self, tokens: int) -> Megakernel | None:
+        """The same model and batch built for `tokens` per step (sharing this one's cache length),
+        for a chunked prefill; None when there is no build for it (then the prefill runs one token
+        per step). Made once per T."""
+        if tokens not in self._chunks:
+            try:
+                self._chunks[tokens] = Megakernel(self.cfg, self._weights_hf, self.batch, tokens,
+                                                  self.max_seq_len, **self._how)
+            except Exception as e:  # no build for T (or no DSL to make one): one token a step
+                print(f"prefill one token per step: no {tokens}-token program ({e})",
+                      file=sys.stderr)
+                self._chunks[tokens] = None
+        return self._chunks[tokens]
+
+    def generate_program(self, prompts: list[list[int]], steps: int,
+                         eos_token_id: int | None = None, live: list[bool] | None = None,
+                         chunk_tokens: int = 1):  # noqa: ANN201 (engine.Generated)
+        """Greedy generation with the prefill on the program too (megakernel.engine: the common
+        prompt prefix in chunks of `chunk_tokens` by `chunk_program`, when built, then one token
+        per step: every row consumes its next prompt token or its own last new token), from
+        empty caches: the first token comes from the kernel (or the CPU executor on "cpu").
+        Returns engine.Generated (tokens, first_token_s: time to first token)."""
+        from megakernel.engine import program_generate
+
+        if self.tokens != 1:
+            raise ArgumentError("generation runs one token per step; build with --tokens 1")
+        if len(prompts) != self.batch or any(len(p) == 0 for p in prompts):
+            raise ArgumentError(f"generation needs {self.batch} non-empty prompts, got "
+                                f"{[len(p) for p in prompts]} tokens")
+        need = max(len(p) for p in prompts) + steps - 1
+        if need > self.max_seq_len:
+            raise ArgumentError(f"the longest prompt plus {steps} new tokens needs {need} "
+                                f"positions; the program has max_seq_len {self.max_seq_len}")
+        self.reset()
+        chunk = None
+        if chunk_tokens > 1 and min(len(p) for p in prompts) > chunk_tokens:
+            ck = self.chunk_program(chunk_tokens)
+            if ck is not None:
+                ck.reset()
+                chunk = _OpStepper(ck)
+        return program_generate(_OpStepper(self), prompts, steps, eos_token_id, chunk=chunk,
+                                live=live)
+
     def generate(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
+        """New tokens per prompt, prefill and decode on the program (`generate_program`)."""
+        from megakernel.engine import PREFILL_CHUNK
+
         if steps <= 0:
             return [[] for _ in prompts]
-        if self.tokens != 1:
-            raise ArgumentError("generate() decodes one token per step; build with --tokens 1")
-        first = self.prefill(prompts)
-        outs = [first.to(torch.int32)]
-        tok = first[:, None]
-        for _ in range(steps - 1):
-            t, _ = self.step(tok)
-            tok = None  # the program feeds its tokens back (FLAG_FEEDBACK)
-            outs.append(t)
-        return torch.stack(outs, dim=1).to(torch.int64).tolist()
+        return self.generate_program(prompts, steps, chunk_tokens=PREFILL_CHUNK).tokens
+
+
+class _OpStepper:
+    """A Megakernel as an engine.Stepper: each step is one `decode_step` through the op."""
+
+    def __init__(self, mk: Megakernel) -> None:
+        self.mk, self.prog, self.tokens = mk, mk.prog, mk.tokens
+        self.n = 0  # steps run, named by a non-finite error
+
+    def step(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        from megakernel.finite import check_logits
+
+        out, _ = self.mk.step(tokens)
+        check_logits(self.mk.logits, self.n, "kernel")  # greedy of NaN logits is token 0
+        self.n += 1
+        return out.view(self.mk.batch, self.tokens).to(torch.int64)
+
+    def arenas(self) -> dict[str, torch.Tensor]:
+        ex = _REGISTRY[self.mk.kernel_id].executor
+        state = ex.state if ex is not None else torch.zeros(0)
+        return dict(i32=self.mk.i32, state=state, k=self.mk.k_cache, v=self.mk.v_cache)
+
+    def sync(self) -> None:
+        if self.mk.device.type == "cuda":
+            torch.cuda.synchronize(self.mk.device)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -376,10 +376,16 @@ def generate(model: ReferenceModel, prompts: list[list[int]], steps: int,
         return [[] for _ in prompts]
     if max_seq_len is None:
         max_seq_len = max(len(p) for p in prompts) + steps - 1
+    from megakernel.finite import check_logits
+
     cache = model.new_cache(len(prompts), max_seq_len)
-    token = greedy(model.prefill(cache, prompts))  # [B]
+    logits = model.prefill(cache, prompts)  # [B, V]
+    check_logits(logits, 0, "reference")
+    token = greedy(logits)  # [B]
     out = [token]
-    for _ in range(steps - 1):
-        token = greedy(model.decode(cache, token[:, None]))[:, 0]
+    for step in range(1, steps):
+        logits = model.decode(cache, token[:, None])  # [B, 1, V]
+        check_logits(logits, step, "reference")
+        token = greedy(logits)[:, 0]
         out.append(token)
     return torch.stack(out, dim=1).tolist()

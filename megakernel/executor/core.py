@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megakernel import isa
+from megakernel.finite import NonFiniteError
 from megakernel.layers import kind
 from megakernel.layers.base import STREAM
 from megakernel.layers.frame import needs as frame_needs
@@ -45,6 +46,10 @@ __all__ = ["Executor", "ExecutorError", "DeadlockError", "RaceError", "WriteCoun
 
 class ExecutorError(RuntimeError):
     """The program did something the kernel must never do (or the executor was misused)."""
+
+
+class NonFiniteActivations(ExecutorError, NonFiniteError):
+    """A matvec of finite, written inputs overflowed: the model's numbers, not the program."""
 
 
 class DeadlockError(ExecutorError):
@@ -313,7 +318,11 @@ class Executor:
         """[N, NROWS] fp32 = the prologue's input times the slab, fp32 accumulation."""
         acc = F.linear(self.norm_input(d), self.slab(d).float())
         if self.check and not bool(torch.isfinite(acc).all()):
-            raise ExecutorError(f"{self.cur_desc}: non-finite matvec output (poisoned input?)")
+            # unwritten (NaN-poisoned) scratch is a RaceError at its read, so this is the data
+            raise NonFiniteActivations(
+                f"cpu-executor: non-finite values at the step with sequence lengths "
+                f"{getattr(self, '_step_lengths', '?')} ({self.cur_desc}): the model's "
+                "activations overflow; check the weights")
         return acc
 
     # ---- a step -------------------------------------------------------------------------------
@@ -334,6 +343,7 @@ class Executor:
         """
         p = self.prog
         lengths = self.lengths.tolist()
+        self._step_lengths = lengths  # named by a non-finite error
         if tokens is not None:
             tokens = torch.as_tensor(tokens)
             if tuple(tokens.shape) != (p.batch, p.tokens):

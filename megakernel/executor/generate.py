@@ -1,11 +1,12 @@
-"""The "cpu-executor" generation backend: greedy decoding whose decode steps run the program on
-the CPU executor."""
+"""The "cpu-executor" generation backend: greedy generation whose prefill and decode steps run
+the program on the CPU executor (megakernel.engine)."""
 
 from __future__ import annotations
 
 import torch
 
-from megakernel.executor.core import Executor, ExecutorError
+from megakernel.engine import PREFILL_CHUNK
+from megakernel.executor.core import ExecutorError
 from megakernel.program.gpus import GPU
 from megakernel.program.gpus import gpu as gpu_by_name
 
@@ -18,17 +19,18 @@ def executor_gpu(num_sms: int = DEFAULT_SMS, base: str = "h100") -> GPU:
 
 def generate(cfg, weights: dict[str, torch.Tensor], prompts: list[list[int]], steps: int,  # noqa: ANN001
              max_seq_len: int | None = None, seed: int = 0, num_sms: int = DEFAULT_SMS,
-             check: bool = True, replay_window: int | None = None) -> list[list[int]]:
-    """Greedy generation like `reference.generate`, decode steps run by the program.
+             check: bool = True, replay_window: int | None = None,
+             chunk_tokens: int = PREFILL_CHUNK) -> list[list[int]]:
+    """Greedy generation like `reference.generate`, prefill and decode run by the program.
 
-    The prompt is prefilled by the reference in "bf16" mode (its cache is copied into the
-    program's buffers); every decode step is one program step, and since the program feeds its
-    own tokens back and advances the lengths, the host only reads tokens_out between steps.
+    The prompts run through the program from an empty cache and state (megakernel.engine): in
+    chunks of `chunk_tokens` per sequence as far as the shortest prompt allows, then one token
+    per step with per-row feeding; the output at a prompt's last token is its first new token.
     `replay_window`: None runs recurrent layers by the recurrent update, L by ReplaySSM.
     """
+    from megakernel.engine import executor_steppers, program_generate
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
-    from megakernel.reference.model import ReferenceModel, greedy
 
     if steps < 0:
         raise ExecutorError(f"steps must be >= 0, got {steps}")
@@ -38,17 +40,13 @@ def generate(cfg, weights: dict[str, torch.Tensor], prompts: list[list[int]], st
         return [[] for _ in prompts]
     if max_seq_len is None:
         max_seq_len = max(len(p) for p in prompts) + steps - 1
-    ref = ReferenceModel(cfg, weights, mode="bf16", replay_window=replay_window)
-    cache = ref.new_cache(len(prompts), max_seq_len)
-    first = greedy(ref.prefill(cache, prompts))  # [B]
-    out = [first]
-    if steps > 1:
-        prog = compile_program(cfg, len(prompts), executor_gpu(num_sms), tokens=1,
+    chunk_tokens = min(chunk_tokens, min(len(p) for p in prompts) - 1)
+
+    def compile_fn(tokens: int):  # noqa: ANN202
+        return compile_program(cfg, len(prompts), executor_gpu(num_sms), tokens=tokens,
                                max_seq_len=max_seq_len, replay_window=replay_window)
-        ex = Executor(prog, pack_weights(cfg, weights), check=check)
-        ex.load_cache(cache)
-        tok = ex.step(first[:, None], seed=seed)
-        out.append(tok[:, 0])
-        for i in range(steps - 2):
-            out.append(ex.step(None, seed=seed + 1 + i)[:, 0])
-    return torch.stack(out, dim=1).tolist()
+
+    single, chunk = executor_steppers(cfg, pack_weights(cfg, weights), len(prompts),
+                                      max_seq_len, replay_window, chunk_tokens, check, seed,
+                                      compile_fn)
+    return program_generate(single, prompts, steps, chunk=chunk).tokens

@@ -219,8 +219,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = resolve(args.model)
+    from megakernel.cli import CliError, check_writable
+
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    bad = [a for a in archs if a not in ARCHS] or ([] if archs else [args.arch])
+    if bad:
+        raise CliError(f"--arch {bad[0]!r} is not a kernel target; choose from "
+                       f"{', '.join(ARCHS)} (comma list)")
+    check_writable(args.out, "--out", is_dir=True)
+    cfg = resolve(args.model)
     t0 = time.perf_counter()
     manifests = build(cfg, archs, args.out, args.batch, args.tokens)
     for m in manifests:

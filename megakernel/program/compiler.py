@@ -201,6 +201,11 @@ def build_stages(ctx: BuildContext) -> list[Stage]:
     return out + head_stages(ctx, prev)
 
 
+def default_max_seq_len(cfg) -> int:  # noqa: ANN001 (ModelConfig)
+    """The cache length a program gets when none is asked for."""
+    return min(cfg.max_position_embeddings, 4096)
+
+
 def compile_program(
     cfg,  # noqa: ANN001 (ModelConfig)
     batch: int,
@@ -222,7 +227,7 @@ def compile_program(
     from megakernel.program.replay import replay
 
     if max_seq_len is None:
-        max_seq_len = min(cfg.max_position_embeddings, 4096)
+        max_seq_len = default_max_seq_len(cfg)
     validate(cfg, batch, tokens, max_seq_len, gpu, replay_window)
     if context is None:
         context = min(1024, max_seq_len - tokens)

@@ -695,3 +695,18 @@ def test_load_model_preset_and_directory(tmp_path: Path, dense_hf_model: MakeHF)
 
     with pytest.raises(ConfigError, match="'no-such-model' is neither a preset"):
         load_model("no-such-model")
+
+
+def test_finite_check_of_overflowing_sums() -> None:
+    """The fast finite check (an fp32 sum) must not refuse finite tensors whose sum overflows,
+    and must refuse one NaN or Inf anywhere."""
+    from megakernel.models.weights import _finite
+
+    t = torch.randn(4096, dtype=torch.bfloat16)
+    assert _finite(t)
+    big = torch.full((64,), 3e38, dtype=torch.bfloat16)  # finite; its sum is inf
+    assert _finite(big) and not bool(torch.isfinite(big.float().sum()))
+    for bad in (math.nan, math.inf, -math.inf):
+        u = t.clone()
+        u[int(torch.randint(4096, ()))] = bad
+        assert not _finite(u)

@@ -222,14 +222,19 @@ def test_ptx_entry_parser():
 
 
 # ---- no DSL -------------------------------------------------------------------------------------
+# a script prelude under which importing the DSL fails (what a GPU machine without it sees)
+NO_DSL = (
+    "import sys\n"
+    "class Block:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'cutlass' or name.startswith('cutlass.'):\n"
+    "            raise ImportError('the DSL must not be imported')\n"
+    "sys.meta_path.insert(0, Block())\n")
+
+
 def test_runtime_and_op_import_without_the_dsl():
     code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'cutlass' or name.startswith('cutlass.'):\n"
-        "            raise ImportError('the DSL must not be imported')\n"
-        "sys.meta_path.insert(0, Block())\n"
+        NO_DSL +
         "import megakernel.runtime, megakernel.torch_op, megakernel.gpu_check\n"
         "import megakernel.kernel.spec, megakernel.kernel.tools, megakernel.kernel.jit\n"
         "assert not any(m == 'cutlass' or m.startswith('cutlass.') for m in sys.modules)\n"

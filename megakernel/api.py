@@ -1,0 +1,231 @@
+"""The Python API: one call to load a model, one to generate.
+
+    import megakernel as mk
+    llm = mk.load("llama-tiny", backend="auto", max_batch=8, max_seq_len=256)
+    out = llm.generate([[5, 17, 3], [7, 1]], max_new_tokens=16, eos_token_id=None)
+    out.tokens  # new tokens per prompt, each ending at its EOS
+
+Backends: "kernel" (the fused kernel on an sm_90a/sm_100a GPU), "cpu-executor" (the same program
+on the CPU executor), "reference" (the torch reference, bf16 mode); "auto" takes the kernel where a
+GPU and a build are available, else the CPU executor, and says which on stderr. Prefill and decode
+both run on the program (megakernel.engine). Programs (and the kernel's builds) are made per batch
+bucket 1, 2, 4, ... up to max_batch, as CUDA-graph engines do; a call's batch is padded to its
+bucket with one-token dummy prompts whose outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megakernel.runtime import ArgumentError, KernelUnavailable
+
+BACKENDS = ("auto", "kernel", "cpu-executor", "reference")
+CHUNK_TOKENS = 4  # prefill chunk (tokens per sequence per step) of the CPU executor's program
+
+
+class GenerationError(ArgumentError):
+    """Bad input to the Python API (a user error: the CLI prints it and exits 2)."""
+
+
+@dataclass
+class GenerationOutput:
+    """tokens: new ids per prompt (each ends at its EOS when it met one); texts: their decoding
+    when the model has a tokenizer; first_token_s: time until every prompt had its first new
+    token (None for the reference); total_s: the whole call."""
+
+    tokens: list[list[int]]
+    backend: str
+    texts: list[str] | None = None
+    first_token_s: float | None = None
+    total_s: float = 0.0
+
+
+def bucket(n: int, max_batch: int) -> int:
+    """The batch a call of n prompts runs at: the next power of two, at most max_batch."""
+    return min(1 << (n - 1).bit_length(), max_batch)
+
+
+def _kernel_available(cfg) -> str | None:  # noqa: ANN001
+    """None when the kernel can run `cfg` here, else why not."""
+    from megakernel.kernel.spec import SpecError, check_kernel_support
+    from megakernel.torch_op import ENV_BUILD_DIR
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    try:
+        check_kernel_support(cfg)
+    except SpecError as e:
+        return str(e)
+    if not os.environ.get(ENV_BUILD_DIR) and importlib.util.find_spec("cutlass") is None:
+        return f"no build (${ENV_BUILD_DIR} unset and the DSL is not installed)"
+    return None
+
+
+class LLM:
+    """A loaded model and its generation backend; see the module docstring."""
+
+    def __init__(self, cfg, weights: dict[str, torch.Tensor], backend: str = "auto",  # noqa: ANN001
+                 max_batch: int = 8, max_seq_len: int = 4096, replay_window: int | None = None,
+                 tokenizer: Any = None, build_dir: str | Path | None = None) -> None:
+        if backend not in BACKENDS:
+            raise GenerationError(f"unknown backend {backend!r}; choose from "
+                                  f"{', '.join(BACKENDS)}")
+        if max_batch < 1:
+            raise GenerationError(f"max_batch must be >= 1, got {max_batch}")
+        if not 1 <= max_seq_len <= cfg.max_position_embeddings:
+            raise GenerationError(f"max_seq_len must be in [1, {cfg.max_position_embeddings}] "
+                                  f"(the model's max_position_embeddings), got {max_seq_len}")
+        if replay_window is not None and (replay_window < 1 or not cfg.recurrent_layers()):
+            raise GenerationError(f"replay_window {replay_window} needs a model with recurrent "
+                                  f"layers and L >= 1")
+        if backend == "auto":
+            why = _kernel_available(cfg)
+            backend = "kernel" if why is None else "cpu-executor"
+            print(f"megakernel: backend {backend}" + (f" ({why})" if why else ""),
+                  file=sys.stderr)
+        elif backend == "kernel":
+            from megakernel.kernel.spec import check_kernel_support
+            from megakernel.torch_op import _require_gpu
+
+            check_kernel_support(cfg)  # SpecError names the layer kinds it cannot run
+            _require_gpu()  # KernelUnavailable
+        self.cfg, self.weights, self.backend = cfg, weights, backend
+        self.max_batch, self.max_seq_len, self.replay_window = max_batch, max_seq_len, replay_window
+        self.tokenizer, self.build_dir = tokenizer, build_dir
+        self._programs: dict[tuple[int, int], object] = {}  # (batch, tokens) -> Program
+        self._kernels: dict[int, object] = {}  # batch -> torch_op.Megakernel
+        self._packed = None
+
+    # ---- input ---------------------------------------------------------------------------------
+    def _prompts(self, prompts: list[list[int]] | list[str], max_new_tokens: int
+                 ) -> list[list[int]]:
+        if isinstance(prompts, str) or not prompts:
+            raise GenerationError("prompts must be a non-empty list (of token id lists or, with "
+                                  "a tokenizer, of strings)")
+        if all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise GenerationError("text prompts need a checkpoint with a tokenizer; pass "
+                                      "token ids")
+            prompts = [list(self.tokenizer(p)["input_ids"]) for p in prompts]
+        ids = [[int(t) for t in p] for p in prompts]
+        if len(ids) > self.max_batch:
+            raise GenerationError(f"{len(ids)} prompts exceed max_batch {self.max_batch}")
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        vocab = self.cfg.vocab_size
+        for i, p in enumerate(ids):
+            if not p:
+                raise GenerationError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise GenerationError(f"token id {bad[0]} in prompt {i} is outside the "
+                                      f"vocabulary [0, {vocab})")
+            if len(p) + max_new_tokens - 1 > self.max_seq_len:
+                raise GenerationError(f"prompt {i} ({len(p)} tokens) plus {max_new_tokens} new "
+                                      f"tokens needs {len(p) + max_new_tokens - 1} positions, "
+                                      f"more than max_seq_len {self.max_seq_len}")
+        return ids
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int = 16,
+                 eos_token_id: int | None = None) -> GenerationOutput:
+        """Greedy generation of up to max_new_tokens per prompt; a prompt stops at its EOS
+        (included) and the call returns when every prompt has stopped."""
+        ids = self._prompts(prompts, max_new_tokens)
+        t0 = time.perf_counter()
+        first_s = None
+        if self.backend == "reference":
+            tokens = self._reference(ids, max_new_tokens)
+        else:
+            g = self._program(ids, max_new_tokens, eos_token_id)
+            tokens, first_s = g.tokens, g.first_token_s
+        tokens = [_until_eos(t, eos_token_id) for t in tokens]
+        texts = ([self.tokenizer.decode(t) for t in tokens] if self.tokenizer is not None
+                 else None)
+        return GenerationOutput(tokens, self.backend, texts, first_s, time.perf_counter() - t0)
+
+    def _reference(self, ids: list[list[int]], steps: int) -> list[list[int]]:
+        from megakernel.reference.model import ReferenceModel, generate
+
+        ref = ReferenceModel(self.cfg, self.weights, mode="bf16",
+                             replay_window=self.replay_window)
+        return generate(ref, ids, steps, self.max_seq_len)
+
+    def _program(self, ids: list[list[int]], steps: int, eos: int | None):  # noqa: ANN202
+        """Run the bucket's program with dummy rows [0] padding the batch; drop their rows."""
+        n = len(ids)
+        b = bucket(n, self.max_batch)
+        padded = ids + [[0]] * (b - n)
+        live = [True] * n + [False] * (b - n)
+        if self.backend == "kernel":
+            g = self._kernel(b).generate_program(padded, steps, eos, live=live)
+        else:
+            from megakernel.engine import executor_steppers, program_generate
+            from megakernel.program.pack import pack_weights
+
+            if self._packed is None:
+                self._packed = pack_weights(self.cfg, self.weights)
+            chunk = min(CHUNK_TOKENS, min(len(p) for p in ids) - 1)
+            single, chunk_st = executor_steppers(
+                self.cfg, self._packed, b, self.max_seq_len, self.replay_window, chunk,
+                compile_fn=lambda t: self._compiled(b, t))
+            g = program_generate(single, padded, steps, eos, chunk=chunk_st, live=live)
+        g.tokens = g.tokens[:n]
+        return g
+
+    def _compiled(self, batch: int, tokens: int):  # noqa: ANN202
+        from megakernel.executor.generate import executor_gpu
+        from megakernel.program.compiler import compile_program
+
+        key = (batch, tokens)
+        if key not in self._programs:
+            self._programs[key] = compile_program(
+                self.cfg, batch, executor_gpu(), tokens=tokens, max_seq_len=self.max_seq_len,
+                replay_window=self.replay_window)
+        return self._programs[key]
+
+    def _kernel(self, batch: int):  # noqa: ANN202
+        from megakernel.torch_op import Megakernel
+
+        if batch not in self._kernels:
+            self._kernels[batch] = Megakernel(self.cfg, self.weights, batch=batch,
+                                              max_seq_len=self.max_seq_len,
+                                              build_dir=self.build_dir,
+                                              replay_window=self.replay_window)
+        return self._kernels[batch]
+
+
+def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def load(model: str | Path, backend: str = "auto", max_batch: int = 8, max_seq_len: int = 4096,
+         replay_window: int | None = None, seed: int = 0,
+         build_dir: str | Path | None = None) -> LLM:
+    """Load a preset (random bf16 weights from `seed`) or a Hugging Face checkpoint directory
+    (its tokenizer too, when it has one) and pick the backend; see the module docstring."""
+    from megakernel.models.weights import load_model
+
+    cfg, weights = load_model(str(model), seed=seed, dtype=torch.bfloat16)
+    tokenizer = None
+    if Path(model).is_dir():
+        from megakernel.cli import CliError, _tokenizer
+
+        try:
+            tokenizer = _tokenizer(str(model))
+        except CliError:
+            tokenizer = None  # token ids only
+    return LLM(cfg, weights, backend, max_batch, max_seq_len, replay_window, tokenizer,
+               build_dir)
+
+
+__all__ = ["BACKENDS", "GenerationError", "GenerationOutput", "KernelUnavailable", "LLM",
+           "bucket", "load"]

@@ -1,0 +1,156 @@
+"""Bad input on the command line ends in one `error: ...` naming the flag or the step, exit 2:
+run-time overflow in every backend, flag values, build and bench-script names; and progress
+lines on stderr (quiet under --json)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megakernel import cli
+from megakernel.finite import NonFiniteError, check_logits
+from megakernel.models import preset
+from megakernel.models.weights import random_weights, save_checkpoint
+from megakernel.progress import set_quiet, stage
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def overflowing_checkpoint(tmp_path: Path, name: str = "llama-tiny") -> Path:
+    """Finite weights (they pass the load check) whose final norm overflows fp32 logits."""
+    cfg = preset(name)
+    w = random_weights(cfg, seed=int(torch.randint(1000, ())))
+    w[cfg.final_norm_name] = torch.full_like(w[cfg.final_norm_name], 3e38)
+    return save_checkpoint(cfg, w, tmp_path / "overflow")
+
+
+# ---- run-time non-finite logits --------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["reference", "cpu-executor"])
+def test_non_finite_logits_stop_generation(capsys, tmp_path: Path, backend: str) -> None:
+    d = overflowing_checkpoint(tmp_path)
+    rc, out, err = run_cli(capsys, "generate", "--model", str(d), "--prompt-ids", "1,2;3",
+                           "--steps", "3", "--backend", backend)
+    assert rc == 2 and "new tokens" not in out, out  # not token 0 forever
+    assert err.startswith(f"error: {backend}: non-finite") and "step" in err, err
+
+
+def test_kernel_path_checks_the_logits_the_op_returns(tmp_path: Path) -> None:
+    """The op's logits are checked per step (a GPU build has no executor check behind it)."""
+    from megakernel.torch_op import Megakernel
+
+    cfg = preset("llama-tiny")
+    mk = Megakernel(cfg, random_weights(cfg, seed=5), batch=2, tokens=1, max_seq_len=8,
+                    device="cpu")
+    real_step, calls = mk.step, []
+
+    def poisoned_step(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = real_step(*a, **k)
+        calls.append(1)
+        if len(calls) == 3:
+            mk.logits[1, 7] = math.nan  # what an overflowing GPU step returns
+        return out
+
+    mk.step = poisoned_step
+    with pytest.raises(NonFiniteError, match="kernel: non-finite logits at step 2"):
+        mk.generate([[1, 2], [3]], 4)
+
+
+def test_check_logits_names_rows() -> None:
+    x = torch.randn(3, 11)
+    check_logits(x, 0, "t")
+    x[2, 4] = -math.inf
+    with pytest.raises(NonFiniteError, match=r"step 5 \(rows \[2\]\)"):
+        check_logits(x, 5, "t")
+
+
+# ---- flags named as passed -------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "want", "absent"), [
+    (["generate", "--steps", "5000"], "--steps 5000", "--max-seq-len"),
+    (["generate", "--steps", "50", "--max-seq-len", "9"], "--max-seq-len 9 is too small", None),
+    (["generate", "--device", "cuda:7" if torch.cuda.is_available() else "cuda"], "--device",
+     None),
+    (["generate", "--device", "nonsense"], "--device 'nonsense'", None),
+    (["plan", "--model", "llama-tiny", "--context", "-5"], "--context must be >= 0, got -5", None),
+    (["plan", "--model", "llama-tiny", "--context", "5000"],
+     "--context 5000 + --tokens 1 do not fit the default --max-seq-len of 1024", None),
+    (["plan", "--model", "llama-tiny", "--context", "50", "--max-seq-len", "40"],
+     "do not fit --max-seq-len 40", None),
+    (["plan", "--model", "llama-tiny", "--copy-bw", "-1"], "--copy-bw must be a positive", None),
+    (["plan", "--model", "llama-tiny", "--copy-bw", "nan"], "--copy-bw", None),
+    (["plan", "--model", "llama-tiny", "--batch", "0"], "--batch must be >= 1", None),
+    (["plan", "--model", "llama-tiny", "--timeline", "/nonexistent-dir/t.png"], "--timeline",
+     None),
+    (["build", "--model", "llama-tiny", "--arch", "sm_80", "--out", "x"], "--arch 'sm_80'", None),
+])
+def test_flag_errors_name_the_flag(capsys, argv: list[str], want: str, absent: str | None
+                                   ) -> None:
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and err.startswith("error: ") and want in err, err
+    assert absent is None or absent not in err, err
+
+
+def test_plan_replay_window_zero_is_the_recurrent_update(capsys) -> None:
+    """--replay-window 0 means the recurrent update in plan as in generate (not an error)."""
+    rc, out, err = run_cli(capsys, "plan", "--model", "qwen3.5-tiny", "--replay-window", "0",
+                           "--json")
+    assert rc == 0, err
+    assert '"replay_window": 0' in out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("under", ["file", "file/sub"])
+def test_build_out_under_a_file(capsys, tmp_path: Path, under: str) -> None:
+    (tmp_path / "file").write_text("x")
+    rc, _, err = run_cli(capsys, "build", "--model", "llama-tiny", "--arch", "sm_90a", "--out",
+                         str(tmp_path / under))
+    assert rc == 2 and err.startswith("error: --out"), err
+
+
+# ---- bench scripts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["bench/plan.py", "--models", "llama-tiny,nope"],
+    ["bench/plan.py", "--models", "llama-tiny", "--gpus", "a100"],
+    ["bench/replay.py", "--gpu", "a100"],
+    ["bench/build.py", "--models", "nope"],
+    ["bench/build.py", "--models", "llama-tiny", "--arch", "sm_80"],
+    ["bench/decode.py", "--model", "nope"],
+])
+def test_bench_scripts_refuse_unknown_names(argv: list[str]) -> None:
+    r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and "unknown name" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ---- progress --------------------------------------------------------------------------------
+def test_stage_prints_elapsed_on_stderr_unless_quiet(capsys) -> None:
+    with stage("packing"):
+        pass
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[0] == "packing ..."
+    assert err.splitlines()[1].startswith("packing ... ") and err.endswith(" s\n")
+    set_quiet(True)
+    try:
+        with stage("packing"):
+            pass
+    finally:
+        set_quiet(False)
+    assert capsys.readouterr().err == ""
+
+
+def test_plan_shows_progress_unless_json(capsys) -> None:
+    rc, _, err = run_cli(capsys, "plan", "--model", "llama-tiny")
+    assert rc == 0 and "compiling the llama-tiny program ... " in err and " s\n" in err
+    rc, _, err = run_cli(capsys, "plan", "--model", "llama-tiny", "--json")
+    assert rc == 0 and err == ""
