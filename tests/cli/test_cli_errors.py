@@ -154,3 +154,45 @@ def test_plan_shows_progress_unless_json(capsys) -> None:
     assert rc == 0 and "compiling the llama-tiny program ... " in err and " s\n" in err
     rc, _, err = run_cli(capsys, "plan", "--model", "llama-tiny", "--json")
     assert rc == 0 and err == ""
+
+
+@pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3.5-tiny", "kimi-linear-tiny",
+                                   "nemotron-h-tiny"])
+def test_max_seq_len_is_honoured_for_every_family(capsys, monkeypatch, model: str) -> None:
+    """`--max-seq-len 40` sizes the reference's cache and every program the executor compiles."""
+    import megakernel.program.compiler as compiler
+    import megakernel.reference.model as refmodel
+
+    seen: list[tuple[str, int]] = []
+    compile_program, new_cache = compiler.compile_program, refmodel.ReferenceModel.new_cache
+
+    def spy_compile(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        seen.append(("program", k["max_seq_len"]))
+        return compile_program(*a, **k)
+
+    def spy_cache(self, batch, max_seq_len, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(("cache", max_seq_len))
+        return new_cache(self, batch, max_seq_len, *a, **k)
+
+    monkeypatch.setattr(compiler, "compile_program", spy_compile)
+    monkeypatch.setattr(refmodel.ReferenceModel, "new_cache", spy_cache)
+    for backend in ("reference", "cpu-executor"):
+        rc, _, err = run_cli(capsys, "generate", "--model", model, "--backend", backend,
+                             "--steps", "2", "--max-seq-len", "40")
+        assert rc == 0, err
+    assert {k for k, _ in seen} == {"program", "cache"}
+    assert {n for _, n in seen} == {40}, seen
+
+
+def test_build_out_unwritable(capsys, monkeypatch, tmp_path: Path) -> None:
+    """An unwritable --out (simulated: this machine's tests may run as root, which writes
+    anywhere) ends in error: naming the flag, before anything compiles."""
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == tmp_path
+                        else real(p, mode))
+    rc, _, err = run_cli(capsys, "build", "--model", "llama-tiny", "--arch", "sm_90a",
+                         "--out", str(tmp_path / "b"))
+    assert rc == 2 and f"--out {tmp_path / 'b'}: {tmp_path} is not writable" in err, err
+    assert "Traceback" not in err
