@@ -38,7 +38,7 @@ def _plan(model: str, gpu: str) -> dict[str, Any]:
     print(f"[1/3] plan: {model} on {r['gpu']}, batch 1: {r['instructions']} instructions on "
           f"{r['num_sms']} SMs, {r['bytes_per_step'] / 1e9:.3f} GB per step")
     print(f"      predicted step {r['predicted_step_us']:.1f} us against a floor of "
-          f"{r['floor_us']:.1f} us (bytes / {r['copy_bw_gbs']:.0f} GB/s copy bandwidth): "
+          f"{r['floor_us']:.1f} us (bytes / {r['copy_bw_gbs']:.0f} GB/s achievable bandwidth): "
           f"{100 * r['predicted_efficiency']:.1f}% predicted efficiency, "
           f"{1e6 / r['predicted_step_us']:.0f} tokens/s per user predicted")
     return r

@@ -160,10 +160,11 @@ def describe(r: dict[str, Any]) -> list[str]:
         f"bytes per step: {r['bytes_per_step'] / gb:.3f} GB (weights {r['weight_bytes'] / gb:.3f}"
         f", KV read {r['kv_read_bytes'] / gb:.4f}, KV written {r['kv_write_bytes'] / gb:.5f})",
         f"predicted step: {r['predicted_step_us']:.1f} us",
-        f"floor: {r['floor_us']:.1f} us at the copy bandwidth {r['copy_bw_gbs']:.0f} GB/s"
-        f" ({'measured' if r['copy_bw_measured'] else 'cited achievable read bandwidth'}); "
+        f"floor: {r['floor_us']:.1f} us at {r['copy_bw_gbs']:.0f} GB/s"
+        + (" (the measured copy bandwidth); " if r["copy_bw_measured"]
+           else " (the cited achievable read bandwidth); ") +
         f"{r['spec_floor_us']:.1f} us at the spec {r['hbm_bw_gbs']:.0f} GB/s",
-        f"predicted efficiency: {100 * r['predicted_efficiency']:.1f}% of the copy floor "
+        f"predicted efficiency: {100 * r['predicted_efficiency']:.1f}% of that floor "
         f"({100 * r['predicted_spec_efficiency']:.1f}% of the spec floor)",
         f"worst SM idle fraction: {100 * r['worst_sm_idle']:.1f}% (mean "
         f"{100 * r['mean_sm_idle']:.1f}%)",
