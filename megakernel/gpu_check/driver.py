@@ -1,8 +1,9 @@
 """gpu-check's driver: stages of groups, each group in child processes, everything bounded.
 
-The parent never touches CUDA. A group's items (check cases, or the benchmark's items) run in a
-child process that writes an event line before and after each item; the parent streams the child's
-output (unbuffered) into the log, rewrites the report after every finished item, and:
+The parent launches nothing on the GPU (it only reads the device's arch). A group's items (check
+cases, or the benchmark's items) run in a child process that writes an event line before and after
+each item; the parent streams the child's output (unbuffered) into the log, rewrites the report
+after every finished item, and:
 - kills the child when its current item outlives its cap (or the child's startup outlives
   STARTUP_S), or when the whole run's deadline comes;
 - when a child dies (a device trap or sticky CUDA error ends the process: its context is gone),
