@@ -10,7 +10,8 @@ on the CPU executor), "reference" (the torch reference, bf16 mode); "auto" takes
 GPU and a build are available, else the CPU executor, and says which on stderr. Prefill and decode
 both run on the program (megakernel.engine). Programs (and the kernel's builds) are made per batch
 bucket 1, 2, 4, ... up to max_batch, as CUDA-graph engines do; a call's batch is padded to its
-bucket with one-token dummy prompts whose outputs are dropped.
+bucket with copies of its first prompt whose outputs are dropped (copies, so that the chunked
+prefill still covers the shortest real prompt).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import Any
 
 import torch
 
+from megakernel.engine import PREFILL_CHUNK
 from megakernel.runtime import ArgumentError, KernelUnavailable
 
 BACKENDS = ("auto", "kernel", "cpu-executor", "reference")
-CHUNK_TOKENS = 4  # prefill chunk (tokens per sequence per step) of the CPU executor's program
 
 
 class GenerationError(ArgumentError):
@@ -160,20 +161,22 @@ class LLM:
         return generate(ref, ids, steps, self.max_seq_len)
 
     def _program(self, ids: list[list[int]], steps: int, eos: int | None):  # noqa: ANN202
-        """Run the bucket's program with dummy rows [0] padding the batch; drop their rows."""
+        """Run the bucket's program with copies of the first prompt padding the batch (they never
+        shorten the chunked prefill); drop their rows."""
         n = len(ids)
         b = bucket(n, self.max_batch)
-        padded = ids + [[0]] * (b - n)
+        padded = ids + [ids[0]] * (b - n)
         live = [True] * n + [False] * (b - n)
         if self.backend == "kernel":
-            g = self._kernel(b).generate_program(padded, steps, eos, live=live)
+            g = self._kernel(b).generate_program(padded, steps, eos, live=live,
+                                                 chunk_tokens=PREFILL_CHUNK)
         else:
             from megakernel.engine import executor_steppers, program_generate
             from megakernel.program.pack import pack_weights
 
             if self._packed is None:
                 self._packed = pack_weights(self.cfg, self.weights)
-            chunk = min(CHUNK_TOKENS, min(len(p) for p in ids) - 1)
+            chunk = min(PREFILL_CHUNK, min(len(p) for p in ids) - 1)
             single, chunk_st = executor_steppers(
                 self.cfg, self._packed, b, self.max_seq_len, self.replay_window, chunk,
                 compile_fn=lambda t: self._compiled(b, t))

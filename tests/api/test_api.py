@@ -193,3 +193,24 @@ def test_import_is_light_registers_the_op_and_exports_the_api():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == re.search(r'^version = "([^"]+)"',
                                          (REPO / "pyproject.toml").read_text(), re.M).group(1)
+
+
+def test_padding_rows_keep_the_chunked_prefill(monkeypatch):
+    """3 long prompts in the batch-4 bucket: the padding row copies a real prompt, so the T = 4
+    program still runs the common prefix (a one-token dummy row would cut it to nothing)."""
+    import megakernel.engine as engine
+
+    runs = []
+    real = engine.program_generate
+
+    def spy(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        g = real(*a, **k)
+        runs.append(dict(g.steps))
+        return g
+    monkeypatch.setattr(engine, "program_generate", spy)
+    prompts = [[5, 17, 3, 8, 1, 9, 2, 6, 4], [7, 1, 2, 3, 4, 5, 6, 7, 8], [9, 2, 4, 4, 1, 2, 3,
+                                                                          4, 5, 6]]
+    llm = mk.load("llama-tiny", backend="cpu-executor", max_batch=4, max_seq_len=32)
+    out = llm.generate(prompts, max_new_tokens=3)
+    assert out.tokens == _reference_unpatched("llama-tiny", prompts, 3, None)
+    assert runs and runs[0].get(4, 0) == 2, runs
