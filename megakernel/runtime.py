@@ -229,7 +229,9 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
         if tensors[name].numel() >= INT32_LIMIT:
             raise ArgumentError(f"{name} arena has {tensors[name].numel()} elements; the kernel "
                                 f"addresses it with int32 offsets (< 2^31)")
-    L, B, Hkv, D = spec["layers"], spec["batch"], spec["kv_heads"], spec["head_dim"]
+    # the cache has a slot per attention layer (KernelSpec.kv_layers)
+    L = len(spec.get("attn_layers") or ()) or spec["layers"]
+    B, Hkv, D = spec["batch"], spec["kv_heads"], spec["head_dim"]
     for name in ("k_cache", "v_cache"):
         t = tensors[name]
         if t.dim() != 5:
@@ -288,7 +290,9 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
     H, Inter, V, D = spec["hidden"], spec["inter"], spec["vocab"], spec["head_dim"]
     Hq, Hkv, B, N = spec["heads"], spec["kv_heads"], spec["batch"], spec["batch"] * spec["tokens"]
     shapes = {Op.QKV: (H, (Hq + 2 * Hkv) * D), Op.OPROJ: (Hq * D, H), Op.GATEUP: (H, 2 * Inter),
-              Op.DOWN: (Inter, H), Op.LMHEAD: (H, padded_vocab(V))}  # (K, matrix rows)
+              Op.UP_RELU2: (H, Inter), Op.DOWN: (Inter, H),
+              Op.LMHEAD: (H, padded_vocab(V))}  # (K, matrix rows)
+    handled = set(spec.get("ops") or (s.code for s in isa.specs() if s.device))
     for sm, queue in enumerate(records.tolist()):
         for pos, rec in enumerate(queue):
             if rec[0] == Op.END:
@@ -299,7 +303,7 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                 raise ArgumentError(f"SM {sm} record {pos}: {e}") from None
             op = d["OPCODE"]
             where = f"SM {sm} record {pos} ({op.name})"
-            if not isa.spec(op).device or (isa.spec(op).matvec and op not in shapes):
+            if op not in handled or (isa.spec(op).matvec and op not in shapes):
                 raise ArgumentError(f"{where}: the kernel build has no handler for {op.name}; "
                                     "the program is for another model or build")
             need: dict[str, int] = {}

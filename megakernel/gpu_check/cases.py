@@ -2,10 +2,10 @@
 
 Stage 0 asks the one question that must be answered first (does the kernel launch, finish and agree
 at all: the smallest model, B = 1, 8 steps, the global-memory variant before the default one);
-stage 1 covers the shapes (the quick tiny set, llama-mid cases that reach a K-split > 1 at B = 1 and
-K-chunked slabs at B = 16 on both GEMV paths, several attention splits with an empty one); stage 2
-runs the real presets (one of them against the CPU executor too) and then the benchmark with what
-the cost model assumes, measured in the same run.
+stage 1 covers the shapes (the quick tiny set with Nemotron-H's attention and relu^2 blocks,
+llama-mid cases that reach a K-split > 1 at B = 1 and K-chunked slabs at B = 16 on both GEMV paths,
+several attention splits with an empty one); stage 2 runs the real presets (one of them against the
+CPU executor too) and then the benchmark with what the cost model assumes, measured in the same run.
 """
 
 from __future__ import annotations
@@ -84,6 +84,10 @@ TINY = (
     Case("qwen3-tiny", 16, 1, 32, 1, cap_s=30),
     Case("qwen3-tiny", 4, 4, 32, 1, n_splits=2, cap_s=30),
     Case("qwen3-tiny", 40, 1, 16, 1, cap_s=30),  # 40 > NO = 32 rows: two passes over the rows
+    # Nemotron-H's attention (no RoPE, KV cache slots of the attention layers only) and relu^2
+    # MLP blocks (pattern "*-*-"): the first hybrid family the kernel runs
+    Case("nemotron-h-attn-tiny", 1, 1, 32, 2, cap_s=30),
+    Case("nemotron-h-attn-tiny", 4, 1, 32, 1, cap_s=30),
 )
 MID = (  # K-split 2 on the FMA path (B = 1); K-chunked slabs on mma (default) and FMA (global)
     Case("llama-mid", 1, 1, 16, 1, cap_s=45),

@@ -32,6 +32,7 @@ from megakernel.kernel.spec import (
     attn_scale,
     attn_warp,
     kv_row,
+    kv_slot,
 )
 from megakernel.kernel.sync import cta_sync
 
@@ -62,7 +63,8 @@ class Attention:
         pml_off = rec[word(Op.ATTN_PARTIAL, "PML_OFF")]
         len_off = rec[word(Op.ATTN_PARTIAL, "LEN_OFF")]
         length = ld(pI, len_off + b)
-        kv_row0 = kv_row(Int64(layer), b, g, Int64(s_max), self.B, self.Hkv)
+        cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)  # cache slot
+        kv_row0 = kv_row(Int64(cslot), b, g, Int64(s_max), self.B, self.Hkv)
         WQ = self.WQ
         q0, part = attn_warp(warp, WQ)
         for qi in cutlass.range(q0, self.QG, self.NW // WQ):
@@ -213,7 +215,8 @@ class Attention:
         hi = cutlass.min((s + 1) * ctx // n_splits, length)
         if tidx < 2:
             if hi > lo:
-                row0 = kv_row(Int64(layer), b, g, Int64(s_max), self.B, self.Hkv) + lo
+                cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)
+                row0 = kv_row(Int64(cslot), b, g, Int64(s_max), self.B, self.Hkv) + lo
                 nbytes = (hi - lo) * self.D * 2
                 base = pK.toint()
                 if tidx == 1:

@@ -11,7 +11,7 @@ would give):
                                loader and the lookahead walk the queue without decoding opcodes)
     common("LAYER")            a common field (words 0..5)
 
-`OpTable` holds the opcodes one build handles (a dense build: every `device=True` opcode) and the
+`OpTable` holds the opcodes one build handles (those its model's program uses) and the
 compile-time opcode sets the device code branches on, from the registry's properties: the slab
 opcodes (streamed by the loader and the lookahead), the matvec opcodes by epilogue, the ticket
 opcodes (which signal from their merge). `one_of(op, codes)` makes such a set a predicate, an OR
@@ -30,7 +30,7 @@ MATVEC_NAMES = tuple(n for n, _ in isa.MATVEC)
 SLAB_NAMES = ("W_LO", "W_HI", "NROWS", "K")
 # what the kernel implements: these opcodes by their own handler, the matvec opcodes by epilogue
 OWN_HANDLERS = ("END", "EMBED", "ATTN_PARTIAL", "ARGMAX")
-EPILOGUES = ("qkv", "residual", "gateup", "lmhead")
+EPILOGUES = ("qkv", "residual", "gateup", "relu2", "lmhead")
 
 
 class FieldError(ValueError):
@@ -114,9 +114,10 @@ class OpTable:
 
     @classmethod
     def for_spec(cls, spec) -> OpTable:  # noqa: ANN001 (KernelSpec)
-        """A dense build handles every opcode the registry marks `device=True`."""
-        del spec  # every build is dense today: the same table
-        return cls(device_ops())
+        """A build handles the opcodes its model's program uses (spec.handled_ops, from the
+        registry's layer kinds): a dense build compiles no relu^2 epilogue, a Nemotron-H build no
+        SwiGLU one."""
+        return cls(spec.handled_ops)
 
     def epilogue(self, name: str) -> tuple[int, ...]:
         """The handled matvec opcodes with epilogue `name` (empty: not compiled in)."""

@@ -62,6 +62,7 @@ from megakernel.kernel.spec import (
     chunk_ksplit,
     k_slice,
     kv_row,
+    kv_slot,
     lm_row_live,
     mma_c_coord,
     mma_operand_word,
@@ -77,9 +78,9 @@ F32_NEG_INF = -math.inf
 
 
 class Matvec:
-    """The matvec opcodes (QKV, OPROJ, GATEUP, DOWN, LMHEAD): one GEMV, the epilogue chosen by
-    the runtime opcode through the registry's `matvec` property (only the epilogues of opcodes
-    the build handles are compiled in)."""
+    """The matvec opcodes (QKV, OPROJ, GATEUP, UP_RELU2, DOWN, LMHEAD): one GEMV, the epilogue
+    chosen by the runtime opcode through the registry's `matvec` property (only the epilogues of
+    opcodes the build handles are compiled in: OpTable.for_spec)."""
 
     def __init__(self, spec: KernelSpec):
         self.spec = spec
@@ -223,6 +224,9 @@ class Matvec:
         if cutlass.const_expr(self.ops.epilogue("gateup")):
             if one_of(op, self.ops.epilogue("gateup")):
                 self.epi_gateup(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
+        if cutlass.const_expr(self.ops.epilogue("relu2")):
+            if one_of(op, self.ops.epilogue("relu2")):
+                self.epi_relu2(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
         if cutlass.const_expr(self.ops.epilogue("lmhead")):
             if one_of(op, self.ops.epilogue("lmhead")):
                 self.epi_lmhead(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, sBest,
@@ -441,6 +445,19 @@ class Matvec:
                 st(pB, a, (silu * u).to(BFloat16))
 
     @cute.jit
+    def epi_relu2(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
+                  nrp: Int32, out_off: Int32, pB: cute.Pointer, sAcc: cute.Tensor, tidx: Int32):
+        """act[n, row0 + rc0 + r] = bf16(relu(acc)^2) (UP_RELU2: the slab's rows are the
+        activation's columns), relu and the square in fp32."""
+        for idx in cutlass.range(tidx, self.NO * nr, self.NT):
+            nn = idx // nr
+            r = idx - nn * nr
+            if n0 + nn < self.N:
+                y = cutlass.max(self.acc_value(sAcc, nn, r, ksplit, nrp), Float32(0.0))
+                st(pB, out_off + row_major(n0 + nn, row0 + rc0 + r, self.I),
+                   (y * y).to(BFloat16))
+
+    @cute.jit
     def epi_lmhead(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
                    nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
                    sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
@@ -477,8 +494,9 @@ class Matvec:
                 pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer, pK: cute.Pointer,
                 pV: cute.Pointer, s_max: Int32, len_off: Int32, sAcc: cute.Tensor, warp: Int32,
                 lane: Int32):
-        """Per (head, row): (qwen2) + bias, (qwen3) per-head RMSNorm, RoPE, bf16 -> q buffer or
-        the KV cache. Lane holds head dims lane + 32 e, e < E = D / 32 (D = 64, 128, 256)."""
+        """Per (head, row): (qwen2) + bias, (qwen3) per-head RMSNorm, RoPE (spec.rope), bf16 -> q
+        buffer or the KV cache slot of the layer (spec.kv_slot). Lane holds head dims lane + 32 e,
+        e < E = D / 32 (D = 64, 128, 256)."""
         D, E, G = self.D, self.E, self.G
         qkn_off, rope_off = rec[word(Op.QKV, "QK_NORM_OFF")], rec[word(Op.QKV, "ROPE_OFF")]
         bias0 = Int64(0)  # arena element of the bias of chunk row 0 (spec.qkv_bias_index)
@@ -508,33 +526,37 @@ class Matvec:
                     for e in cutlass.range_constexpr(E):
                         b_e = ld(pW, bias0 + Int64(hh * D + lane + LANES * e)).to(Float32)
                         x[e] = x[e] + b_e
-                if j <= G:
-                    if cutlass.const_expr(self.spec.qk_norm):
-                        ss = Float32(0.0)
-                        for e in cutlass.range_constexpr(E):
-                            ss = ss + x[e] * x[e]
-                        ss = cute.arch.warp_reduction_sum(ss)
-                        rstd = Float32(1.0) / cute.math.sqrt(ss / Float32(D) + Float32(self.eps))
-                        woff = qkn_off
-                        if j == G:
-                            woff = qkn_off + D
-                        for e in cutlass.range_constexpr(E):
-                            w = ld(pW, woff + lane + LANES * e).to(Float32)
-                            x[e] = (x[e] * rstd) * w
-                    for e in cutlass.range_constexpr(half):
-                        i = lane + LANES * e
-                        c = ld(pF, rope_off + pos * hd + i)
-                        s = ld(pF, sin_off + pos * hd + i)
-                        x1 = x[e]
-                        x2 = x[e + half]
-                        x[e] = x1 * c + (-x2) * s
-                        x[e + half] = x2 * c + x1 * s
+                if cutlass.const_expr(self.spec.qk_norm or self.spec.rope):  # q and k only
+                    if j <= G:
+                        if cutlass.const_expr(self.spec.qk_norm):
+                            ss = Float32(0.0)
+                            for e in cutlass.range_constexpr(E):
+                                ss = ss + x[e] * x[e]
+                            ss = cute.arch.warp_reduction_sum(ss)
+                            ms = ss / Float32(D) + Float32(self.eps)
+                            rstd = Float32(1.0) / cute.math.sqrt(ms)
+                            woff = qkn_off
+                            if j == G:
+                                woff = qkn_off + D
+                            for e in cutlass.range_constexpr(E):
+                                w = ld(pW, woff + lane + LANES * e).to(Float32)
+                                x[e] = (x[e] * rstd) * w
+                        if cutlass.const_expr(self.spec.rope):  # Nemotron-H attention has none
+                            for e in cutlass.range_constexpr(half):
+                                i = lane + LANES * e
+                                c = ld(pF, rope_off + pos * hd + i)
+                                s = ld(pF, sin_off + pos * hd + i)
+                                x1 = x[e]
+                                x2 = x[e + half]
+                                x[e] = x1 * c + (-x2) * s
+                                x[e + half] = x2 * c + x1 * s
                 if j < G:
                     base = q_off + (n * self.Hq + grp * G + j) * D
                     for e in cutlass.range_constexpr(E):
                         st(pB, base + lane + LANES * e, x[e].to(BFloat16))
                 else:
-                    row = kv_row(Int64(layer), b, grp, Int64(s_max), self.B, self.Hkv) + pos
+                    cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)
+                    row = kv_row(Int64(cslot), b, grp, Int64(s_max), self.B, self.Hkv) + pos
                     for e in cutlass.range_constexpr(E):
                         if j == G:
                             st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))

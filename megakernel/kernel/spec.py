@@ -239,8 +239,23 @@ def attn_keys(s, n_splits, length, t, part, wq: int, tokens: int, minimum=min, m
 
 
 def kv_row(layer, b, g, s_max, batch: int, kv_heads: int):
-    """First row of (layer, sequence b, kv head g) in a KV cache [L, B, Hkv, S_max, D]."""
+    """First row of (KV cache slot `layer`, sequence b, kv head g) in a KV cache
+    [slots, B, Hkv, S_max, D] (kv_slot gives a decoder layer's slot)."""
     return ((layer * batch + b) * kv_heads + g) * s_max
+
+
+def kv_slot(layer, attn_layers: tuple[int, ...], minimum=min, maximum=max):
+    """KV cache slot of attention layer `layer` (the record's LAYER): the slots are the attention
+    layers in order (program/buffers.py), so the slot counts the attention layers before it.
+    `attn_layers` () means every layer has attention (slot = layer, no arithmetic: the dense
+    builds); otherwise the unrolled count sum over a in attn_layers[1:] of [layer >= a], as
+    min(max(layer - a + 1, 0), 1). Plain arithmetic: Int32 in the kernel, int in the tests."""
+    if not attn_layers:
+        return layer
+    slot = 0
+    for a in attn_layers[1:]:
+        slot = slot + minimum(maximum(layer - a + 1, 0), 1)
+    return slot
 
 
 def ring_slot(j, stages: int):
@@ -416,6 +431,13 @@ class KernelSpec:
     batch: int  # B
     tokens: int  # T
     qkv_bias: bool = False  # the QKV epilogue adds the bias that follows the matrix
+    rope: bool = True  # the QKV epilogue applies RoPE to every head dim (False: none, Nemotron-H)
+    # the opcodes the model's program uses (program_ops; () = those of a dense stack, as before
+    # the field existed): the build compiles in only their handlers and epilogues (handled_ops)
+    ops: tuple[int, ...] = ()
+    # the decoder layers with attention, in order: their KV cache slots (kv_slot); () = every
+    # layer (the dense stacks)
+    attn_layers: tuple[int, ...] = ()
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
     smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (above)
     timeline: bool = False  # the variant that stamps per-instruction times (TIMELINE_FIELDS)
@@ -444,6 +466,16 @@ class KernelSpec:
     def passes(self) -> int:
         """Outer passes over the activation rows per matvec (each streams the slab once)."""
         return -(-self.rows // self.no)
+
+    @property
+    def handled_ops(self) -> tuple[int, ...]:
+        """The opcodes this build has handlers for (fields.OpTable.for_spec)."""
+        return self.ops or tuple(sorted(kinds_ops(DENSE_KINDS)))
+
+    @property
+    def kv_layers(self) -> int:
+        """KV cache slots (first dim of the cache): the attention layers."""
+        return len(self.attn_layers) or self.layers
 
     @property
     def rows(self) -> int:  # N = B * T
@@ -611,11 +643,13 @@ class KernelSpec:
 
     # ---- identity ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-native (the tuples as lists): what a manifest holds."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> KernelSpec:
-        return cls(**d)
+        """From to_dict (or its JSON: the tuples come back as lists)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
     @property
     def tag(self) -> str:
@@ -625,14 +659,26 @@ class KernelSpec:
                 + ("-timeline" if self.timeline else ""))
 
 
-def program_ops(cfg) -> set[int]:  # noqa: ANN001 (ModelConfig)
-    """The opcodes a program of `cfg` uses (its kinds' `flow` plus the frame's)."""
+# the layer kinds of a dense stack: what a spec without `ops` handles
+DENSE_KINDS = ("attention", "swiglu")
+FRAME_OPS = ("END", "EMBED", "LMHEAD", "ARGMAX")
+# the feed-forward kinds the kernel runs (one per model): its `inter` is theirs
+MLP_KINDS = ("swiglu", "relu2")
+
+
+def kinds_ops(kinds) -> set[int]:  # noqa: ANN001 (iterable of layer kind names)
+    """The opcodes of a program whose blocks are of `kinds`: their `flow` plus the frame's."""
     from megakernel.layers import kind
 
-    names = {"END", "EMBED", "LMHEAD", "ARGMAX"}
-    for blk in cfg.blocks:
-        names |= set(kind(blk.kind).flow)
+    names = set(FRAME_OPS)
+    for k in kinds:
+        names |= set(kind(k).flow)
     return {int(getattr(isa.Op, n)) for n in names}
+
+
+def program_ops(cfg) -> set[int]:  # noqa: ANN001 (ModelConfig)
+    """The opcodes a program of `cfg` uses (its kinds' `flow` plus the frame's)."""
+    return kinds_ops({blk.kind for blk in cfg.blocks})
 
 
 def check_kernel_support(cfg) -> None:  # noqa: ANN001 (ModelConfig)
@@ -645,16 +691,20 @@ def check_kernel_support(cfg) -> None:  # noqa: ANN001 (ModelConfig)
                         "executor runs its program")
     from megakernel.models import ConfigError
 
-    try:  # the build's constants: one attention and one SwiGLU config for every layer
+    mlps = [k for k in MLP_KINDS if cfg.has_kind(k)]
+    try:  # the build's constants: one attention and one feed-forward config for every layer
+        if len(mlps) != 1:
+            raise ConfigError(f"{cfg.name or cfg.family} has feed-forward kinds {mlps}; "
+                              f"expected exactly one of {', '.join(MLP_KINDS)}")
         att = cfg.kind_config("attention")
-        cfg.kind_config("swiglu")
+        cfg.kind_config(mlps[0])
     except ConfigError as e:
-        raise SpecError(f"the kernel serves stacks of attention and SwiGLU layers of one shape: "
-                        f"{e}") from None
+        raise SpecError(f"the kernel serves stacks of attention and feed-forward "
+                        f"({'/'.join(MLP_KINDS)}) layers of one shape: {e}") from None
     why = []
     if att.output_gate:
         why.append("gated attention")
-    if att.rotary_dim != att.head_dim:
+    if att.rotary_dim not in (0, att.head_dim):
         why.append(f"RoPE on {att.rotary_dim} of {att.head_dim} head dims")
     if cfg.norm_kind != "rms":
         why.append("the (1 + w) RMSNorm")
@@ -685,12 +735,17 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
 
     validate(cfg)
     check_kernel_support(cfg)
-    att, mlp = cfg.kind_config("attention"), cfg.kind_config("swiglu")
+    att = cfg.kind_config("attention")
+    mlp = cfg.kind_config(next(k for k in MLP_KINDS if cfg.has_kind(k)))
+    attn = tuple(b.layer for b in cfg.blocks if b.kind == "attention")
     spec = KernelSpec(
         arch=arch, family=cfg.family, hidden=cfg.hidden_size, inter=mlp.intermediate_size,
         vocab=cfg.vocab_size, layers=cfg.num_layers, heads=att.num_heads,
         kv_heads=att.num_kv_heads, head_dim=att.head_dim, qk_norm=att.qk_norm,
-        qkv_bias=att.qkv_bias, eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,
+        qkv_bias=att.qkv_bias, rope=att.rotary_dim > 0,
+        ops=tuple(sorted(program_ops(cfg))),
+        attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
+        eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,
         num_threads=num_threads, smem_stages=smem_stages, timeline=timeline,
         l2_window=l2_window)
     spec.validate()

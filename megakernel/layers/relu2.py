@@ -20,7 +20,7 @@ Relu2Config = MLPConfig
 UP_RELU2 = register(OpSpec(
     19, "UP_RELU2", "relu2", "RMSNorm(h) -> slab of up_proj -> relu(x)^2 (bf16)", MATVEC,
     notes="OUT_OFF = bf16 act [N, I]: act[n, ROW0 + r] = bf16(relu(acc)^2).",
-    slab=True, matvec="relu2"))
+    slab=True, matvec="relu2", device=True))
 
 
 @register_kind

@@ -45,6 +45,13 @@ def _presets() -> dict[str, NemotronHConfig]:
             layer_types=("mamba2", "mlp", "attention", "mamba2", "mlp"), rms_norm_eps=1e-5,
             max_position_embeddings=512, attention=AttentionConfig(4, 2, 64),
             mamba2=Mamba2Config(8, 8, 16, 2, 4, True, 0.001), name="nemotron-h-tiny"),
+        # hybrid_override_pattern "*-*-": the family's attention and relu^2 blocks only (what
+        # the CuTe DSL kernel runs of it)
+        "nemotron-h-attn-tiny": NemotronHConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128,
+            layer_types=("attention", "mlp", "attention", "mlp"), rms_norm_eps=1e-5,
+            max_position_embeddings=512, attention=AttentionConfig(4, 2, 64),
+            mamba2=Mamba2Config(8, 8, 16, 2, 4, True, 0.001), name="nemotron-h-attn-tiny"),
     }
 
 

@@ -32,6 +32,7 @@ from megakernel.kernel.spec import (
     chunk_ksplit,
     k_slice,
     kv_row,
+    kv_slot,
     make_spec,
     matvec_tiles,
     ring_slot,
@@ -299,3 +300,103 @@ def test_attention_indexing_computes_gqa_attention(model, batch, tokens, n_split
                              vc.reshape(-1), lengths, layer, n_splits)
     want = _reference_attention(q, kc[layer], vc[layer], lengths, tokens)
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-9, atol=1e-12)
+
+
+# ---- Nemotron-H: the relu^2 epilogue and the KV cache slots --------------------------------------
+class _StubExecutor:
+    """What the executor's UP_RELU2 op reads of an Executor: the matvec result of the record
+    (given), the rows, the block's intermediate size, and a bf16 arena to write (Executor.write:
+    a view of [shape] at `off`, the value rounded to the arena's dtype)."""
+
+    def __init__(self, acc, rows: int, inter: int, arena) -> None:  # noqa: ANN001
+        from types import SimpleNamespace
+
+        self.acc, self.arena = acc, arena
+        self.prog = SimpleNamespace(rows=rows)
+        self._blk = SimpleNamespace(cfg=SimpleNamespace(intermediate_size=inter))
+
+    def matvec(self, d: dict):  # noqa: ANN201
+        return self.acc
+
+    def block(self, d: dict, kind_name: str):  # noqa: ANN201
+        assert kind_name == "relu2"
+        return self._blk
+
+    def write(self, buf: str, off: int, shape, idx, value) -> None:  # noqa: ANN001
+        assert buf == "bf16"
+        view = self.arena[off: off + int(np.prod(shape))].view(shape)
+        view[idx] = value.to(view.dtype)
+
+
+def _emulate_relu2(spec: KernelSpec, parts: np.ndarray, row0: int, out_off: int,
+                   arena: np.ndarray) -> None:
+    """Matvec.epi_relu2 over every pass and row chunk of a UP_RELU2 slab: parts [ksplit, N,
+    NROWS] fp32 are the K-slices the GEMV left in sAcc[ks][n][row] (acc_index), summed in order;
+    relu (acc <= 0 selects 0) and the square in fp32, rounded to bf16 at
+    row_major(n, row0 + rc0 + r, I) past out_off."""
+    import torch
+
+    ksplit, n_rows, nrows = parts.shape
+    for n0 in range(0, n_rows, spec.no):
+        for rc0 in range(0, nrows, ROW_CHUNK):
+            nr = min(ROW_CHUNK, nrows - rc0)
+            s_acc = np.full(ksplit * spec.no * nr, np.nan, np.float32)
+            for ks in range(ksplit):
+                for nn in range(min(spec.no, n_rows - n0)):
+                    for r in range(nr):
+                        s_acc[acc_index(ks, nn, r, spec.no, nr)] = parts[ks, n0 + nn, rc0 + r]
+            for idx in range(spec.no * nr):  # the CTA's threads, tidx strided
+                nn, r = divmod(idx, nr)
+                if n0 + nn < n_rows:
+                    v = s_acc[acc_index(0, nn, r, spec.no, nr)]
+                    for ks in range(1, ksplit):
+                        v = np.float32(v + s_acc[acc_index(ks, nn, r, spec.no, nr)])
+                    y = np.float32(0.0) if v <= 0 else v
+                    a = out_off + row_major(n0 + nn, row0 + rc0 + r, spec.inter)
+                    arena[a] = torch.tensor(np.float32(y * y)).to(torch.bfloat16).float().item()
+
+
+@pytest.mark.parametrize("batch", [1, 4, 40])  # 40 > NO: two passes over the activation rows
+def test_relu2_epilogue_indexing_matches_the_executor(batch):
+    import torch
+
+    from megakernel.executor.ops.mlp import up_relu2
+
+    inter = 2 * ROW_CHUNK + 128  # a slab of a full and a short row chunk, not at column 0
+    cfg = preset("nemotron-h-attn-tiny").replace(intermediate_size=inter)
+    spec = make_spec(cfg, batch, 1, "sm_90a")
+    rng = np.random.default_rng(batch)
+    row0, nrows, ksplit, out_off = 64, ROW_CHUNK + 64, 3, 24
+    parts = rng.standard_normal((ksplit, batch, nrows)).astype(np.float32)
+    total = parts[0]
+    for ks in range(1, ksplit):  # the epilogue's order of the K-slices
+        total = (total + parts[ks]).astype(np.float32)
+    size = out_off + batch * inter + 8
+    mine = np.full(size, np.nan, np.float32)
+    _emulate_relu2(spec, parts, row0, out_off, mine)
+    ref = torch.full((size,), float("nan"), dtype=torch.bfloat16)
+    up_relu2(_StubExecutor(torch.from_numpy(total), batch, inter, ref),
+             {"ROW0": row0, "NROWS": nrows, "OUT_OFF": out_off, "LAYER": 1}, 0)
+    want = ref.float().numpy()
+    assert (total < 0).any() and (total > 0).any()  # both sides of the relu
+    np.testing.assert_array_equal(mine, want)  # NaN where neither wrote
+    assert np.isfinite(want).sum() == batch * nrows
+
+
+@pytest.mark.parametrize("pattern", ["*-*-", "-*-*--*", "***-", "-**-*"])
+def test_kv_slot_is_the_programs_cache_slot(pattern):
+    """spec.kv_slot (the kernel's QKV store and attention reads) against the program's buffer
+    plan, which gives the attention layers the cache slots in order; dense builds: slot =
+    layer."""
+    from megakernel.layers.base import StepShape
+    from megakernel.program.buffers import plan_buffers
+
+    kinds = {"*": "attention", "-": "mlp"}
+    cfg = preset("nemotron-h-attn-tiny").replace(layer_types=tuple(kinds[c] for c in pattern))
+    spec = make_spec(cfg, 1, 1, "sm_90a")
+    plan = plan_buffers(cfg, StepShape(1, 1, 64, 1, 4, 0))
+    assert spec.kv_layers == len(plan.kv_slot) == plan.kv_shape[0]
+    assert {layer: kv_slot(layer, spec.attn_layers) for layer in plan.kv_slot} == plan.kv_slot
+    dense = make_spec(preset("llama-tiny"), 1, 1, "sm_90a")
+    assert [kv_slot(layer, dense.attn_layers) for layer in range(dense.layers)] == list(
+        range(dense.layers))

@@ -1,0 +1,115 @@
+"""The first hybrid family in the kernel: Nemotron-H's attention (no RoPE, KV cache slots of the
+attention layers only) and relu^2 MLP blocks, with per-family handler selection.
+
+CPU only: check_kernel_support's refusals as a table; the spec carries the model's opcodes, its
+attention layers and the RoPE switch; the dispatch tables (OpTable) hold only the epilogues the
+model uses; builds of the "*-*-" preset for sm_90a and sm_100a within the resource budgets, their
+PTX holding the relu^2 epilogue and the dense builds' not (the session build cache).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megakernel import isa
+from megakernel.kernel import spec as spec_mod
+from megakernel.kernel.fields import OpTable
+from megakernel.kernel.spec import ARCHS, SpecError, check_kernel_support, make_spec, program_ops
+from megakernel.models import preset
+
+HYBRID = "nemotron-h-attn-tiny"  # hybrid_override_pattern "*-*-"
+
+
+def _nemotron(pattern: str):  # noqa: ANN202
+    """nemotron-h-tiny with its layers from a hybrid_override_pattern (M, *, -)."""
+    kinds = {"M": "mamba2", "*": "attention", "-": "mlp"}
+    return preset("nemotron-h-tiny").replace(layer_types=tuple(kinds[c] for c in pattern))
+
+
+# (config, None when accepted else the words the refusal names)
+SUPPORT = [
+    (lambda: preset("llama-tiny"), None),
+    (lambda: preset("qwen3-tiny"), None),
+    (lambda: preset(HYBRID), None),
+    (lambda: _nemotron("-*-*--*"), None),
+    (lambda: _nemotron("*-M-"), ("MAMBA_CORE", "mamba2")),
+    (lambda: preset("nemotron-h-tiny"), ("MAMBA_CORE", "mamba2")),
+    (lambda: preset("qwen3.5-tiny"), ("GDN_CORE", "gdn")),
+    (lambda: preset("kimi-linear-tiny"), ("MLA", "moe")),
+    (lambda: _nemotron("**"), ("feed-forward", "[]")),
+    (lambda: _nemotron("--"), ("attention", "0 distinct")),
+    (lambda: preset("qwen3.5-tiny").replace(layer_types=("attention",)),  # its attention only
+     ("gated attention", "RoPE on 16 of 64", "(1 + w) RMSNorm")),
+]
+
+
+@pytest.mark.parametrize("make,refusal", SUPPORT)
+def test_kernel_support_table(make, refusal):
+    cfg = make()
+    if refusal is None:
+        check_kernel_support(cfg)
+        return
+    with pytest.raises(SpecError) as e:
+        check_kernel_support(cfg)
+    for word in refusal:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_spec_carries_the_models_opcodes_attention_layers_and_rope():
+    cfg = _nemotron("-*-*--*")
+    s = make_spec(cfg, 1, 1, "sm_90a")
+    assert set(s.ops) == program_ops(cfg) and isa.Op.UP_RELU2 in s.ops
+    assert isa.Op.GATEUP not in s.ops
+    assert s.attn_layers == (1, 3, 6) and s.kv_layers == 3 and not s.rope
+    assert s.inter == cfg.intermediate_size
+    assert spec_mod.KernelSpec.from_dict(s.to_dict()) == s
+    dense = make_spec(preset("llama-tiny"), 1, 1, "sm_90a")
+    assert dense.attn_layers == () and dense.kv_layers == dense.layers and dense.rope
+    assert set(dense.ops) == program_ops(preset("llama-tiny")) == set(dense.handled_ops)
+
+
+def test_dispatch_tables_hold_only_the_models_epilogues():
+    hyb = OpTable.for_spec(make_spec(preset(HYBRID), 1, 1, "sm_90a"))
+    dense = OpTable.for_spec(make_spec(preset("llama-tiny"), 1, 1, "sm_90a"))
+    assert hyb.epilogue("relu2") == (isa.Op.UP_RELU2,) and hyb.epilogue("gateup") == ()
+    assert dense.epilogue("gateup") == (isa.Op.GATEUP,) and dense.epilogue("relu2") == ()
+    assert isa.Op.UP_RELU2 in hyb.slab and isa.Op.UP_RELU2 not in dense.slab
+    # a spec from before the field existed handles the dense set
+    legacy = spec_mod.KernelSpec.from_dict({**make_spec(preset("llama-tiny"), 1, 1,
+                                                        "sm_90a").to_dict(), "ops": []})
+    assert OpTable.for_spec(legacy).handled == dense.handled
+
+
+# ---- builds -------------------------------------------------------------------------------------
+# relu(acc)^2 in fp32: acc <= 0 selects 0 (a NaN stays NaN, as torch.relu), then the square
+RELU2_PTX = re.compile(r"setp\.le\.f32\s+(%p\d+), (%r\d+), 0f00000000;\s*"
+                       r"selp\.f32\s+(%r\d+), 0f00000000, \2, \1;.*?mul\.f32\s+%r\d+, \3, \3;",
+                       re.S)
+BUILDS = [(1, None), (4, 0)]  # B = 1 on the default pipeline, B = 4 on the global-memory path
+
+
+@pytest.fixture(scope="module")
+def hybrid_builds(kernel_build):  # noqa: ANN001, ANN201
+    return {(arch, b, st): kernel_build(preset(HYBRID), arch, b, 1, smem_stages=st)
+            for arch in ARCHS for b, st in BUILDS}
+
+
+def test_hybrid_builds_within_budgets(hybrid_builds):
+    for key, (d, m) in hybrid_builds.items():
+        r = m["resources"]
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
+        assert r["local_bytes"] == 0 and r["local_stores"] == 0 and r["local_loads"] == 0, r
+        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET, (key, r["registers"])
+        assert (d / "megakernel.cubin").stat().st_size > 10_000
+        s = spec_mod.KernelSpec.from_dict(m["spec"])
+        assert s.attn_layers == (0, 2) and not s.rope and isa.Op.UP_RELU2 in s.ops
+
+
+def test_ptx_holds_the_relu2_epilogue_and_dense_builds_do_not(hybrid_builds, kernel_build):
+    for key, (d, _) in hybrid_builds.items():
+        assert RELU2_PTX.search((d / "megakernel.ptx").read_text()), key
+    for arch in ARCHS:
+        d, _ = kernel_build(preset("llama-tiny"), arch, 1, 1, smem_stages=0)
+        assert not RELU2_PTX.search((d / "megakernel.ptx").read_text()), arch
