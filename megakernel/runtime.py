@@ -273,6 +273,21 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
                                     f"{tensors[n].data_ptr() % 16})")
 
 
+def check_header(header: dict[str, int], spec: dict[str, Any]) -> None:
+    """The program header's constants a build bakes in (KernelSpec): the RMSNorm form, the RoPE
+    dims, the output gate and its buffer's offset; ArgumentError naming the first mismatch."""
+    rotary = (spec.get("rotary") or spec["head_dim"]) if spec.get("rope", True) else 0
+    gated = bool(spec.get("output_gate"))
+    want = {"NORM_KIND": int(bool(spec.get("norm_one_plus"))), "ROTARY_DIM": rotary,
+            "OUTPUT_GATE": int(gated)}
+    if gated:
+        want["F32_GATE_OFF"] = spec["gate_off"]
+    for k, v in want.items():
+        if header.get(k, 0) != v:
+            raise ArgumentError(f"program header {k}={header.get(k)} but the kernel build has "
+                                f"{v}: the program is for another model or build")
+
+
 def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
     """The alignment the kernel's 16-byte vector accesses assume, on every record (host, once).
 
@@ -289,7 +304,8 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
         raise ArgumentError("records must be int32 [num_sms, queue_len, 16]")
     H, Inter, V, D = spec["hidden"], spec["inter"], spec["vocab"], spec["head_dim"]
     Hq, Hkv, B, N = spec["heads"], spec["kv_heads"], spec["batch"], spec["batch"] * spec["tokens"]
-    shapes = {Op.QKV: (H, (Hq + 2 * Hkv) * D), Op.OPROJ: (Hq * D, H), Op.GATEUP: (H, 2 * Inter),
+    slots = Hq // Hkv * (2 if spec.get("output_gate") else 1) + 2  # KernelSpec.qkv_slots
+    shapes = {Op.QKV: (H, Hkv * slots * D), Op.OPROJ: (Hq * D, H), Op.GATEUP: (H, 2 * Inter),
               Op.UP_RELU2: (H, Inter), Op.DOWN: (Inter, H),
               Op.LMHEAD: (H, padded_vocab(V))}  # (K, matrix rows)
     handled = set(spec.get("ops") or (s.code for s in isa.specs() if s.device))

@@ -25,6 +25,7 @@ from megakernel.runtime import (
     KernelUnavailable,
     LoadedKernel,
     Manifest,
+    check_header,
     check_lengths,
     check_records,
     device_info,
@@ -348,6 +349,7 @@ class Megakernel:
         self.max_seq_len = self.prog.max_seq_len
         if self.manifest is not None:
             check_records(self.prog.records(), self.manifest.spec)
+            check_header(self.prog.header, self.manifest.spec)
         self.state = allocate_state(cfg, weights, self.prog, self.device)
         self.timeline: torch.Tensor | None = None  # the timeline build's records (timeline.py)
         if self.manifest is not None and self.manifest.spec.get("timeline"):

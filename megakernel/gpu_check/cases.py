@@ -2,10 +2,11 @@
 
 Stage 0 asks the one question that must be answered first (does the kernel launch, finish and agree
 at all: the smallest model, B = 1, 8 steps, the global-memory variant before the default one);
-stage 1 covers the shapes (the quick tiny set with Nemotron-H's attention and relu^2 blocks,
-llama-mid cases that reach a K-split > 1 at B = 1 and K-chunked slabs at B = 16 on both GEMV paths,
-several attention splits with an empty one); stage 2 runs the real presets (one of them against the
-CPU executor too) and then the benchmark with what the cost model assumes, measured in the same run.
+stage 1 covers the shapes (the quick tiny set with Nemotron-H's attention and relu^2 blocks and
+Qwen3.5's gated attention, llama-mid cases that reach a K-split > 1 at B = 1 and K-chunked slabs at
+B = 16 on both GEMV paths, several attention splits with an empty one); stage 2 runs the real
+presets (one of them against the CPU executor too) and then the benchmark with what the cost model
+assumes, measured in the same run.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ TINY = (
     # MLP blocks (pattern "*-*-"): the first hybrid family the kernel runs
     Case("nemotron-h-attn-tiny", 1, 1, 32, 2, cap_s=30),
     Case("nemotron-h-attn-tiny", 4, 1, 32, 1, cap_s=30),
+    # Qwen3.5's gated full attention (partial RoPE, (1 + w) q/k norms, sigmoid output gate) and
+    # (1 + w) RMSNorm, every layer attention: the second hybrid family's slice the kernel runs
+    Case("qwen3.5-attn-tiny", 1, 1, 32, 2, cap_s=30),
+    Case("qwen3.5-attn-tiny", 4, 1, 32, 1, cap_s=30),
 )
 MID = (  # K-split 2 on the FMA path (B = 1); K-chunked slabs on mma (default) and FMA (global)
     Case("llama-mid", 1, 1, 16, 1, cap_s=45),

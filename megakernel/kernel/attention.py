@@ -31,6 +31,7 @@ from megakernel.kernel.spec import (
     attn_query,
     attn_scale,
     attn_warp,
+    gate_index,
     kv_row,
     kv_slot,
 )
@@ -182,7 +183,8 @@ class Attention:
     @cute.jit
     def merge(self, b: Int32, g: Int32, n_splits: Int32, po_off: Int32, pml_off: Int32,
               out_off: Int32, pF: cute.Pointer, pB: cute.Pointer, warp: Int32, lane: Int32):
-        """out[n, head] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)), splits in order."""
+        """out[n, head] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)), splits in order;
+        (output gate) times sigmoid(gate[n, head]) in fp32 before the rounding."""
         for qi in cutlass.range(warp, self.QG, self.NW):
             _, head, n = attn_query(qi, g, b, self.G, self.T)
             mm = Float32(NEG_INF)
@@ -199,7 +201,13 @@ class Attention:
                     o[e] = o[e] + ld(pF, po_off + slot * self.D + lane * self.E + e) * w
             base = out_off + n * (self.Hq * self.D) + head * self.D + lane * self.E
             for e in cutlass.range_constexpr(self.E):
-                st(pB, base + e, (o[e] / den).to(BFloat16))
+                a = base + e
+                y = o[e] / den
+                if cutlass.const_expr(self.spec.output_gate):  # times sigmoid(gate), fp32
+                    gt = ld(pF, self.spec.gate_off + gate_index(n, head, lane * self.E + e,
+                                                               self.Hq, self.D))
+                    y = y * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-gt)))
+                st(pB, a, y.to(BFloat16))
 
     # ---- prefetch of the cached keys/values (before the wait) --------------------------------
     @cute.jit

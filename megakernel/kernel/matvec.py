@@ -60,6 +60,7 @@ from megakernel.kernel.spec import (
     KernelSpec,
     acc_index,
     chunk_ksplit,
+    gate_index,
     k_slice,
     kv_row,
     kv_slot,
@@ -68,7 +69,9 @@ from megakernel.kernel.spec import (
     mma_operand_word,
     mma_red_index,
     qkv_bias_index,
+    qkv_slot,
     ring_slot,
+    rope_pair,
     row_major,
     tile_warp,
 )
@@ -366,6 +369,8 @@ class Matvec:
                 if norm_off >= 0:
                     h = load_f32x8(pF, in_off + n * k + col)
                     w = load_bf16x8(pW, norm_off + col)
+                    if cutlass.const_expr(self.spec.norm_one_plus):  # Qwen3.5: (1 + w)
+                        w = w + Float32(1.0)
                     y.store((h * sRstd[nn]) * w)
                 else:
                     y.store(load_bf16x8(pB, in_off + n * k + col))
@@ -494,18 +499,20 @@ class Matvec:
                 pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer, pK: cute.Pointer,
                 pV: cute.Pointer, s_max: Int32, len_off: Int32, sAcc: cute.Tensor, warp: Int32,
                 lane: Int32):
-        """Per (head, row): (qwen2) + bias, (qwen3) per-head RMSNorm, RoPE (spec.rope), bf16 -> q
-        buffer or the KV cache slot of the layer (spec.kv_slot). Lane holds head dims lane + 32 e,
+        """Per (head, row): (qwen2) + bias, (qwen3) per-head RMSNorm, RoPE on the first
+        spec.rotary_dim dims, bf16 -> q buffer or the KV cache slot of the layer (spec.kv_slot);
+        (Qwen3.5) gate heads in fp32 -> the gate buffer. Lane holds head dims lane + 32 e,
         e < E = D / 32 (D = 64, 128, 256)."""
         D, E, G = self.D, self.E, self.G
+        NG = G if self.spec.output_gate else 0  # gate head slots per group
         qkn_off, rope_off = rec[word(Op.QKV, "QK_NORM_OFF")], rec[word(Op.QKV, "ROPE_OFF")]
         bias0 = Int64(0)  # arena element of the bias of chunk row 0 (spec.qkv_bias_index)
         if cutlass.const_expr(self.spec.qkv_bias):
             bias0 = qkv_bias_index(join64(rec[mv("W_LO")], rec[mv("W_HI")]), Int64(row0),
                                    Int64(rec[mv("K")]), self.QKV_ROWS, Int64(rc0))
-        half = E // 2
-        hd = D // 2
-        sin_off = rope_off + s_max * hd  # sin [S_max, D/2] follows cos directly (isa.py)
+        hd = self.spec.rotary_dim // 2  # R/2: cos/sin columns
+        half = hd // LANES  # registers e < half pair with e + half (R/2 a multiple of 32)
+        sin_off = rope_off + s_max * hd  # sin [S_max, R/2] follows cos directly (isa.py)
         nh = nr // D
         slot0 = (row0 + rc0) // D
         for item in cutlass.range(warp, nh * self.NO, self.NW):
@@ -514,8 +521,8 @@ class Matvec:
             n = n0 + nn
             if n < self.N:
                 slot = slot0 + hh
-                grp = slot // (G + 2)
-                j = slot - grp * (G + 2)  # < G: q head grp*G + j; G: k; G + 1: v
+                # j < G: q head grp*G + j; < G + NG: its gate head; G + NG: k; G + NG + 1: v
+                grp, j = qkv_slot(slot, G, self.spec.output_gate)
                 b = n // self.T
                 t = n - b * self.T
                 pos = ld(pI, len_off + b) + t
@@ -526,8 +533,12 @@ class Matvec:
                     for e in cutlass.range_constexpr(E):
                         b_e = ld(pW, bias0 + Int64(hh * D + lane + LANES * e)).to(Float32)
                         x[e] = x[e] + b_e
+                if cutlass.const_expr(NG == 0):
+                    qk = j <= G
+                else:
+                    qk = (j < G) | (j == G + NG)
                 if cutlass.const_expr(self.spec.qk_norm or self.spec.rope):  # q and k only
-                    if j <= G:
+                    if qk:
                         if cutlass.const_expr(self.spec.qk_norm):
                             ss = Float32(0.0)
                             for e in cutlass.range_constexpr(E):
@@ -536,12 +547,14 @@ class Matvec:
                             ms = ss / Float32(D) + Float32(self.eps)
                             rstd = Float32(1.0) / cute.math.sqrt(ms)
                             woff = qkn_off
-                            if j == G:
+                            if j == G + NG:
                                 woff = qkn_off + D
                             for e in cutlass.range_constexpr(E):
                                 w = ld(pW, woff + lane + LANES * e).to(Float32)
+                                if cutlass.const_expr(self.spec.norm_one_plus):
+                                    w = w + Float32(1.0)
                                 x[e] = (x[e] * rstd) * w
-                        if cutlass.const_expr(self.spec.rope):  # Nemotron-H attention has none
+                        if cutlass.const_expr(self.spec.rope and half > 0):
                             for e in cutlass.range_constexpr(half):
                                 i = lane + LANES * e
                                 c = ld(pF, rope_off + pos * hd + i)
@@ -550,18 +563,52 @@ class Matvec:
                                 x2 = x[e + half]
                                 x[e] = x1 * c + (-x2) * s
                                 x[e + half] = x2 * c + x1 * s
+                        if cutlass.const_expr(self.spec.rope and half == 0):  # R <= 32
+                            self.rope_lanes(x, lane, pos, pF, rope_off, sin_off, hd)
                 if j < G:
                     base = q_off + (n * self.Hq + grp * G + j) * D
                     for e in cutlass.range_constexpr(E):
                         st(pB, base + lane + LANES * e, x[e].to(BFloat16))
                 else:
-                    cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)
-                    row = kv_row(Int64(cslot), b, grp, Int64(s_max), self.B, self.Hkv) + pos
-                    for e in cutlass.range_constexpr(E):
-                        if j == G:
-                            st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))
+                    if cutlass.const_expr(NG > 0):
+                        if j < G + NG:  # a gate head: fp32, no norm or RoPE (isa QKV)
+                            for e in cutlass.range_constexpr(E):
+                                st(pF, self.spec.gate_off + gate_index(
+                                    n, grp * G + j - G, lane + LANES * e, self.Hq, D), x[e])
                         else:
-                            st(pV, row * D + lane + LANES * e, x[e].to(BFloat16))
+                            self.store_kv(x, j, G + NG, layer, b, grp, pos, s_max, pK, pV,
+                                          lane)
+                    else:
+                        self.store_kv(x, j, G, layer, b, grp, pos, s_max, pK, pV, lane)
+
+    @cute.jit
+    def store_kv(self, x: cute.Tensor, j: Int32, kslot: int, layer: Int32, b: Int32,
+                 grp: Int32, pos: Int32, s_max: Int32, pK: cute.Pointer, pV: cute.Pointer,
+                 lane: Int32):
+        """bf16(x) -> row `pos` of the k (j == kslot) or v cache of (the layer's slot, b, grp)."""
+        D = self.D
+        cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)
+        row = kv_row(Int64(cslot), b, grp, Int64(s_max), self.B, self.Hkv) + pos
+        for e in cutlass.range_constexpr(self.E):
+            if j == kslot:
+                st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))
+            else:
+                st(pV, row * D + lane + LANES * e, x[e].to(BFloat16))
+
+    @cute.jit
+    def rope_lanes(self, x: cute.Tensor, lane: Int32, pos: Int32, pF: cute.Pointer,
+                   rope_off: Int32, sin_off: Int32, hd: int):
+        """Partial RoPE on R = 2 hd <= 32 dims: all in register 0 of lanes < R; lane d's partner
+        is lane d +- hd (spec.rope_pair), fetched with one shuffle; cos/sin column d mod hd."""
+        partner, col, upper = rope_pair(lane, hd, cutlass.min, cutlass.max)
+        xp = cute.arch.shuffle_sync(x[0], partner)
+        if lane < 2 * hd:
+            c = ld(pF, rope_off + pos * hd + col)
+            s = ld(pF, sin_off + pos * hd + col)
+            if upper == 0:
+                x[0] = x[0] * c + (-xp) * s
+            else:
+                x[0] = x[0] * c + xp * s
 
 
 @cute.jit

@@ -157,6 +157,29 @@ def qkv_bias_index(w, row0, k, qkv_rows: int, row):
     return w - row0 * k + qkv_rows * k + row0 + row
 
 
+def qkv_slot(slot, group: int, gated: bool):
+    """(kv group, index j in it) of packed QKV head slot `slot`: per group G q heads (j < G),
+    with an output gate their G gate heads (G <= j < 2G), then k, then v."""
+    per = group * (2 if gated else 1) + 2
+    grp = slot // per
+    return grp, slot - grp * per
+
+
+def gate_index(n, head, d, heads: int, head_dim: int):
+    """Element of the fp32 gate [N, Hq, D] (header F32_GATE_OFF) of row n, q head `head`, dim
+    d: where the QKV epilogue stores a gate head and the attention merge reads it."""
+    return (n * heads + head) * head_dim + d
+
+
+def rope_pair(d, half: int, minimum=min, maximum=max):
+    """Rotate-half partner of head dim d < R = 2 * half: (partner dim, table column, upper),
+    upper 1 for d >= half (x_d c + x_p s) and 0 below (x_d c - x_p s), the cos/sin column
+    d mod half. Plain arithmetic: Int32 in the kernel, int (or numpy) in the tests."""
+    upper = minimum(maximum(d - half + 1, 0), 1)
+    col = d - half * upper
+    return col + half * (1 - upper), col, upper
+
+
 def lm_row_live(row, vocab: int):
     """Packed LM-head row `row` holds a vocabulary entry: rows >= V are the ROW_ALIGN padding
     (zero rows), which store no logit and never take part in the argmax (a 0 would win when
@@ -432,6 +455,13 @@ class KernelSpec:
     tokens: int  # T
     qkv_bias: bool = False  # the QKV epilogue adds the bias that follows the matrix
     rope: bool = True  # the QKV epilogue applies RoPE to every head dim (False: none, Nemotron-H)
+    # RoPE on the first `rotary` dims of each q/k head (partial RoPE, Qwen3.5); 0: all of them
+    rotary: int = 0
+    norm_one_plus: bool = False  # every RMSNorm weight is applied as (1 + w) (header NORM_KIND 1)
+    # q_proj holds [q | gate] per head: the QKV epilogue stores the gate heads in fp32 at
+    # gate_off (header F32_GATE_OFF) and the attention merge multiplies by sigmoid(gate)
+    output_gate: bool = False
+    gate_off: int = -1
     # the opcodes the model's program uses (program_ops; () = those of a dense stack, as before
     # the field existed): the build compiles in only their handlers and epilogues (handled_ops)
     ops: tuple[int, ...] = ()
@@ -486,9 +516,19 @@ class KernelSpec:
         return self.heads // self.kv_heads
 
     @property
+    def qkv_slots(self) -> int:
+        """Head slots per kv group: G q heads, (output gate) their G gate heads, k, v."""
+        return self.group * (2 if self.output_gate else 1) + 2
+
+    @property
     def qkv_rows(self) -> int:
-        """Rows of a layer's packed QKV matrix: per kv head G q heads, k and v, D rows each."""
-        return self.kv_heads * (self.group + 2) * self.head_dim
+        """Rows of a layer's packed QKV matrix: per kv head its head slots, D rows each."""
+        return self.kv_heads * self.qkv_slots * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE dims per q/k head (R; 0: no RoPE)."""
+        return (self.rotary or self.head_dim) if self.rope else 0
 
     @property
     def num_warps(self) -> int:
@@ -622,6 +662,10 @@ class KernelSpec:
                             f"got {self.num_threads}")
         if self.head_dim % (2 * LANES):  # E = D / 32 per lane, split in RoPE halves
             raise SpecError(f"head_dim {self.head_dim} must be a multiple of {2 * LANES}")
+        if rope_layout_error(self.rotary_dim, self.head_dim):
+            raise SpecError(rope_layout_error(self.rotary_dim, self.head_dim))
+        if self.output_gate and self.gate_off < 0:
+            raise SpecError("a gated build needs the gate buffer's offset (gate_off)")
         if ROW_CHUNK % self.head_dim or ROW_CHUNK % (2 * isa.GATEUP_BLOCK):
             raise SpecError("ROW_CHUNK must hold whole heads and whole gate/up block pairs")
         if isa.ROW_ALIGN % self.rows_per_group:
@@ -657,6 +701,16 @@ class KernelSpec:
         return (f"{self.family}-h{self.hidden}-i{self.inter}-v{self.vocab}-l{self.layers}"
                 f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}"
                 + ("-timeline" if self.timeline else ""))
+
+
+def rope_layout_error(rotary: int, head_dim: int) -> str:
+    """Why the QKV epilogue cannot rotate `rotary` of `head_dim` dims ('' when it can). Lane
+    holds dims lane + 32 e: the partners d, d +- R/2 share a lane when R/2 is a multiple of 32,
+    or are lanes of e = 0 (one shuffle) when R <= 32."""
+    if rotary in (0, head_dim) or (rotary // 2) % LANES == 0 or rotary <= LANES:
+        return ""
+    return (f"RoPE on {rotary} of {head_dim} head dims (the kernel rotates R <= {LANES} dims "
+            f"or R/2 a multiple of {LANES})")
 
 
 # the layer kinds of a dense stack: what a spec without `ops` handles
@@ -701,16 +755,28 @@ def check_kernel_support(cfg) -> None:  # noqa: ANN001 (ModelConfig)
     except ConfigError as e:
         raise SpecError(f"the kernel serves stacks of attention and feed-forward "
                         f"({'/'.join(MLP_KINDS)}) layers of one shape: {e}") from None
-    why = []
-    if att.output_gate:
-        why.append("gated attention")
-    if att.rotary_dim not in (0, att.head_dim):
-        why.append(f"RoPE on {att.rotary_dim} of {att.head_dim} head dims")
-    if cfg.norm_kind != "rms":
-        why.append("the (1 + w) RMSNorm")
+    why = rope_layout_error(att.rotary_dim, att.head_dim)
     if why:
-        raise SpecError(f"the kernel does not support {', '.join(why)} yet "
-                        f"({cfg.name or cfg.family})")
+        raise SpecError(f"the kernel does not support {why} yet ({cfg.name or cfg.family})")
+
+
+def gate_offset(cfg, batch: int, tokens: int) -> int:  # noqa: ANN001 (ModelConfig)
+    """F32 element offset of the gate buffer [N, Hq, D] in the programs of `cfg` at this batch
+    (-1: no output gate). The gate is a step-shape region declared before the attention
+    partials (layers/attention.py), so its offset does not depend on the split count or the
+    cache length: a compile-time constant of the build, checked against the program header's
+    F32_GATE_OFF when a program meets the build (runtime.check_header)."""
+    if not cfg.kind_config("attention").output_gate:
+        return -1
+    from megakernel.layers.base import StepShape
+    from megakernel.program.buffers import plan_buffers
+
+    offs = {plan_buffers(cfg, StepShape(batch, tokens, s_max, splits, 1, 0)).f32["gate"].offset
+            for splits, s_max in ((1, 64), (4, 256))}
+    if len(offs) != 1:
+        raise SpecError(f"the gate buffer's offset depends on the program ({sorted(offs)}); "
+                        "the kernel takes it as a compile-time constant")
+    return offs.pop()
 
 
 def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelConfig)
@@ -743,6 +809,9 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         vocab=cfg.vocab_size, layers=cfg.num_layers, heads=att.num_heads,
         kv_heads=att.num_kv_heads, head_dim=att.head_dim, qk_norm=att.qk_norm,
         qkv_bias=att.qkv_bias, rope=att.rotary_dim > 0,
+        rotary=att.rotary_dim if att.rotary_dim < att.head_dim else 0,
+        norm_one_plus=cfg.norm_kind == "rms_1p", output_gate=att.output_gate,
+        gate_off=gate_offset(cfg, batch, tokens),
         ops=tuple(sorted(program_ops(cfg))),
         attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
         eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,

@@ -182,11 +182,12 @@ class Attention(LayerKind):
     @classmethod
     def needs(cls, blk, model, shape: StepShape) -> list[Need]:  # noqa: ANN001
         c, n, s = blk.cfg, shape.rows, shape.n_splits
-        out = [Need("f32", "part_o", (s, n, c.num_heads, c.head_dim)),
-               Need("f32", "part_ml", (s, n, c.num_heads, 2))]
-        if c.output_gate:
-            out.append(Need("f32", "gate", (n, c.num_heads, c.head_dim)))
-        out += [Need("bf16", "q", (n, c.num_heads, c.head_dim)),
+        # the gate first: its offset then does not depend on the split count (the kernel takes
+        # it as a compile-time constant, kernel/spec.py gate_offset)
+        out = [Need("f32", "gate", (n, c.num_heads, c.head_dim))] if c.output_gate else []
+        out += [Need("f32", "part_o", (s, n, c.num_heads, c.head_dim)),
+                Need("f32", "part_ml", (s, n, c.num_heads, 2)),
+                Need("bf16", "q", (n, c.num_heads, c.head_dim)),
                 Need("bf16", "attn", (n, c.q_size))]
         if c.rotary_dim:
             out.append(Need("f32", "rope", (2, shape.max_seq_len, c.rotary_dim // 2), CONST,

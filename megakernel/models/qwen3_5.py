@@ -62,6 +62,14 @@ def _presets() -> dict[str, Qwen35Config]:
             tie_word_embeddings=False, max_position_embeddings=512,
             attention=AttentionConfig(4, 2, 64, 16, RopeConfig(1e6), True, True),
             gdn=GDNConfig(2, 4, 16, 8, 4), name="qwen3.5-tiny"),
+        # qwen3.5-tiny's shapes with every layer full attention: the family's gated attention,
+        # partial RoPE and (1 + w) norms without GDN (what the CuTe DSL kernel runs of it)
+        "qwen3.5-attn-tiny": Qwen35Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128,
+            layer_types=("attention",) * 4, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, max_position_embeddings=512,
+            attention=AttentionConfig(4, 2, 64, 16, RopeConfig(1e6), True, True),
+            gdn=GDNConfig(2, 4, 16, 8, 4), name="qwen3.5-attn-tiny"),
     }
 
 

@@ -40,8 +40,7 @@ SUPPORT = [
     (lambda: preset("kimi-linear-tiny"), ("MLA", "moe")),
     (lambda: _nemotron("**"), ("feed-forward", "[]")),
     (lambda: _nemotron("--"), ("attention", "0 distinct")),
-    (lambda: preset("qwen3.5-tiny").replace(layer_types=("attention",)),  # its attention only
-     ("gated attention", "RoPE on 16 of 64", "(1 + w) RMSNorm")),
+    (lambda: preset("qwen3.5-tiny").replace(layer_types=("attention",)), None),  # attention only
 ]
 
 
