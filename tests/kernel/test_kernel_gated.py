@@ -34,6 +34,7 @@ from megakernel.models import preset
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
 from megakernel.runtime import ArgumentError, check_header
+from tests.kernel.helpers import specs_within_budgets, variant_builds
 
 GATED = "qwen3.5-attn-tiny"
 
@@ -94,23 +95,15 @@ SIGMOID_PTX = re.compile(r"ex2\.approx\.ftz\.f32\s+(%r\d+), %r\d+;\s*"
                          r"rcp\.rn\.f32\s+(%r\d+), \2;\s*"
                          r"mul\.f32\s+(%r\d+), %r\d+, \3;\s*"
                          r"cvt\.rn\.bf16\.f32\s+%rs\d+, \4;")
-BUILDS = [(1, None), (4, 0)]  # B = 1 on the default pipeline, B = 4 on the global-memory path
 
 
 @pytest.fixture(scope="module")
 def gated_builds(kernel_build):  # noqa: ANN001, ANN201
-    return {(arch, b, st): kernel_build(preset(GATED), arch, b, 1, smem_stages=st)
-            for arch in ARCHS for b, st in BUILDS}
+    return variant_builds(kernel_build, GATED)
 
 
 def test_gated_builds_within_budgets(gated_builds):
-    for key, (d, m) in gated_builds.items():
-        r = m["resources"]
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
-        assert r["local_bytes"] == 0 and r["local_stores"] == 0 and r["local_loads"] == 0, r
-        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET, (key, r["registers"])
-        assert (d / "megakernel.cubin").stat().st_size > 10_000
-        s = spec_mod.KernelSpec.from_dict(m["spec"])
+    for s in specs_within_budgets(gated_builds).values():
         assert s.output_gate and s.norm_one_plus and s.rotary == 16 and s.gate_off >= 0
 
 

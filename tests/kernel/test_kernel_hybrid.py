@@ -18,6 +18,7 @@ from megakernel.kernel import spec as spec_mod
 from megakernel.kernel.fields import OpTable
 from megakernel.kernel.spec import ARCHS, SpecError, check_kernel_support, make_spec, program_ops
 from megakernel.models import preset
+from tests.kernel.helpers import specs_within_budgets, variant_builds
 
 HYBRID = "nemotron-h-attn-tiny"  # hybrid_override_pattern "*-*-"
 
@@ -86,23 +87,15 @@ def test_dispatch_tables_hold_only_the_models_epilogues():
 RELU2_PTX = re.compile(r"setp\.le\.f32\s+(%p\d+), (%r\d+), 0f00000000;\s*"
                        r"selp\.f32\s+(%r\d+), 0f00000000, \2, \1;.*?mul\.f32\s+%r\d+, \3, \3;",
                        re.S)
-BUILDS = [(1, None), (4, 0)]  # B = 1 on the default pipeline, B = 4 on the global-memory path
 
 
 @pytest.fixture(scope="module")
 def hybrid_builds(kernel_build):  # noqa: ANN001, ANN201
-    return {(arch, b, st): kernel_build(preset(HYBRID), arch, b, 1, smem_stages=st)
-            for arch in ARCHS for b, st in BUILDS}
+    return variant_builds(kernel_build, HYBRID)
 
 
 def test_hybrid_builds_within_budgets(hybrid_builds):
-    for key, (d, m) in hybrid_builds.items():
-        r = m["resources"]
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
-        assert r["local_bytes"] == 0 and r["local_stores"] == 0 and r["local_loads"] == 0, r
-        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET, (key, r["registers"])
-        assert (d / "megakernel.cubin").stat().st_size > 10_000
-        s = spec_mod.KernelSpec.from_dict(m["spec"])
+    for s in specs_within_budgets(hybrid_builds).values():
         assert s.attn_layers == (0, 2) and not s.rope and isa.Op.UP_RELU2 in s.ops
 
 
