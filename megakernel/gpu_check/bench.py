@@ -15,10 +15,6 @@ import torch
 from megakernel.gpu_check.cases import Case, variant_dir
 
 
-def _error(e: BaseException) -> dict[str, Any]:
-    return {"error": f"{type(e).__name__}: {e}"}
-
-
 def measure_bandwidth(build_dir: Path, simulate: bool) -> dict[str, Any]:
     """Read and copy bandwidth (bytes/s) and the clocks before the steps."""
     if simulate:
@@ -88,17 +84,6 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
         res["floor_us"] = nbytes / achievable * 1e6
         res["fraction_of_achievable"] = nbytes / step_s / achievable
     return res
-
-
-def lookahead_ab(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The L2 lookahead's worth: the same case with the lookahead (default) and without."""
-    by = {(r.get("case"), r.get("variant")): r for r in rows if "step_us" in r}
-    for (case, v), r in by.items():
-        off = by.get((case, "nolookahead"))
-        if v == "default" and off is not None:
-            return {"case": case, "with_us": r["step_us"], "without_us": off["step_us"],
-                    "speedup": off["step_us"] / r["step_us"]}
-    return None
 
 
 def torch_compile_baseline(c: Case, weights, simulate: bool, context: int = 1024  # noqa: ANN001

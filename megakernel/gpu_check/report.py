@@ -98,6 +98,7 @@ class Report:
         d["bench_errors"] = sum("error" in b for b in d["bench"] + d["compile"])
         d["measurements"] = measurements(d)
         d["targets"] = _targets(d)
+        d["lookahead_ab"] = lookahead_ab(d["bench"])
         self.write()
         self._log.close()
 
@@ -128,6 +129,17 @@ def measurements(d: dict[str, Any]) -> list[dict[str, Any]]:
         d.setdefault("notes", []).append(f"measurements for the cost-model refit: "
                                          f"{type(e).__name__}: {e}")
         return []
+
+
+def lookahead_ab(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The L2 lookahead's worth: the same case with the lookahead (default) and without."""
+    by = {(r.get("case"), r.get("variant")): r for r in rows if "step_us" in r}
+    for (case, v), r in by.items():
+        off = by.get((case, "nolookahead"))
+        if v == "default" and off is not None:
+            return {"case": case, "with_us": r["step_us"], "without_us": off["step_us"],
+                    "speedup": off["step_us"] / r["step_us"]}
+    return None
 
 
 def _targets(d: dict[str, Any]) -> list[dict[str, Any]]:
@@ -207,6 +219,10 @@ def markdown(d: dict[str, Any]) -> str:
                          f"{'-' if frac is None else f'{100 * frac:.1f}%'} | "
                          f"{_f(b.get('predicted_us'), '.1f')} | {b.get('timed', '-')} |")
         lines.append("")
+    ab = d.get("lookahead_ab")
+    if ab:
+        lines.append(f"- L2 lookahead A/B, {ab['case']}: {ab['with_us']:.1f} us with, "
+                     f"{ab['without_us']:.1f} us without ({ab['speedup']:.3f}x)")
     for c in d["compile"]:
         lines.append(f"- torch.compile {c.get('item')}: {_f(c.get('ms'))} ms/step "
                      f"{c.get('error') or ''}")

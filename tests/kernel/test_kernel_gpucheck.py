@@ -322,6 +322,8 @@ def test_a_gpu_report_renders_and_judges_the_targets(tmp_path):
            "bytes_per_step": 2.5e9, "predicted_us": 700.0, "timed": "cuda graph",
            "fraction_of_achievable": 2.5e9 / 660e-6 / 4.0e12}
     r.result(2, {"kind": "bench", "name": "bench a", "variant": "default"}, row)
+    r.result(2, {"kind": "bench", "name": "bench b", "variant": "nolookahead"},
+             {**row, "variant": "nolookahead", "step_us": 726.0})
     r.result(2, {"kind": "compile", "name": "compile a"},
              {"case": row["case"], "ms": 1.0, "compiled": True})
     r.result(2, {"kind": "timeline", "name": "timeline"},
@@ -332,7 +334,10 @@ def test_a_gpu_report_renders_and_judges_the_targets(tmp_path):
     met = {t["target"].split()[2]: t["met"] for t in d["targets"]}
     # 2.5 GB in 660 us = 3.79 TB/s = 0.947 of 4.0; 760 / 660 = 1.15; 1.0 ms / 0.66 ms = 1.52
     assert met == {"bw_fraction": True, "vs_hazy": True, "vs_compile": True}
+    assert d["lookahead_ab"] == {"case": row["case"], "with_us": 660.0, "without_us": 726.0,
+                                 "speedup": pytest.approx(1.1)}
     assert json.loads((tmp_path / "timeline.json").read_text())["records"] == {"rows": [[0, 1, 2]]}
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| llama-3.2-1b B=1 T=1 | default | 660.0 | 1515 | 94.7% | 700.0 | cuda graph |" in md
     assert "read (stream kernel): 4000 GB/s" in md and "(met)" in md
+    assert "L2 lookahead A/B, llama-3.2-1b B=1 T=1: 660.0 us with, 726.0 us without" in md
