@@ -327,13 +327,7 @@ class Executor:
 
     # ---- a step -------------------------------------------------------------------------------
     def poison(self) -> None:
-        b = self.prog.buffers
-        keep = [b.f32[n] for n in b.constants]
-        saved = [self.f32[r.offset : r.offset + r.numel].clone() for r in keep]
-        self.f32.fill_(float("nan"))
-        for r, s in zip(keep, saved, strict=True):
-            self.f32[r.offset : r.offset + r.numel] = s
-        self.bf16.fill_(float("nan"))
+        self.prog.buffers.poison_scratch(self.f32, self.bf16)
         self.tokens_out.fill_(-1)
 
     def step(self, tokens: torch.Tensor | None = None, seed: int = 0) -> torch.Tensor:

@@ -95,7 +95,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     ref16.prefill(cache16, prompts)
     ref32.prefill(cache32, prompts)
     ex = _executor(mk, cache16) if c.executor_steps else None
-    _poison_scratch(mk)
+    mk.prog.buffers.poison_scratch(mk.f32, mk.bf16)  # before the first kernel step
     res: dict[str, Any] = dict(
         case=c.name, model=c.model, layers=cfg.num_layers, batch=c.batch, tokens=c.tokens,
         n_splits=mk.prog.n_splits,
@@ -170,16 +170,6 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
                  and res["near_ties_ok"] and res["kv_ok"] and res.get("deterministic", True)
                  and res.get("executor_ok", True))
     return res
-
-
-def _poison_scratch(mk) -> None:  # noqa: ANN001
-    """NaN over every scratch value (the program's constants, e.g. RoPE tables, are kept)."""
-    consts = mk.prog.buffers.constants
-    keep = [mk._region("f32", n).clone() for n in consts]
-    mk.f32.fill_(float("nan"))
-    mk.bf16.fill_(float("nan"))
-    for n, k in zip(consts, keep, strict=True):
-        mk._region("f32", n).copy_(k)
 
 
 def _executor(mk, cache16):  # noqa: ANN001, ANN202

@@ -59,6 +59,16 @@ class BufferPlan:
         """The row of `layer` in table region `region`."""
         return self.rows[self.tables[region]][layer]
 
+    def poison_scratch(self, f32, bf16) -> None:  # noqa: ANN001 (torch tensors)
+        """NaN over every scratch value of the f32 and bf16 arenas, keeping the host-written
+        constants (RoPE tables, ...): what a step must overwrite before anyone reads it."""
+        saved = [(r, f32[r.offset: r.offset + r.numel].clone())
+                 for r in (self.f32[n] for n in self.constants)]
+        f32.fill_(float("nan"))
+        bf16.fill_(float("nan"))
+        for r, t in saved:
+            f32[r.offset: r.offset + r.numel] = t
+
     @property
     def kv_bytes(self) -> int:
         return 2 * (math.prod(self.kv_shape) + math.prod(self.v_shape))
