@@ -716,8 +716,15 @@ def rope_layout_error(rotary: int, head_dim: int) -> str:
 # the layer kinds of a dense stack: what a spec without `ops` handles
 DENSE_KINDS = ("attention", "swiglu")
 FRAME_OPS = ("END", "EMBED", "LMHEAD", "ARGMAX")
-# the feed-forward kinds the kernel runs (one per model): its `inter` is theirs
-MLP_KINDS = ("swiglu", "relu2")
+
+
+def mlp_kinds() -> tuple[str, ...]:
+    """The feed-forward layer kinds (layers.mlp.MLPKind: SwiGLU, relu^2, ...), from the kind
+    registry; a model the kernel runs has exactly one, and the build's `inter` is its."""
+    from megakernel.layers import all_kinds
+    from megakernel.layers.mlp import MLPKind
+
+    return tuple(sorted(n for n, k in all_kinds().items() if issubclass(k, MLPKind)))
 
 
 def kinds_ops(kinds) -> set[int]:  # noqa: ANN001 (iterable of layer kind names)
@@ -745,16 +752,17 @@ def check_kernel_support(cfg) -> None:  # noqa: ANN001 (ModelConfig)
                         "executor runs its program")
     from megakernel.models import ConfigError
 
-    mlps = [k for k in MLP_KINDS if cfg.has_kind(k)]
+    ffn = mlp_kinds()
+    mlps = [k for k in ffn if cfg.has_kind(k)]
     try:  # the build's constants: one attention and one feed-forward config for every layer
         if len(mlps) != 1:
             raise ConfigError(f"{cfg.name or cfg.family} has feed-forward kinds {mlps}; "
-                              f"expected exactly one of {', '.join(MLP_KINDS)}")
+                              f"expected exactly one of {', '.join(ffn)}")
         att = cfg.kind_config("attention")
         cfg.kind_config(mlps[0])
     except ConfigError as e:
         raise SpecError(f"the kernel serves stacks of attention and feed-forward "
-                        f"({'/'.join(MLP_KINDS)}) layers of one shape: {e}") from None
+                        f"({'/'.join(ffn)}) layers of one shape: {e}") from None
     why = rope_layout_error(att.rotary_dim, att.head_dim)
     if why:
         raise SpecError(f"the kernel does not support {why} yet ({cfg.name or cfg.family})")
@@ -802,7 +810,7 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
     validate(cfg)
     check_kernel_support(cfg)
     att = cfg.kind_config("attention")
-    mlp = cfg.kind_config(next(k for k in MLP_KINDS if cfg.has_kind(k)))
+    mlp = cfg.kind_config(next(k for k in mlp_kinds() if cfg.has_kind(k)))
     attn = tuple(b.layer for b in cfg.blocks if b.kind == "attention")
     spec = KernelSpec(
         arch=arch, family=cfg.family, hidden=cfg.hidden_size, inter=mlp.intermediate_size,
