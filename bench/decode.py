@@ -69,8 +69,7 @@ def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Name
     res["ttft_ms"] = gen.first_token_s * 1e3
     mk.step(torch.ones(batch, 1, dtype=torch.int64, device=mk.device))
     cost = mk.prog.cost
-    kargs = (mk.program, mk.counters, mk.weights, mk.f32, mk.bf16, mk.i32, mk.k_cache,
-             mk.v_cache, mk.kernel_id, mk.offsets, False)
+    kargs = mk.op_args()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         torch.ops.megakernel.decode_step(*kargs)

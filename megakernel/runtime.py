@@ -191,7 +191,8 @@ def check_device(m: Manifest, dev: DeviceInfo, num_ctas: int,
 
 # ---- argument validation (CPU-only logic; runs before any CUDA call) ----------------------------
 INT32_LIMIT = 1 << 31
-TENSOR_ARGS = ("program", "counters", "weights", "f32", "bf16", "i32", "k_cache", "v_cache")
+TENSOR_ARGS = ("program", "counters", "weights", "f32", "bf16", "i32", "k_cache", "v_cache",
+               "state")
 _DTYPES = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -223,6 +224,9 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
         if tensors[name].dim() != 1 or tensors[name].numel() == 0:
             raise ArgumentError(f"{name} must be a non-empty 1-D arena, got shape "
                                 f"{tuple(tensors[name].shape)}")
+    if tensors["state"].dim() != 1:  # empty for a model without recurrent layers
+        raise ArgumentError(f"state must be a 1-D fp32 arena, got shape "
+                            f"{tuple(tensors['state'].shape)}")
     if tensors["counters"].numel() < isa.COUNTER_BASE:
         raise ArgumentError(f"counters must have at least {isa.COUNTER_BASE} words")
     for name in ("f32", "bf16", "i32"):  # the kernel's arena offsets are int32 element offsets

@@ -88,26 +88,27 @@ def _entry(kernel: int) -> _Entry:
     return _REGISTRY[kernel]
 
 
-MUTATED = ("counters", "f32", "bf16", "i32", "k_cache", "v_cache")
+MUTATED = ("counters", "f32", "bf16", "i32", "k_cache", "v_cache", "state")
 
 
 @torch.library.custom_op("megakernel::decode_step", mutates_args=MUTATED)
 def decode_step(program: torch.Tensor, counters: torch.Tensor, weights: torch.Tensor,
                 f32: torch.Tensor, bf16: torch.Tensor, i32: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, kernel: int, offsets: list[int],
+                v_cache: torch.Tensor, state: torch.Tensor, kernel: int, offsets: list[int],
                 return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step. offsets = [lengths_off (i32), tokens_out_off (i32), logits_off (f32),
-    s_max (the program header's S_MAX: the kernel finds the rope sin table S_MAX * D/2 after cos,
-    so the cache must have exactly S_MAX positions)].
+    """One decode step. `state` is the fp32 recurrent state arena (conv windows, states, rings;
+    empty for a model without recurrent layers). offsets = [lengths_off (i32), tokens_out_off
+    (i32), logits_off (f32), s_max (the program header's S_MAX: the kernel finds the rope sin
+    table S_MAX * D/2 after cos, so the cache must have exactly S_MAX positions)].
 
     Returns (tokens_out [N] int32, logits [N, V] fp32 or [0, V] when not requested), copies.
     """
-    return _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel,
+    return _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state, kernel,
                    offsets, return_logits)
 
 
-def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel, offsets,  # noqa: ANN001, ANN202
-            return_logits):
+def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state, kernel,  # noqa: ANN001, ANN202
+            offsets, return_logits):
     """The GPU launch of a registered build: every argument checked first, then one driver
     call (ArgumentError "the kernel needs CUDA tensors" for CPU tensors after the checks)."""
     e = _entry(kernel)
@@ -116,7 +117,7 @@ def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel
                             f"CPU tensors, got {program.device}")
     lengths_off, tok_off, logits_off, s_max = _offsets(offsets)
     tensors = dict(program=program, counters=counters, weights=weights, f32=f32, bf16=bf16,
-                   i32=i32, k_cache=k_cache, v_cache=v_cache)
+                   i32=i32, k_cache=k_cache, v_cache=v_cache, state=state)
     validate_args(e.manifest.spec, tensors, lengths_off=lengths_off, max_seq_len=s_max)
     _check_outputs(e, f32, i32, tok_off, logits_off, return_logits)  # before CUDA
     if e.loaded is None:
@@ -128,20 +129,20 @@ def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel
 
 
 @decode_step.register_kernel("cpu")
-def _decode_step_cpu(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel,
-                     offsets, return_logits=False):
+def _decode_step_cpu(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
+                     kernel, offsets, return_logits=False):
     """The same step on CPU tensors, served by the CPU executor over these very arenas (its
     checks on): what `gpu-check --simulate` and a machine without a GPU run."""
     from megakernel.executor import Executor
 
     e = _entry(kernel)
     if e.prog is None:  # a GPU build: its checks name what is wrong (CUDA tensors first)
-        return _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel,
-                       offsets, return_logits)
+        return _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
+                       kernel, offsets, return_logits)
     _, tok_off, logits_off, _ = _offsets(offsets)
     _check_outputs(e, f32, i32, tok_off, logits_off, return_logits)
     ex = e.executor
-    mine = dict(f32=f32, bf16=bf16, i32=i32, k=k_cache, v=v_cache)
+    mine = dict(f32=f32, bf16=bf16, i32=i32, k=k_cache, v=v_cache, state=state)
     if (ex is None or any(ex.arena_tensor(n) is not t for n, t in mine.items())
             or weights.data_ptr() != ex.weights.data_ptr()):
         if not torch.equal(program, e.prog.records()):
@@ -184,7 +185,7 @@ def _outputs(e: _Entry, f32: torch.Tensor, i32: torch.Tensor, tok_off: int, logi
 
 
 @decode_step.register_fake
-def _(program, counters, weights, f32, bf16, i32, k_cache, v_cache, kernel, offsets,
+def _(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state, kernel, offsets,
       return_logits=False):
     e = _entry(kernel)
     n, v = e.rows, e.vocab
@@ -241,12 +242,14 @@ def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
     return m
 
 
-TENSORS = ("program", "counters", "weights", "f32", "bf16", "i32", "k_cache", "v_cache")
+TENSORS = ("program", "counters", "weights", "f32", "bf16", "i32", "k_cache", "v_cache",
+           "state")
 
 
 @dataclass
 class DeviceState:
-    """The kernel's arguments for one program: records, counters, arenas, KV cache."""
+    """The kernel's arguments for one program: records, counters, arenas, KV cache, recurrent
+    state."""
 
     prog: object  # megakernel.program.compiler.Program
     program: torch.Tensor
@@ -257,6 +260,7 @@ class DeviceState:
     i32: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    state: torch.Tensor  # fp32 [buffers.state_numel]: conv windows, states, rings (persistent)
     offsets: list[int]  # [lengths_off, tokens_out_off, logits_off, S_MAX] for decode_step
     packed: object = None  # megakernel.program.pack.PackedWeights (`weights` is its arena)
 
@@ -268,16 +272,17 @@ class DeviceState:
         return {n: getattr(self, n) for n in TENSORS}
 
     def load_cache(self, cache) -> None:  # noqa: ANN001 (reference.model.Cache)
-        """Copy a reference cache (bf16 mode) into the KV cache and the lengths: what the first
-        kernel step reads after a prefill by the reference."""
-        k, v = cache.attention_kv()  # [attention layers, B, Hkv, S, D] each
-        if k.shape[3] > self.k_cache.shape[3] or k.shape[:3] != self.k_cache.shape[:3]:
-            raise ArgumentError(f"the reference cache {tuple(k.shape)} does not fit the "
-                                f"kernel's KV cache {tuple(self.k_cache.shape)}")
-        s = k.shape[3]
-        self.k_cache[:, :, :, :s].copy_(k)
-        self.v_cache[:, :, :, :s].copy_(v)
-        self.region("i32", "lengths").copy_(cache.lengths.to(torch.int32))
+        """Copy a reference cache (bf16 mode) into the KV cache, the recurrent state arena (conv
+        windows, states, rings, ring counts) and the lengths: what the first kernel step reads
+        after a prefill by the reference."""
+        from megakernel.executor.core import ExecutorError, load_cache
+
+        try:
+            load_cache(self.prog, cache, k=self.k_cache, v=self.v_cache, state=self.state,
+                       i32=self.i32)
+        except (ExecutorError, RuntimeError) as e:  # a cache of another shape than the program's
+            raise ArgumentError(f"the reference cache does not fit the kernel's arguments: {e}"
+                                ) from None
 
 
 def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # noqa: ANN001
@@ -299,6 +304,7 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # 
         i32=torch.zeros(buf.i32_numel, dtype=torch.int32, device=d),
         k_cache=torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
         v_cache=torch.zeros(buf.v_shape, dtype=torch.bfloat16, device=d),
+        state=torch.zeros(buf.state_numel, dtype=torch.float32, device=d),
         offsets=[hdr["I32_LENGTHS_OFF"], hdr["I32_TOKENS_OUT_OFF"], hdr["F32_LOGITS_OFF"],
                  hdr["S_MAX"]],
         packed=packed,
@@ -350,17 +356,17 @@ class Megakernel:
         if self.manifest is not None:
             check_records(self.prog.records(), self.manifest.spec)
             check_header(self.prog.header, self.manifest.spec)
-        self.state = allocate_state(cfg, weights, self.prog, self.device)
+        self.args = allocate_state(cfg, weights, self.prog, self.device)
         self.timeline: torch.Tensor | None = None  # the timeline build's records (timeline.py)
         if self.manifest is not None and self.manifest.spec.get("timeline"):
             from megakernel.timeline import attach_records
 
-            self.timeline = attach_records(self.state)  # it writes past the program records
+            self.timeline = attach_records(self.args)  # it writes past the program records
         self.kernel_id = (register_build(self.manifest) if self.manifest is not None
-                          else register_program(self.prog, self.state.packed))
+                          else register_program(self.prog, self.args.packed))
         for name in TENSORS:
-            setattr(self, name, getattr(self.state, name))
-        self.offsets = self.state.offsets
+            setattr(self, name, getattr(self.args, name))
+        self.offsets = self.args.offsets
         self.lengths: list[int] = [0] * batch  # host mirror of lengths (the op advances them)
         self._weights_hf = weights
         self._how = dict(build_dir=build_dir, device=self.device, replay_window=replay_window,
@@ -368,7 +374,7 @@ class Megakernel:
         self._chunks: dict[int, Megakernel | None] = {}  # T -> the prefill program (None: no build)
 
     def _region(self, arena: str, name: str) -> torch.Tensor:
-        return self.state.region(arena, name)
+        return self.args.region(arena, name)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -386,7 +392,7 @@ class Megakernel:
         ref = ReferenceModel(self.cfg, self._weights_hf, mode="bf16", device=self.device)
         cache = ref.new_cache(self.batch, self.max_seq_len)
         logits = ref.prefill(cache, prompts)  # [B, V] fp32
-        self.state.load_cache(cache)
+        self.args.load_cache(cache)
         self.lengths = [int(x) for x in cache.lengths.tolist()]
         return _greedy(logits)
 
@@ -403,20 +409,22 @@ class Megakernel:
             if bool(((t < 0) | (t >= self.cfg.vocab_size)).any()):
                 raise ArgumentError(f"token ids must be in [0, {self.cfg.vocab_size})")
             self._region("i32", "tokens_in").copy_(t.to(torch.int32))
-        out = torch.ops.megakernel.decode_step(
-            self.program, self.counters, self.weights, self.f32, self.bf16, self.i32,
-            self.k_cache, self.v_cache, self.kernel_id, self.offsets, return_logits)
+        out = torch.ops.megakernel.decode_step(*self.op_args(return_logits))
         self.lengths = [n + self.tokens for n in self.lengths]
         return out
+
+    def op_args(self, return_logits: bool = False) -> tuple:
+        """The arguments of one `torch.ops.megakernel.decode_step` of this program (what a CUDA
+        graph captures): the tensors in TENSORS order, the kernel id, the offsets."""
+        return (*(getattr(self, n) for n in TENSORS), self.kernel_id, self.offsets,
+                return_logits)
 
     def reset(self) -> None:
         """Empty every sequence: lengths, ring counts and recurrent state to zero (KV slots past
         the lengths are never read)."""
         for arena, name in self.prog.buffers.persistent:
-            self.state.region(arena, name).zero_()
-        ex = _REGISTRY[self.kernel_id].executor  # the CPU executor keeps the recurrent state
-        if ex is not None:
-            ex.state.zero_()
+            self.args.region(arena, name).zero_()
+        self.state.zero_()
         self.lengths = [0] * self.batch
 
     def chunk_program(self, tokens: int) -> Megakernel | None:
@@ -487,9 +495,7 @@ class _OpStepper:
         return out.view(self.mk.batch, self.tokens).to(torch.int64)
 
     def arenas(self) -> dict[str, torch.Tensor]:
-        ex = _REGISTRY[self.mk.kernel_id].executor
-        state = ex.state if ex is not None else torch.zeros(0)
-        return dict(i32=self.mk.i32, state=state, k=self.mk.k_cache, v=self.mk.v_cache)
+        return dict(i32=self.mk.i32, state=self.mk.state, k=self.mk.k_cache, v=self.mk.v_cache)
 
     def sync(self) -> None:
         if self.mk.device.type == "cuda":

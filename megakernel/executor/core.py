@@ -199,39 +199,8 @@ class Executor:
         return self.state_region(layer, "state")
 
     def load_cache(self, cache) -> None:  # noqa: ANN001 (reference.Cache)
-        """Copy a reference cache (bf16 mode): the KV caches of the attention and MLA layers, the
-        conv windows, (committed) states, ReplaySSM rings and counts, and the lengths."""
-        p, b = self.prog, self.prog.buffers
-        if cache.replay_window != p.replay_window:
-            raise ExecutorError(f"the cache is for replay_window {cache.replay_window}, the "
-                                f"program runs replay_window {p.replay_window}")
-        if cache.pending is not None:
-            raise ExecutorError("the cache has a verified step that is not committed")
-        if cache.batch != p.batch:
-            raise ExecutorError(f"cache batch {cache.batch} != program batch {p.batch}")
-        if cache.max_seq_len > p.max_seq_len:
-            raise ExecutorError(f"cache of {cache.max_seq_len} positions does not fit the "
-                                f"program's {p.max_seq_len}")
-        for layer, slot in b.kv_slot.items():
-            ck, cv = _kv_of(cache.layers[layer])  # [B, heads, S, dims] each
-            s = ck.shape[2]
-            self.k[slot, :, :, :s] = ck.to(torch.bfloat16)
-            self.v[slot, :, :, :s] = cv.to(torch.bfloat16)
-        for layer, regs in b.state.items():
-            c = cache.layers[layer]
-            regs_t = {n: self.state_region(layer, n) for n in regs}
-            regs_t["conv"].copy_(c.conv)
-            regs_t["state"].copy_(c.state)
-            if b.ring_cap:
-                n = int(c.count.max())
-                if n + p.tokens > b.ring_cap:
-                    raise ExecutorError(f"layer {layer}: {n} ring entries + {p.tokens} do not fit "
-                                        f"the program's ring of {b.ring_cap}")
-                for name, t in c.ring.items():
-                    regs_t[name][:, :n] = t[:, :n]
-                cnt = self.region("i32", "ring_count")[b.row("rec", layer)]  # [B, units]
-                cnt.copy_(c.count[:, None].expand_as(cnt).to(torch.int32))
-        self.lengths.copy_(cache.lengths.to(torch.int32))
+        """Copy a reference cache (bf16 mode) into this executor's arenas (`load_cache`)."""
+        load_cache(self.prog, cache, k=self.k, v=self.v, state=self.state, i32=self.i32)
 
     # ---- access with happens-before checks ------------------------------------------------------
     @staticmethod
@@ -520,6 +489,49 @@ class Executor:
                 if name not in ("conv", "state"):
                     mark(name, (bi, slice(n0, n0 + p.tokens)))
 
+
+
+def load_cache(prog, cache, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,  # noqa: ANN001
+               i32: torch.Tensor) -> None:
+    """Copy a reference cache (bf16 mode) into a program's arenas, on whatever device they are:
+    the KV caches of the attention and MLA layers, the conv windows, (committed) states,
+    ReplaySSM rings and counts, and the lengths. What the first step after a prefill by the
+    reference reads (the executor's and the kernel's)."""
+    p, b = prog, prog.buffers
+    if cache.replay_window != p.replay_window:
+        raise ExecutorError(f"the cache is for replay_window {cache.replay_window}, the "
+                            f"program runs replay_window {p.replay_window}")
+    if cache.pending is not None:
+        raise ExecutorError("the cache has a verified step that is not committed")
+    if cache.batch != p.batch:
+        raise ExecutorError(f"cache batch {cache.batch} != program batch {p.batch}")
+    if cache.max_seq_len > p.max_seq_len:
+        raise ExecutorError(f"cache of {cache.max_seq_len} positions does not fit the "
+                            f"program's {p.max_seq_len}")
+
+    def region(t: torch.Tensor, r) -> torch.Tensor:  # noqa: ANN001 (buffers.Region)
+        return t[r.offset : r.offset + r.numel].view(r.shape)
+
+    for layer, slot in b.kv_slot.items():
+        ck, cv = _kv_of(cache.layers[layer])  # [B, heads, S, dims] each
+        s = ck.shape[2]
+        k[slot, :, :, :s] = ck.to(torch.bfloat16)
+        v[slot, :, :, :s] = cv.to(torch.bfloat16)
+    for layer, regs in b.state.items():
+        c = cache.layers[layer]
+        regs_t = {n: region(state, r) for n, r in regs.items()}
+        regs_t["conv"].copy_(c.conv)
+        regs_t["state"].copy_(c.state)
+        if b.ring_cap:
+            n = int(c.count.max())
+            if n + p.tokens > b.ring_cap:
+                raise ExecutorError(f"layer {layer}: {n} ring entries + {p.tokens} do not fit "
+                                    f"the program's ring of {b.ring_cap}")
+            for name, t in c.ring.items():
+                regs_t[name][:, :n] = t[:, :n]
+            cnt = region(i32, b.i32["ring_count"])[b.row("rec", layer)]  # [B, units]
+            cnt.copy_(c.count[:, None].expand_as(cnt).to(torch.int32))
+    region(i32, b.i32["lengths"]).copy_(cache.lengths.to(torch.int32))
 
 def _kv_of(c) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 (a reference layer cache)
     """K and V [B, heads, S, dims] of a reference layer cache: attention (k, v) or MLA (the

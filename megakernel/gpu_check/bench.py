@@ -44,8 +44,7 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
     mk.prefill([[1] * context for _ in range(c.batch)])
     tok = torch.ones(c.batch, 1, dtype=torch.int64, device=mk.device)
     mk.step(tok)
-    args = (mk.program, mk.counters, mk.weights, mk.f32, mk.bf16, mk.i32, mk.k_cache,
-            mk.v_cache, mk.kernel_id, mk.offsets, False)
+    args = mk.op_args()
 
     def launch() -> None:
         torch.ops.megakernel.decode_step(*args)

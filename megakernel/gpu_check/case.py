@@ -22,6 +22,7 @@ from megakernel.gpu_check.cases import Case
 
 SIMULATED_STEPS = 3  # steps of a simulated case (the executor is slow; the machinery is the point)
 SIMULATED_LAYERS = 2  # a simulated real preset keeps its shapes but only this many layers
+SNAPSHOT = ("f32", "bf16", "i32", "k_cache", "v_cache", "state")  # what a step reads and writes
 
 
 def config(model: str, simulate: bool):  # noqa: ANN201 (ModelConfig)
@@ -109,7 +110,8 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
         built = KernelSpec.from_dict(mk.manifest.spec)
         res.update(gemv="mma" if built.mma else "fma", smem_stages=built.smem_stages)
     ex_res: dict[str, Any] = {"executor_max_logit_diff": 0.0, "executor_logit_over": 0,
-                              "executor_kv_over": 0, "executor_token_mismatches": 0}
+                              "executor_kv_over": 0, "executor_token_mismatches": 0,
+                              "executor_state_max_diff": 0.0, "executor_state_ok": True}
     snap = None
     last = first
     tok = first[:, None].repeat(1, c.tokens)
@@ -160,7 +162,8 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
         res.update(ex_res)
         res["executor_ok"] = (ex_res["executor_logit_over"] == 0
                               and ex_res["executor_kv_over"] == 0
-                              and ex_res["executor_token_mismatches"] == 0)
+                              and ex_res["executor_token_mismatches"] == 0
+                              and ex_res["executor_state_ok"])
     compared = res["steps"] * c.batch * c.tokens
     res["near_ties_ok"] = compare.near_ties_ok(res["near_tie_mismatches"],
                                                res["ref_near_ties"], compared)
@@ -177,7 +180,7 @@ def _executor(mk, cache16):  # noqa: ANN001, ANN202
     kernel starts from)."""
     from megakernel.executor import Executor
 
-    ex = Executor(mk.prog, mk.state.packed, check=True)
+    ex = Executor(mk.prog, mk.args.packed, check=True)
     ex.load_cache(_to_cpu(cache16))
     return ex
 
@@ -198,10 +201,14 @@ def _against_executor(ex, mk, tok, logits, out_tok, l16, l32, acc: dict) -> None
             new = slice(n, n + mk.tokens)
             acc["executor_kv_over"] += compare.same_program(
                 mine[:, b, :, new].cpu(), theirs[:, b, :, new])["over"]
+    # recurrent layers: conv windows, states, rings (the whole arena) after the same step
+    st = compare.state_parity(mk.state, ex.state)
+    acc["executor_state_max_diff"] = max(acc["executor_state_max_diff"], st["max_diff"])
+    acc["executor_state_ok"] = acc["executor_state_ok"] and st["ok"]
 
 
 def _snapshot(mk) -> dict:  # noqa: ANN001
-    return {n: getattr(mk, n).clone() for n in ("f32", "bf16", "i32", "k_cache", "v_cache")} | {
+    return {n: getattr(mk, n).clone() for n in SNAPSHOT} | {
         "lengths": list(mk.lengths)}
 
 
@@ -210,7 +217,7 @@ def _replay_is_identical(mk, snap: dict, vocab: int, c: Case, steps: int) -> boo
     (the counters keep counting epochs: no reset between replays)."""
     outs = []
     for _ in range(2):
-        for n in ("f32", "bf16", "i32", "k_cache", "v_cache"):
+        for n in SNAPSHOT:
             getattr(mk, n).copy_(snap[n])
         mk.lengths = list(snap["lengths"])
         g = torch.Generator().manual_seed(123)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 NEAR_TIE_FRACTION = 0.05  # at most this share of compared tokens may be near ties that flipped
+# the kernel's recurrent state against the executor's: fp32 through both, summation order apart
+STATE_RTOL = 1e-3
 MIN_PREFIX = 16  # free-running generations must agree this long unless a near tie comes first
 
 
@@ -120,6 +122,21 @@ def same_program(a: torch.Tensor, b: torch.Tensor, ulps: float = 2.0) -> dict[st
     over = (x - y).abs() > tol
     return {"max_diff": float((x - y).abs().max()) if finite else float("inf"),
             "over": int(over.sum()), "ok": finite and not bool(over.any())}
+
+
+def state_parity(a: torch.Tensor, b: torch.Tensor, rtol: float = STATE_RTOL) -> dict[str, Any]:
+    """The recurrent state arena of two runs of one program (kernel and CPU executor): fp32 all
+    the way, the same inputs up to the matvecs' summation order, so every element within `rtol`
+    of the arena's largest magnitude (a wrong index or a skipped update is off by O(1))."""
+    x, y = a.float().cpu(), b.float().cpu()
+    if x.shape != y.shape:
+        return {"max_diff": float("inf"), "scale": 0.0, "ok": False}
+    if x.numel() == 0:
+        return {"max_diff": 0.0, "scale": 0.0, "ok": True}
+    finite = bool(torch.isfinite(x).all() and torch.isfinite(y).all())
+    scale = float(y.abs().max())
+    diff = float((x - y).abs().max()) if finite else float("inf")
+    return {"max_diff": diff, "scale": scale, "ok": finite and diff <= rtol * max(scale, 1e-30)}
 
 
 def near_ties_ok(near_ties: int, ref_near_ties: int, compared: int) -> bool:

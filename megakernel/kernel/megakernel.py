@@ -71,17 +71,18 @@ class DecodeMegakernel:
     @cute.jit
     def __call__(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
                  f32: cute.Pointer, bf16: cute.Pointer, i32: cute.Pointer, k_cache: cute.Pointer,
-                 v_cache: cute.Pointer, queue_len: Int32, s_max: Int32, len_off: Int32,
-                 num_ctas: Int32, stream: cuda.CUstream):
-        self.kernel(program, counters, weights, f32, bf16, i32, k_cache, v_cache, queue_len,
-                    s_max, len_off).launch(
+                 v_cache: cute.Pointer, state: cute.Pointer, queue_len: Int32, s_max: Int32,
+                 len_off: Int32, num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
+                    queue_len, s_max, len_off).launch(
             grid=[num_ctas, 1, 1], block=[self.spec.block_threads, 1, 1], smem=self.smem_bytes,
             cooperative=True, min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
                f32: cute.Pointer, bf16: cute.Pointer, i32: cute.Pointer, k_cache: cute.Pointer,
-               v_cache: cute.Pointer, queue_len: Int32, s_max: Int32, len_off: Int32):
+               v_cache: cute.Pointer, state: cute.Pointer, queue_len: Int32, s_max: Int32,
+               len_off: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
@@ -121,19 +122,20 @@ class DecodeMegakernel:
                                              weights, sRing.iterator, mbar)
             else:
                 self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
-                             queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML,
+                             state, queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML,
                              sFlag, sRing, sRed, mbar, tidx, bidx, num_ctas, warp, lane)
         else:
-            self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
+            self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
                          queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML, sFlag,
                          sX, sRed, counters, tidx, bidx, num_ctas, warp, lane)
 
     @cute.jit
     def consume(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
                 f32: cute.Pointer, bf16: cute.Pointer, i32: cute.Pointer, k_cache: cute.Pointer,
-                v_cache: cute.Pointer, queue_len: Int32, s_max: Int32, len_off: Int32,
-                sX: cute.Tensor, sAcc: cute.Tensor, sRstd: cute.Tensor, sBest: cute.Tensor,
-                sQ: cute.Tensor, sO: cute.Tensor, sML: cute.Tensor, sFlag: cute.Tensor,
+                v_cache: cute.Pointer, state: cute.Pointer, queue_len: Int32, s_max: Int32,
+                len_off: Int32, sX: cute.Tensor, sAcc: cute.Tensor, sRstd: cute.Tensor,
+                sBest: cute.Tensor, sQ: cute.Tensor, sO: cute.Tensor, sML: cute.Tensor,
+                sFlag: cute.Tensor,
                 sRing: cute.Tensor, sRed: cute.Tensor, mbar, tidx: Int32, bidx: Int32,
                 num_ctas: Int32, warp: Int32, lane: Int32):
         """The consumer warps' persistent loop over this CTA's queue (module docstring)."""

@@ -426,6 +426,8 @@ PARAMS: tuple[Param, ...] = (
     Param("i32", "ptr", "int32", "int32 arena (tokens in/out, lengths)"),
     Param("k_cache", "ptr", "bfloat16", "K cache [L, B, Hkv, S_max, D]"),
     Param("v_cache", "ptr", "bfloat16", "V cache [L, B, Hkv, S_max, D]"),
+    Param("state", "ptr", "float32", "recurrent state arena (per recurrent layer: conv window, "
+          "state, ReplaySSM ring), 64-bit element offsets in the records"),
     Param("queue_len", "i32", "int32", "records per CTA queue (second dim of program)"),
     Param("s_max", "i32", "int32", "cache positions per sequence"),
     Param("lengths_off", "i32", "int32", "i32 offset of lengths [B] (header I32_LENGTHS_OFF)"),

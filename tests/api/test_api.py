@@ -173,9 +173,8 @@ def test_opcheck_decode_step_on_cpu_tensors():
 
     cfg, w = load_model("llama-tiny", seed=0)
     k = Megakernel(cfg, w, batch=1, max_seq_len=4, device="cpu", gpu="h100")
-    k.state.region("i32", "tokens_in").copy_(torch.tensor([5], dtype=torch.int32))
-    args = (k.program, k.counters, k.weights, k.f32, k.bf16, k.i32, k.k_cache, k.v_cache,
-            k.kernel_id, k.offsets, True)
+    k.args.region("i32", "tokens_in").copy_(torch.tensor([5], dtype=torch.int32))
+    args = k.op_args(True)
     torch.library.opcheck(torch.ops.megakernel.decode_step.default, args)
 
 

@@ -65,6 +65,7 @@ def tensors(spec: dict, s_max: int = 32, device: str = "cpu") -> dict[str, torch
         i32=torch.zeros(256, dtype=torch.int32, device=device),
         k_cache=torch.zeros(kv, dtype=torch.bfloat16, device=device),
         v_cache=torch.zeros(kv, dtype=torch.bfloat16, device=device),
+        state=torch.zeros(0, dtype=torch.float32, device=device),
     )
 
 

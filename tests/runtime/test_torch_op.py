@@ -30,7 +30,7 @@ def kid() -> int:
 def call(ts: dict, kid: int, logits: bool = True):
     return torch.ops.megakernel.decode_step(
         ts["program"], ts["counters"], ts["weights"], ts["f32"], ts["bf16"], ts["i32"],
-        ts["k_cache"], ts["v_cache"], kid, OFFSETS, logits)
+        ts["k_cache"], ts["v_cache"], ts["state"], kid, OFFSETS, logits)
 
 
 def spec() -> dict:
@@ -68,7 +68,7 @@ def test_op_rejects_unknown_kernel_and_bad_offsets(kid):
     with pytest.raises(ArgumentError, match="offsets must be"):
         torch.ops.megakernel.decode_step(ts["program"], ts["counters"], ts["weights"], ts["f32"],
                                          ts["bf16"], ts["i32"], ts["k_cache"], ts["v_cache"],
-                                         kid, [1, 2], False)
+                                         ts["state"], kid, [1, 2], False)
 
 
 def test_op_refuses_a_cache_of_another_length_than_the_program(kid):
@@ -167,11 +167,13 @@ def test_host_state_on_cpu_matches_the_build_and_the_executor(model, batch, toke
         check_records(bad, spec)
 
 
-@pytest.mark.parametrize("model", ["llama-tiny", "qwen2-tiny"])
+@pytest.mark.parametrize("model", ["llama-tiny", "qwen2-tiny", "qwen3.5-tiny", "nemotron-h-tiny"])
 def test_prefill_cache_lands_where_the_executor_puts_it(model):
-    """After the reference's prefill, the kernel's KV cache and lengths hold what the CPU
-    executor's load_cache makes of the same reference cache (unwritten slots NaN in both)."""
+    """After the reference's prefill, the kernel's KV cache, recurrent state arena (conv windows,
+    states) and lengths hold what the CPU executor's load_cache makes of the same reference cache
+    (unwritten slots NaN in both)."""
     from megakernel.executor import Executor, executor_gpu
+    from megakernel.layers import kind
     from megakernel.models.weights import random_weights
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
@@ -193,7 +195,12 @@ def test_prefill_cache_lands_where_the_executor_puts_it(model):
         assert torch.equal(written.nan_to_num(), theirs[:, :, :, :12].nan_to_num())
         assert int(written.isfinite().sum()) > 0
     assert st.region("i32", "lengths").tolist() == ex.lengths.tolist() == [3, 5]
-    with pytest.raises(ArgumentError, match="does not fit the kernel's KV cache"):
+    assert st.state.numel() == prog.buffers.state_numel
+    assert torch.equal(st.state, ex.state)
+    assert (st.state.numel() > 0) == any(kind(b.kind).recurrent for b in cfg.blocks)
+    if st.state.numel():
+        assert int((st.state != 0).sum()) > st.state.numel() // 4  # the prefill's states landed
+    with pytest.raises(ArgumentError, match="does not fit the program's 16"):
         st.load_cache(ref.new_cache(2, 17))
 
 
