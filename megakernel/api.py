@@ -54,15 +54,16 @@ def bucket(n: int, max_batch: int) -> int:
     return min(1 << (n - 1).bit_length(), max_batch)
 
 
-def _kernel_available(cfg) -> str | None:  # noqa: ANN001
-    """None when the kernel can run `cfg` here, else why not."""
+def _kernel_available(cfg, replay: bool = False) -> str | None:  # noqa: ANN001
+    """None when the kernel can run `cfg` here (`replay`: with a ReplaySSM window), else why
+    not."""
     from megakernel.kernel.spec import SpecError, check_kernel_support
     from megakernel.torch_op import ENV_BUILD_DIR
 
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     try:
-        check_kernel_support(cfg)
+        check_kernel_support(cfg, replay)
     except SpecError as e:
         return str(e)
     if not os.environ.get(ENV_BUILD_DIR) and importlib.util.find_spec("cutlass") is None:
@@ -88,7 +89,7 @@ class LLM:
             raise GenerationError(f"replay_window {replay_window} needs a model with recurrent "
                                   f"layers and L >= 1")
         if backend == "auto":
-            why = _kernel_available(cfg)
+            why = _kernel_available(cfg, bool(replay_window))
             backend = "kernel" if why is None else "cpu-executor"
             print(f"megakernel: backend {backend}" + (f" ({why})" if why else ""),
                   file=sys.stderr)
@@ -96,7 +97,8 @@ class LLM:
             from megakernel.kernel.spec import check_kernel_support
             from megakernel.torch_op import _require_gpu
 
-            check_kernel_support(cfg)  # SpecError names the layer kinds it cannot run
+            # SpecError names the layer kinds it cannot run
+            check_kernel_support(cfg, bool(replay_window))
             _require_gpu()  # KernelUnavailable
         self.cfg, self.weights, self.backend = cfg, weights, backend
         self.max_batch, self.max_seq_len, self.replay_window = max_batch, max_seq_len, replay_window

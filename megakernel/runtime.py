@@ -309,9 +309,14 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
     H, Inter, V, D = spec["hidden"], spec["inter"], spec["vocab"], spec["head_dim"]
     Hq, Hkv, B, N = spec["heads"], spec["kv_heads"], spec["batch"], spec["batch"] * spec["tokens"]
     slots = Hq // Hkv * (2 if spec.get("output_gate") else 1) + 2  # KernelSpec.qkv_slots
-    shapes = {Op.QKV: (H, Hkv * slots * D), Op.OPROJ: (Hq * D, H), Op.GATEUP: (H, 2 * Inter),
-              Op.UP_RELU2: (H, Inter), Op.DOWN: (Inter, H),
-              Op.LMHEAD: (H, padded_vocab(V))}  # (K, matrix rows)
+    # (K, matrix rows) of each matvec opcode's matrices in the build's model
+    shapes = {Op.QKV: [(H, Hkv * slots * D)], Op.OPROJ: [(Hq * D, H)],
+              Op.GATEUP: [(H, 2 * Inter)], Op.UP_RELU2: [(H, Inter)], Op.DOWN: [(Inter, H)],
+              Op.LMHEAD: [(H, padded_vocab(V))]}
+    gdn = gdn_shape(spec)
+    if gdn is not None:  # the GDN layers' fused input projection and out_proj
+        shapes[Op.PROJ] = [(H, gdn.proj_width)]
+        shapes[Op.OPROJ].append((gdn.value_dim, H))
     handled = set(spec.get("ops") or (s.code for s in isa.specs() if s.device))
     for sm, queue in enumerate(records.tolist()):
         for pos, rec in enumerate(queue):
@@ -331,12 +336,15 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                 need = {"W": 8, "K": 8, "IN_OFF": 8, "NROWS": 16}
                 if d["NORM_OFF"] >= 0:
                     need["NORM_OFF"] = 8
-                k, rows = shapes[op]
-                if d["K"] != k or not (0 <= d["ROW0"] and d["ROW0"] + d["NROWS"] <= rows):
+                if not any(d["K"] == k and 0 <= d["ROW0"] and d["ROW0"] + d["NROWS"] <= rows
+                           for k, rows in shapes[op]):
                     raise ArgumentError(
                         f"{where}: K={d['K']}, rows [{d['ROW0']}, {d['ROW0'] + d['NROWS']}) do "
-                        f"not fit the build's [{rows}, {k}] matrix; the program is for another "
-                        f"model or build")
+                        f"not fit the build's {' or '.join(f'[{r}, {k}]' for k, r in shapes[op])}"
+                        f" matrix; the program is for another model or build")
+                if op == Op.PROJ and d["OUT_W"] != gdn.proj_width:
+                    raise ArgumentError(f"{where}: OUT_W={d['OUT_W']} is not the build's GDN "
+                                        f"projection width {gdn.proj_width}")
                 if op == Op.QKV and (d["NROWS"] % D or d["ROW0"] % D):
                     raise ArgumentError(f"{where}: a QKV slab of {d['NROWS']} rows at row "
                                         f"{d['ROW0']} is not whole heads of {D}")
@@ -345,6 +353,11 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                     raise ArgumentError(f"{where}: a GATEUP slab of {d['NROWS']} rows at row "
                                         f"{d['ROW0']} is not whole {GATEUP_BLOCK}-row gate/up "
                                         f"block pairs")
+            elif op == Op.GDN_CORE:
+                if not (0 <= d["B_IDX"] < B and 0 <= d["K_HEAD"] < gdn.hk and d["STATE"] >= 0):
+                    raise ArgumentError(f"{where}: sequence {d['B_IDX']}, key head "
+                                        f"{d['K_HEAD']}, state offset {d['STATE']} outside the "
+                                        f"build's B={B}, Hk={gdn.hk}")
             elif op == Op.EMBED:
                 if d["K"] != H or not 0 <= d["N0"] <= d["N1"] <= N:
                     raise ArgumentError(f"{where}: rows [{d['N0']}, {d['N1']}) of K={d['K']} do "
@@ -361,6 +374,17 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                 if d[k] % m:
                     raise ArgumentError(f"SM {sm} record {pos} ({op.name}): {k}={d[k]} is not a "
                                         f"multiple of {m}; the kernel's vector accesses need it")
+
+
+def gdn_shape(spec: dict[str, Any]):  # noqa: ANN201 (gdn_index.GDNShape | None)
+    """A manifest spec's GDN index arithmetic (None: no GDN layers)."""
+    from megakernel.kernel.gdn_index import GDNShape
+    from megakernel.kernel.spec import LANES
+
+    if not spec.get("gdn"):
+        return None
+    return GDNShape.of(tuple(spec["gdn"]), spec["batch"], spec["tokens"],
+                       spec.get("num_threads", 256) // LANES)
 
 
 def check_lengths(spec: dict[str, Any], lengths: list[int], s_max: int) -> None:

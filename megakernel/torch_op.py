@@ -211,12 +211,14 @@ def _require_gpu() -> None:
 
 
 def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
-               build_dir: str | Path | None) -> Manifest:
+               build_dir: str | Path | None, replay: bool = False) -> Manifest:
     """The manifest to launch: `build_dir` / $MEGAKERNEL_BUILD_DIR (AOT; a single build
-    DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache."""
+    DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache (`replay`: for programs
+    with a ReplaySSM window)."""
     from megakernel.kernel.spec import make_spec
 
-    need = make_spec(cfg, batch, tokens, arch)  # SpecError names what the kernel cannot run
+    # SpecError names what the kernel cannot run
+    need = make_spec(cfg, batch, tokens, arch, replay=replay)
     build_dir = build_dir or os.environ.get(ENV_BUILD_DIR)
     if build_dir is None:
         from megakernel.kernel.jit import ensure_build
@@ -348,7 +350,8 @@ class Megakernel:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             dev = device_info(self.device)
-            self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir)
+            self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir,
+                                       replay=bool(replay_window))
             target = from_device(self.device.index)
         self.prog = compile_program(cfg, batch, target, tokens=tokens, max_seq_len=max_seq_len,
                                     replay_window=replay_window, n_splits=n_splits)
@@ -518,7 +521,7 @@ def generate(cfg: ModelConfig, weights: dict[str, torch.Tensor], prompts: list[l
     from megakernel.kernel.spec import check_kernel_support
 
     del seed  # the kernel is deterministic; kept for the backend signature
-    check_kernel_support(cfg)  # SpecError (a user error): before asking for a GPU
+    check_kernel_support(cfg, bool(replay_window))  # SpecError: before asking for a GPU
     _require_gpu()
     if not prompts:
         raise ArgumentError("no prompts given")

@@ -81,7 +81,7 @@ F32_NEG_INF = -math.inf
 
 
 class Matvec:
-    """The matvec opcodes (QKV, OPROJ, GATEUP, UP_RELU2, DOWN, LMHEAD): one GEMV, the epilogue
+    """The matvec opcodes (QKV, OPROJ, GATEUP, UP_RELU2, DOWN, PROJ, LMHEAD): one GEMV, the epilogue
     chosen by the runtime opcode through the registry's `matvec` property (only the epilogues of
     opcodes the build handles are compiled in: OpTable.for_spec)."""
 
@@ -237,6 +237,9 @@ class Matvec:
         if cutlass.const_expr(self.ops.epilogue("residual")):
             if one_of(op, self.ops.epilogue("residual")):  # OPROJ, DOWN: added into h
                 self.epi_residual(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
+        if cutlass.const_expr(self.ops.epilogue("proj")):
+            if one_of(op, self.ops.epilogue("proj")):  # PROJ: a recurrent layer's fp32 input
+                self.epi_proj(rec, row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
 
     @cute.jit
     def store_partial_argmax(self, n0: Int32, rec: cute.Tensor, pF: cute.Pointer,
@@ -431,6 +434,20 @@ class Matvec:
             if n0 + nn < self.N:
                 a = out_off + (n0 + nn) * self.H + row0 + rc0 + r
                 st(pF, a, ld(pF, a) + self.acc_value(sAcc, nn, r, ksplit, nrp))
+
+    @cute.jit
+    def epi_proj(self, rec: cute.Tensor, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,
+                 ksplit: Int32, nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
+                 tidx: Int32):
+        """proj[n, row0 + rc0 + r] = acc (fp32, not rounded), rows OUT_W apart: the fused input
+        projection the recurrent core records read."""
+        width = rec[word(Op.PROJ, "OUT_W")]
+        for idx in cutlass.range(tidx, self.NO * nr, self.NT):
+            nn = idx // nr
+            r = idx - nn * nr
+            if n0 + nn < self.N:
+                st(pF, out_off + row_major(n0 + nn, row0 + rc0 + r, width),
+                   self.acc_value(sAcc, nn, r, ksplit, nrp))
 
     @cute.jit
     def epi_gateup(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,

@@ -14,11 +14,12 @@ and synchronise on named barrier 1. With smem_stages = 0 the consumers read the 
 global memory (Matvec.run) and there is no loader warp.
 
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
-merge (by the last split's CTA) in attention.py. Records are read by field name and the opcode sets
-the loop branches on (the matvec opcodes, the ticket opcodes that signal from their merge) come
-from the ISA registry (fields.py); a record whose opcode the build has no handler for traps. The
-host side `__call__` exists only to give `cute.compile` something to trace: launches go through
-the driver API (runtime.py), so the entry takes plain pointers and int32s (spec.PARAMS).
+merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE) in gdn.py.
+Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
+ticket opcodes that signal from their merge) come from the ISA registry (fields.py); a record
+whose opcode the build has no handler for traps. The host side `__call__` exists only to give
+`cute.compile` something to trace: launches go through the driver API (runtime.py), so the
+entry takes plain pointers and int32s (spec.PARAMS).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megakernel.isa import Op
 from megakernel.kernel import sync, timeline
 from megakernel.kernel.attention import Attention
 from megakernel.kernel.fields import OpTable, common, none_of, one_of, slab_word, word
+from megakernel.kernel.gdn import GatedDeltaRule
 from megakernel.kernel.lookahead import Lookahead
 from megakernel.kernel.matvec import Matvec, warp_argmax
 from megakernel.kernel.memory import (
@@ -60,6 +62,7 @@ class DecodeMegakernel:
         self.N, self.T, self.B, self.H = spec.rows, spec.tokens, spec.batch, spec.hidden
         self.matvec = Matvec(spec)
         self.attention = Attention(spec)
+        self.gdn = GatedDeltaRule(spec) if spec.gdn else None  # GDN_CORE (gdn.py)
         self.regions = spec.smem_regions()
         self.smem_bytes = spec.smem_bytes
         self.window = spec.prefetch_window
@@ -104,6 +107,10 @@ class DecodeMegakernel:
         sRed = sAcc  # [2][NW][NO][8] mma partials (spec.mma); unused otherwise
         if cutlass.const_expr(self.spec.mma):
             sRed = self.region(raw, "red", Float32)
+        sSsm = sAcc  # the recurrent handlers' scratch span (spec.recurrent_smem_bytes)
+        if cutlass.const_expr(self.spec.recurrent_smem_bytes > 0):
+            sSsm = cute.make_tensor(cute.recast_ptr(raw.iterator, dtype=Float32),
+                                    cute.make_layout(self.spec.recurrent_smem_bytes // 4))
         if cutlass.const_expr(self.piped):
             sRing = self.region(raw, "ring", BFloat16)  # [S][stage] weight tiles
             mbar = cute.recast_ptr(raw.iterator + self.regions["mbar"][0], dtype=Int64)
@@ -123,11 +130,11 @@ class DecodeMegakernel:
             else:
                 self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
                              state, queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML,
-                             sFlag, sRing, sRed, mbar, tidx, bidx, num_ctas, warp, lane)
+                             sFlag, sRing, sRed, sSsm, mbar, tidx, bidx, num_ctas, warp, lane)
         else:
             self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
                          queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML, sFlag,
-                         sX, sRed, counters, tidx, bidx, num_ctas, warp, lane)
+                         sX, sRed, sSsm, counters, tidx, bidx, num_ctas, warp, lane)
 
     @cute.jit
     def consume(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
@@ -136,8 +143,8 @@ class DecodeMegakernel:
                 len_off: Int32, sX: cute.Tensor, sAcc: cute.Tensor, sRstd: cute.Tensor,
                 sBest: cute.Tensor, sQ: cute.Tensor, sO: cute.Tensor, sML: cute.Tensor,
                 sFlag: cute.Tensor,
-                sRing: cute.Tensor, sRed: cute.Tensor, mbar, tidx: Int32, bidx: Int32,
-                num_ctas: Int32, warp: Int32, lane: Int32):
+                sRing: cute.Tensor, sRed: cute.Tensor, sSsm: cute.Tensor, mbar, tidx: Int32,
+                bidx: Int32, num_ctas: Int32, warp: Int32, lane: Int32):
         """The consumer warps' persistent loop over this CTA's queue (module docstring)."""
         named = self.named
         epoch = Int32(0)
@@ -165,6 +172,9 @@ class DecodeMegakernel:
             layer = rec[common("LAYER")]
             if op == Op.ATTN_PARTIAL:
                 self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
+            if cutlass.const_expr(self.gdn is not None):
+                if op == Op.GDN_CORE:
+                    self.gdn.prefetch_state(rec, state, tidx)
             # the loader warp slides it when piped (pipeline.py); l2_window 0 builds no lookahead
             if cutlass.const_expr(not self.piped and self.window > 0):
                 pf_pc, pf_off, pf_cum = self.lookahead.extend(weights, queue, pc, cum, pf_pc,
@@ -187,6 +197,11 @@ class DecodeMegakernel:
                 self.attention.ticket(rec, epoch, counters, sFlag, f32, bf16, tidx, warp, lane)
             elif op == Op.ARGMAX:
                 self.argmax(rec, f32, i32, tidx, warp, lane)
+            elif op == Op.GDN_CORE:
+                if cutlass.const_expr(self.gdn is not None):
+                    self.gdn.core(rec, weights, f32, bf16, state, sSsm, tidx, warp, lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
             elif one_of(op, self.ops.matvec):
                 if cutlass.const_expr(self.piped):
                     j = self.matvec.run_piped(op, rec, layer, weights, f32, bf16, i32, k_cache,

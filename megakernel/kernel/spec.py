@@ -470,6 +470,9 @@ class KernelSpec:
     # the decoder layers with attention, in order: their KV cache slots (kv_slot); () = every
     # layer (the dense stacks)
     attn_layers: tuple[int, ...] = ()
+    # the gated delta rule's (num_k_heads, num_v_heads, k_head_dim, v_head_dim, conv_kernel)
+    # when the model has GDN layers (kernel/gdn_index.py); () = none
+    gdn: tuple[int, ...] = ()
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
     smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (above)
     timeline: bool = False  # the variant that stamps per-instruction times (TIMELINE_FIELDS)
@@ -560,7 +563,7 @@ class KernelSpec:
         """The GEMV runs on tensor cores (mma.sync; see MMA_MIN_ROWS): pipelined, enough
         activation rows, 8 consumer warps (a ring tile is then 8 weight rows = one mma N) and
         every K a multiple of MMA_K_ALIGN; otherwise the FMA GEMV."""
-        ks = (self.hidden, self.heads * self.head_dim, self.inter)
+        ks = self.matvec_ks
         return (self.pipelined and self.rows >= MMA_MIN_ROWS and self.num_warps == MMA_N
                 and all(k % MMA_K_ALIGN == 0 for k in ks))
 
@@ -574,8 +577,16 @@ class KernelSpec:
         return min(npad, 32 // self.nb * self.nb)
 
     @property
+    def matvec_ks(self) -> tuple[int, ...]:
+        """Every K a matvec of the build has: H (QKV, GATEUP, PROJ, LMHEAD), Hq D (o_proj), I
+        (down), and the recurrent layers' out_proj inputs (GDN: Hv dv)."""
+        ks = (self.hidden, self.heads * self.head_dim, self.inter)
+        g = self.gdn_shape
+        return ks + ((g.value_dim,) if g is not None else ())
+
+    @property
     def k_max(self) -> int:
-        return max(self.hidden, self.heads * self.head_dim, self.inter)
+        return max(self.matvec_ks)
 
     @property
     def k_chunk(self) -> int:
@@ -608,6 +619,22 @@ class KernelSpec:
     def attn_queries(self) -> int:  # T * G queries per (sequence, kv head)
         return self.tokens * self.group
 
+    @property
+    def gdn_shape(self):  # noqa: ANN201 (gdn_index.GDNShape | None)
+        """The GDN handler's index arithmetic for this build (None: no GDN layers)."""
+        from megakernel.kernel.gdn_index import GDNShape
+
+        if not self.gdn:
+            return None
+        return GDNShape.of(self.gdn, self.batch, self.tokens, self.num_warps)
+
+    @property
+    def recurrent_smem_bytes(self) -> int:
+        """Shared memory a recurrent core handler uses: a span from the start of the carve-up
+        over the consumers' regions (x, acc, ..., none of them live across records)."""
+        g = self.gdn_shape
+        return 4 * g.smem()["words"] if g is not None else 0
+
     # shared memory carve-up (bytes, every region 128-byte aligned)
     def smem_regions(self) -> dict[str, tuple[int, int]]:
         """name -> (offset, bytes)."""
@@ -624,6 +651,9 @@ class KernelSpec:
         ]
         if self.mma:  # fp32 [2][NW][NO][MMA_N]: per-warp K-slice partials of a tile, 2 buffers
             sizes.append(("red", 4 * 2 * nw * self.no * MMA_N))
+        span = sum(-(-n // 128) * 128 for _, n in sizes)
+        if self.recurrent_smem_bytes > span:  # extends the consumers' span the handlers use
+            sizes.append(("ssm", self.recurrent_smem_bytes - span))
         if self.pipelined:
             sizes += [
                 ("ring", self.smem_stages * SMEM_STAGE_BYTES),  # bf16 weight tiles
@@ -656,7 +686,8 @@ class KernelSpec:
         if self.rows > isa.MAX_ROWS:
             raise SpecError(f"batch * tokens = {self.rows} > {isa.MAX_ROWS} rows per step")
         for what, k in (("hidden_size", self.hidden), ("q_size", self.heads * self.head_dim),
-                        ("intermediate_size", self.inter)):
+                        ("intermediate_size", self.inter), ("recurrent out_proj K",
+                                                            self.matvec_ks[-1])):
             if k % VEC:
                 raise SpecError(f"{what} = {k} must be a multiple of {VEC} (16-byte loads)")
         if self.num_threads % LANES or not 64 <= self.num_threads <= 1024:
@@ -681,11 +712,16 @@ class KernelSpec:
             raise SpecError(f"the pipeline needs a power-of-two number of consumer warps, "
                             f"got {self.num_warps}")
         if self.mma and any(tile_rows(min(self.k_chunk, k), self.num_warps) != MMA_N
-                            for k in (self.hidden, self.heads * self.head_dim, self.inter)):
+                            for k in self.matvec_ks):
             raise SpecError(f"the mma GEMV needs ring tiles of {MMA_N} weight rows")
         if self.smem_bytes > SMEM_BUDGET:
             raise SpecError(f"the kernel needs {self.smem_bytes} B of shared memory > budget "
                             f"{SMEM_BUDGET}")
+        if self.gdn:
+            from megakernel.kernel.gdn_index import check_gdn
+
+            if check_gdn(self.gdn_shape):
+                raise SpecError(check_gdn(self.gdn_shape))
 
     # ---- identity ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -699,10 +735,16 @@ class KernelSpec:
 
     @property
     def tag(self) -> str:
-        """Short name of the static config: used in file names."""
+        """Short name of the static config, used in file names: the main shapes, then a digest of
+        every other constant of the model (layer pattern, handled opcodes, norms, recurrent
+        shapes) that a build bakes in; the variants (arch, threads, ring, l2 window) are not in
+        it (a build set keeps them apart)."""
+        rest = {k: v for k, v in self.to_dict().items()
+                if k not in ("arch", "num_threads", "smem_stages", "timeline", "l2_window")}
+        digest = hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
         return (f"{self.family}-h{self.hidden}-i{self.inter}-v{self.vocab}-l{self.layers}"
                 f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}"
-                + ("-timeline" if self.timeline else ""))
+                f"-{digest}" + ("-timeline" if self.timeline else ""))
 
 
 def rope_layout_error(rotary: int, head_dim: int) -> str:
@@ -729,24 +771,30 @@ def mlp_kinds() -> tuple[str, ...]:
     return tuple(sorted(n for n, k in all_kinds().items() if issubclass(k, MLPKind)))
 
 
-def kinds_ops(kinds) -> set[int]:  # noqa: ANN001 (iterable of layer kind names)
-    """The opcodes of a program whose blocks are of `kinds`: their `flow` plus the frame's."""
+def kinds_ops(kinds, replay: bool = False) -> set[int]:  # noqa: ANN001 (kind names)
+    """The opcodes of a program whose blocks are of `kinds`: their `flow` plus the frame's; a
+    recurrent kind's core op is its ReplaySSM one when `replay` (a program has one of the two)."""
     from megakernel.layers import kind
 
     names = set(FRAME_OPS)
     for k in kinds:
-        names |= set(kind(k).flow)
+        kd = kind(k)
+        names |= set(kd.flow)
+        if kd.recurrent:
+            names.discard(isa.spec(kd.core_op if replay else kd.replay_op).name)
     return {int(getattr(isa.Op, n)) for n in names}
 
 
-def program_ops(cfg) -> set[int]:  # noqa: ANN001 (ModelConfig)
-    """The opcodes a program of `cfg` uses (its kinds' `flow` plus the frame's)."""
-    return kinds_ops({blk.kind for blk in cfg.blocks})
+def program_ops(cfg, replay: bool = False) -> set[int]:  # noqa: ANN001 (ModelConfig)
+    """The opcodes a program of `cfg` uses (its kinds' `flow` plus the frame's; `replay`: with a
+    ReplaySSM window)."""
+    return kinds_ops({blk.kind for blk in cfg.blocks}, replay)
 
 
-def check_kernel_support(cfg) -> None:  # noqa: ANN001 (ModelConfig)
+def check_kernel_support(cfg, replay: bool = False) -> None:  # noqa: ANN001 (ModelConfig)
     """SpecError naming what of `cfg` the kernel does not run yet (validate() has accepted it)."""
-    missing = sorted(isa.spec(op).name for op in program_ops(cfg) if not isa.spec(op).device)
+    missing = sorted(isa.spec(op).name for op in program_ops(cfg, replay)
+                     if not isa.spec(op).device)
     if missing:
         kinds = sorted({isa.spec(getattr(isa.Op, n)).kind for n in missing})
         raise SpecError(f"the kernel has no device handlers for {', '.join(missing)} yet (layer "
@@ -791,9 +839,10 @@ def gate_offset(cfg, batch: int, tokens: int) -> int:  # noqa: ANN001 (ModelConf
 
 def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelConfig)
               num_threads: int = NUM_THREADS, smem_stages: int | None = None,
-              timeline: bool = False, l2_window: int = -1) -> KernelSpec:
-    """The build's static config for a model, batch and tokens per step. `smem_stages` None:
-    the deepest ring (PIPELINE_STAGES down to MIN_PIPELINE_STAGES) whose spec is valid, else 0
+              timeline: bool = False, l2_window: int = -1, replay: bool = False) -> KernelSpec:
+    """The build's static config for a model, batch and tokens per step (`replay`: programs with
+    a ReplaySSM window, whose recurrent layers run the kinds' ReplaySSM core ops). `smem_stages`
+    None: the deepest ring (PIPELINE_STAGES down to MIN_PIPELINE_STAGES) whose spec is valid, else 0
     (the global-memory weight path); an int is taken as given (SpecError when it cannot serve
     the model/batch). `timeline`: the variant that records per-instruction times; `l2_window`:
     the L2 lookahead in bytes per SM (-1: the arch's, 0: none, for an A/B of the lookahead)."""
@@ -803,14 +852,14 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         for stages in range(PIPELINE_STAGES, MIN_PIPELINE_STAGES - 1, -1):
             try:
                 return make_spec(cfg, batch, tokens, arch, num_threads, stages, timeline,
-                                 l2_window)
+                                 l2_window, replay)
             except SpecError:
                 pass
-        return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window)
+        return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window, replay)
     from megakernel.models import validate
 
     validate(cfg)
-    check_kernel_support(cfg)
+    check_kernel_support(cfg, replay)
     att = cfg.kind_config("attention")
     mlp = cfg.kind_config(next(k for k in mlp_kinds() if cfg.has_kind(k)))
     attn = tuple(b.layer for b in cfg.blocks if b.kind == "attention")
@@ -822,7 +871,8 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         rotary=att.rotary_dim if att.rotary_dim < att.head_dim else 0,
         norm_one_plus=cfg.norm_kind == "rms_1p", output_gate=att.output_gate,
         gate_off=gate_offset(cfg, batch, tokens),
-        ops=tuple(sorted(program_ops(cfg))),
+        ops=tuple(sorted(program_ops(cfg, replay))),
+        gdn=recurrent_constants(cfg, "gdn"),
         attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
         eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,
         num_threads=num_threads, smem_stages=smem_stages, timeline=timeline,
@@ -831,9 +881,22 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
     return spec
 
 
+def recurrent_constants(cfg, kind_name: str) -> tuple[int, ...]:  # noqa: ANN001 (ModelConfig)
+    """A recurrent kind's shapes the build bakes in (KernelSpec.gdn, ...); () without one."""
+    if not cfg.has_kind(kind_name):
+        return ()
+    c = cfg.kind_config(kind_name)
+    if kind_name == "gdn":
+        return (c.num_k_heads, c.num_v_heads, c.k_head_dim, c.v_head_dim, c.conv_kernel)
+    raise SpecError(f"no kernel constants for recurrent kind {kind_name!r}")
+
+
 # ---- fingerprint --------------------------------------------------------------------------------
-KERNEL_SOURCES = ("spec.py", "fields.py", "megakernel.py", "matvec.py", "attention.py", "sync.py",
-                  "memory.py", "pipeline.py", "lookahead.py", "timeline.py")
+# the device code (a build's cubin is compiled from these); the host-only modules of the folder
+# (build, JIT cache, tools) do not change a cubin
+KERNEL_SOURCES = tuple(sorted(p.name for p in Path(__file__).parent.glob("*.py")
+                              if p.name not in ("__init__.py", "build.py", "jit.py", "tools.py",
+                                                "stream.py")))
 
 
 def source_digest() -> str:

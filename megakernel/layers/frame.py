@@ -47,7 +47,7 @@ PROJ = register(OpSpec(
     16, "PROJ", "frame", "RMSNorm(h) -> slab of a recurrent or MLA layer's fused input projection "
     "(fp32)", MATVEC + (("OUT_W", "row width P of the f32 output [N, P]"),),
     notes="OUT_OFF = f32 proj [N, P]: proj[n, ROW0 + r] = acc (fp32, not rounded).",
-    slab=True, matvec="proj"))
+    slab=True, matvec="proj", device=True))
 
 LMHEAD = register(OpSpec(
     8, "LMHEAD", "frame",

@@ -122,19 +122,33 @@ def test_replay_window_on_dense_model_is_refused(capsys, model, backend):
     assert rc == 0, err
 
 
-@pytest.mark.parametrize("model, missing", [
-    ("qwen3.5-tiny", "GDN_CORE, GDN_REPLAY, PROJ"),
-    ("kimi-linear-tiny", "EXPERT_DOWN, EXPERT_GATEUP, KDA_CORE, KDA_REPLAY, MLA, MOE_COMBINE, "
-                         "PROJ, ROUTER"),
-    ("nemotron-h-tiny", "MAMBA_CORE, MAMBA_REPLAY, PROJ"),  # its relu^2 MLP has a handler
+KIMI_MISSING = "EXPERT_DOWN, EXPERT_GATEUP, {}, MLA, MOE_COMBINE, ROUTER"
+
+
+@pytest.mark.parametrize("model, replay, missing", [
+    ("qwen3.5-tiny", True, "GDN_REPLAY"),  # GDN_CORE and PROJ have handlers
+    ("kimi-linear-tiny", False, KIMI_MISSING.format("KDA_CORE")),
+    ("kimi-linear-tiny", True, KIMI_MISSING.format("KDA_REPLAY")),
+    ("nemotron-h-tiny", False, "MAMBA_CORE"),  # its relu^2 MLP and PROJ have handlers
+    ("nemotron-h-tiny", True, "MAMBA_REPLAY"),
 ])
-def test_kernel_backend_names_the_missing_device_handlers(capsys, model, missing):
-    """Refused before any GPU is looked for (the same answer on a CPU and a GPU machine)."""
-    for extra in ((), ("--replay-window", "3")):
-        rc, _, err = _run(capsys, "generate", "--model", model, "--backend", "kernel", *extra)
-        assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
-        assert err.startswith(f"error: the kernel has no device handlers for {missing} yet")
-        assert "the CPU executor runs its program" in err
+def test_kernel_backend_names_the_missing_device_handlers(capsys, model, replay, missing):
+    """Refused before any GPU is looked for (the same answer on a CPU and a GPU machine): the
+    opcodes of the program it would run (the recurrent core op or, with --replay-window, the
+    ReplaySSM one) that the kernel has no handler for."""
+    extra = ("--replay-window", "3") if replay else ()
+    rc, _, err = _run(capsys, "generate", "--model", model, "--backend", "kernel", *extra)
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: the kernel has no device handlers for {missing} yet")
+    assert "the CPU executor runs its program" in err
+
+
+def test_kernel_backend_takes_qwen35_to_the_gpu(capsys):
+    """Qwen3.5 (GDN + gated attention) runs on the kernel: without a GPU the refusal is the
+    GPU's, not a missing handler's."""
+    rc, _, err = _run(capsys, "generate", "--model", "qwen3.5-tiny", "--backend", "kernel")
+    assert rc == 2 and "Traceback" not in err
+    assert "no device handlers" not in err and "CUDA GPU" in err
 
 
 def test_unknown_model_lists_both_kinds_of_preset(capsys):

@@ -1,0 +1,219 @@
+"""GDN_CORE: the gated delta rule of one (sequence, key head) on one CTA (layers/gdn.py).
+
+conv over the fp32 window -> gates and l2 norms in shared memory -> the value heads' states
+through registers in column tiles (read once, written once, all T tokens applied in between) ->
+gated RMSNorm -> bf16 ssm_out. The phases, the thread mapping and every index are in
+gdn_index.py (plain arithmetic, emulated on the host by the tests). Shared memory: a span of
+`GDNShape.smem()["words"]` fp32 from the start of the carve-up (KernelSpec.recurrent_smem_bytes),
+over the consumers' per-record regions. All math in fp32, as the executor's (the reference's).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from megakernel.isa import Op
+from megakernel.kernel.fields import word
+from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
+from megakernel.kernel.memory import join64, ld, st
+from megakernel.kernel.spec import KernelSpec
+from megakernel.kernel.sync import cta_sync
+
+STATE_PREFETCH_CHUNK = 32 * 1024  # bytes per cp.async.bulk.prefetch.L2 of a record's states
+
+
+def silu(x: Float32) -> Float32:
+    return x / (Float32(1.0) + cute.math.exp(-x))
+
+
+def operand(rec: cute.Tensor, name: str):
+    """Operand `name` of the GDN_CORE record."""
+    return rec[word(Op.GDN_CORE, name)]
+
+
+class GatedDeltaRule:
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.g = spec.gdn_shape
+        self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
+        self.NT, self.NW, self.T = spec.num_threads, spec.num_warps, spec.tokens
+        self.eps = spec.eps
+        self.sm = self.g.smem()  # word offsets in the scratch span
+
+    @cute.jit
+    def core(self, rec: cute.Tensor, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,
+             pS: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+        b, kh = operand(rec, "B_IDX"), operand(rec, "K_HEAD")
+        proj, prm = operand(rec, "PROJ_OFF"), operand(rec, "PARAM_OFF")
+        st0 = join64(operand(rec, "STATE_LO"), operand(rec, "STATE_HI"))  # the layer's block
+        cta_sync(self.named)  # the scratch span is free: the previous record is done with it
+        self.conv(b, kh, proj, Int64(operand(rec, "CONV_W")), st0, pW, pF, pS, sS, tidx)
+        self.gates(b, kh, proj, prm, pF, sS, tidx)
+        cta_sync(self.named)
+        self.l2_norms(sS, warp, lane)
+        cta_sync(self.named)
+        self.kq(sS, warp, lane)
+        cta_sync(self.named)
+        self.states(b, kh, st0, pS, sS, warp, lane)
+        cta_sync(self.named)
+        self.output(b, kh, proj, Int64(operand(rec, "NORM_W")), operand(rec, "OUT_OFF"), pW, pF,
+                    pB, sS, warp, lane)
+
+    # ---- phase 1: the short causal conv ------------------------------------------------------
+    @cute.jit
+    def conv(self, b: Int32, kh: Int32, proj: Int32, conv_w: Int64, st0: Int64,
+             pW: cute.Pointer, pF: cute.Pointer, pS: cute.Pointer, sS: cute.Tensor, tidx: Int32):
+        """x[t][c] = silu(sum_j taps[chan, j] u[t + j]), u = [window | T new inputs]; the last
+        K - 1 of u become the window. A thread per channel."""
+        g, T, W = self.g, self.T, self.g.win
+        x0 = self.sm["x"]
+        for c in cutlass.range(tidx, g.ch, self.NT):
+            chan = g.channel(c, kh, cutlass.min)
+            u = cute.make_rmem_tensor((W + T,), Float32)
+            for j in cutlass.range_constexpr(W):
+                u[j] = ld(pS, st0 + Int64(g.window(b, chan, j)))
+            for t in cutlass.range_constexpr(T):
+                u[W + t] = ld(pF, proj + g.proj(b, t, chan))
+            taps = conv_w + Int64(chan * g.conv_k)
+            for t in cutlass.range_constexpr(T):
+                acc = Float32(0.0)
+                for j in cutlass.range_constexpr(g.conv_k):
+                    acc = acc + u[t + j] * ld(pW, taps + j).to(Float32)
+                sS[x0 + t * g.ch + c] = silu(acc)
+            for j in cutlass.range_constexpr(W):
+                st(pS, st0 + Int64(g.window(b, chan, j)), u[T + j])
+
+    # ---- phase 2: gates, norms, k.q ----------------------------------------------------------
+    @cute.jit
+    def gates(self, b: Int32, kh: Int32, proj: Int32, prm: Int32, pF: cute.Pointer,
+              sS: cute.Tensor, tidx: Int32):
+        """beta[t][r] = sigmoid(b), g[t][r] = -exp(A_log) softplus(a + dt_bias) of value head
+        h = kh R + r (params row: A_log [Hv], dt_bias [Hv])."""
+        g = self.g
+        for idx in cutlass.range(tidx, self.T * g.rep, self.NT):
+            t = idx // g.rep
+            h = kh * g.rep + idx - t * g.rep
+            bb = ld(pF, proj + g.proj(b, t, g.beta_col(h)))
+            aa = ld(pF, proj + g.proj(b, t, g.a_col(h))) + ld(pF, prm + g.hv + h)
+            sp = aa
+            if aa <= Float32(SOFTPLUS_LINEAR):
+                sp = cute.math.log1p(cute.math.exp(aa))
+            sS[self.sm["beta"] + idx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-bb))
+            sS[self.sm["g"] + idx] = -cute.math.exp(ld(pF, prm + h)) * sp
+
+    @cute.jit
+    def l2_norms(self, sS: cute.Tensor, warp: Int32, lane: Int32):
+        """q, k of each token scaled by rsqrt(sum^2 + 1e-6) in place (q also by dk^-1/2): one
+        warp per (token, q or k)."""
+        g = self.g
+        for p in cutlass.range(warp, 2 * self.T, self.NW):
+            t = p // 2
+            base = self.sm["x"] + t * g.ch + (p - 2 * t) * g.dk
+            ss = Float32(0.0)
+            for i in cutlass.range(lane, g.dk, LANES):
+                ss = ss + sS[base + i] * sS[base + i]
+            ss = cute.arch.warp_reduction_sum(ss)
+            scale = Float32(1.0) / cute.math.sqrt(ss + Float32(L2NORM_EPS))
+            if p - 2 * t == 0:
+                scale = scale * Float32(g.dk ** -0.5)
+            for i in cutlass.range(lane, g.dk, LANES):
+                sS[base + i] = sS[base + i] * scale
+
+    @cute.jit
+    def kq(self, sS: cute.Tensor, warp: Int32, lane: Int32):
+        """kq[t] = k . q of token t (both normalised): one warp per token."""
+        g = self.g
+        for t in cutlass.range(warp, self.T, self.NW):
+            base = self.sm["x"] + t * g.ch
+            d = Float32(0.0)
+            for i in cutlass.range(lane, g.dk, LANES):
+                d = d + sS[base + g.dk + i] * sS[base + i]
+            d = cute.arch.warp_reduction_sum(d)
+            if lane == 0:
+                sS[self.sm["kq"] + t] = d
+
+    # ---- phase 3: the states through registers -----------------------------------------------
+    @cute.jit
+    def states(self, b: Int32, kh: Int32, st0: Int64, pS: cute.Pointer, sS: cute.Tensor,
+               warp: Int32, lane: Int32):
+        """Per column tile: S [rows of this warp, column of this lane] in registers for the T
+        tokens: u = beta (v - e^g S^T k), o = e^g S^T q + (k.q) u, S <- e^g S + k u^T."""
+        g, T, RPW = self.g, self.T, self.g.rpw
+        sm = self.sm
+        live = lane < g.cw  # lanes past a narrow head (dv < 32) run on lane CW - 1's column
+        col = cutlass.min(lane, Int32(g.cw - 1))
+        buf = Int32(0)
+        s_reg = cute.make_rmem_tensor((RPW,), Float32)
+        for it in cutlass.range(g.rep * g.tiles):
+            r, j = g.tile_column(it, col)
+            h = kh * g.rep + r
+            for rr in cutlass.range_constexpr(RPW):
+                s_reg[rr] = ld(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)))
+            for t in cutlass.range_constexpr(T):
+                xt = sm["x"] + t * g.ch
+                pk = Float32(0.0)
+                pq = Float32(0.0)
+                for rr in cutlass.range_constexpr(RPW):
+                    pk = pk + s_reg[rr] * sS[xt + g.dk + warp * RPW + rr]
+                    pq = pq + s_reg[rr] * sS[xt + warp * RPW + rr]
+                sS[sm["part"] + g.part(buf, warp, 0, col)] = pk
+                sS[sm["part"] + g.part(buf, warp, 1, col)] = pq
+                cta_sync(self.named)  # every warp's partials of this token
+                tk = Float32(0.0)
+                tq = Float32(0.0)
+                for w in cutlass.range_constexpr(self.NW):
+                    tk = tk + sS[sm["part"] + g.part(buf, w, 0, col)]
+                    tq = tq + sS[sm["part"] + g.part(buf, w, 1, col)]
+                a = cute.math.exp(sS[sm["g"] + t * g.rep + r])
+                u = sS[sm["beta"] + t * g.rep + r] * (sS[xt + 2 * g.dk + r * g.dv + j] - a * tk)
+                if warp == 0:
+                    if live:
+                        sS[sm["o"] + (t * g.rep + r) * g.dv + j] = a * tq + sS[sm["kq"] + t] * u
+                for rr in cutlass.range_constexpr(RPW):
+                    s_reg[rr] = a * s_reg[rr] + sS[xt + g.dk + warp * RPW + rr] * u
+                buf = 1 - buf  # the next token's partials go to the other buffer
+            if live:
+                for rr in cutlass.range_constexpr(RPW):
+                    st(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)), s_reg[rr])
+
+    # ---- phase 4: gated RMSNorm -> bf16 --------------------------------------------------------
+    @cute.jit
+    def output(self, b: Int32, kh: Int32, proj: Int32, norm_w: Int64, out: Int32,
+               pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, sS: cute.Tensor,
+               warp: Int32, lane: Int32):
+        """ssm_out[b T + t, h dv + j] = bf16(o * rsqrt(mean(o^2) + eps) * w[j] * silu(z)): one
+        warp per (token, value head)."""
+        g = self.g
+        for p in cutlass.range(warp, self.T * g.rep, self.NW):
+            t = p // g.rep
+            h = kh * g.rep + p - t * g.rep
+            base = self.sm["o"] + p * g.dv
+            ss = Float32(0.0)
+            for j in cutlass.range(lane, g.dv, LANES):
+                ss = ss + sS[base + j] * sS[base + j]
+            ss = cute.arch.warp_reduction_sum(ss)
+            rstd = Float32(1.0) / cute.math.sqrt(ss / Float32(g.dv) + Float32(self.eps))
+            for j in cutlass.range(lane, g.dv, LANES):
+                z = ld(pF, proj + g.proj(b, t, g.z_col(h, j)))
+                y = sS[base + j] * rstd * ld(pW, norm_w + j).to(Float32) * silu(z)
+                st(pB, out + g.out(b, t, h, j), y.to(BFloat16))
+
+    # ---- L2 prefetch of the states (before the dependency wait) ------------------------------
+    @cute.jit
+    def prefetch_state(self, rec: cute.Tensor, pS: cute.Pointer, tidx: Int32):
+        """The record's R value heads' states are contiguous and predate this step: ask L2 for
+        them while the CTA waits for the projection (16-byte aligned blocks only)."""
+        g = self.g
+        if tidx == 0:
+            st0 = join64(operand(rec, "STATE_LO"), operand(rec, "STATE_HI"))
+            b, kh = operand(rec, "B_IDX"), operand(rec, "K_HEAD")
+            first = st0 + Int64(g.state(b, kh * g.rep, 0, 0))
+            addr = pS.toint() + first * Int64(4)
+            nbytes = g.rep * g.dk * g.dv * 4
+            if addr % Int64(16) == Int64(0):
+                for off in cutlass.range(0, nbytes, STATE_PREFETCH_CHUNK):
+                    size = cutlass.min(Int32(STATE_PREFETCH_CHUNK), Int32(nbytes) - off)
+                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                         read_only_args=[addr + Int64(off), size])

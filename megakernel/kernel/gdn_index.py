@@ -1,0 +1,137 @@
+"""Index arithmetic of the gated delta rule's device handler (GDN_CORE; kernel/gdn.py), no DSL.
+
+One record runs one (sequence b, key head kh) with its R = Hv / Hk value heads, on one CTA:
+
+1. conv: each of the unit's ch = 2 dk + R dv channels (q, k of kh; v of its value heads) reads
+   its fp32 window (K - 1 values) and the T new inputs (proj columns), writes silu(conv) of the T
+   tokens to shared memory and its new window back: the window is read once and written once.
+2. gates and norms in shared memory: beta, g per (token, value head); q, k l2-normalised per token
+   (q times dk^-1/2), k.q per token.
+3. state: the value heads' states S [dk, dv] go through registers in column tiles of CW = min(32,
+   dv) columns, lane = column (128-byte rows per warp), warp w = rows [w RPW, (w + 1) RPW) of dk
+   (RPW = dk / NW values per thread). A column of S evolves on its own given k, q, so a tile stays
+   in registers for all T tokens: per token the warps' partial S^T k and S^T q meet in shared
+   memory (two buffers, one barrier a token), every thread forms u and o of its column and updates
+   its values. Each state element is read once and written once per step.
+4. output: per (token, value head) one warp: RMSNorm over dv, times w and silu(z), to bf16.
+
+Plain arithmetic on ints here and in the host emulation (tests/kernel/test_kernel_gdn_emulation.py),
+on Int32/Int64 in the kernel: the same functions index both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megakernel.isa.records import ROW_ALIGN
+
+LANES = 32
+L2NORM_EPS = 1e-6  # Qwen3.5's l2norm: x * rsqrt(sum(x^2) + 1e-6)
+SOFTPLUS_LINEAR = 20.0  # softplus(x) = x above this (torch's threshold)
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    """A build's GDN constants: KernelSpec.gdn = (Hk, Hv, dk, dv, K), batch, tokens, warps."""
+
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+    conv_k: int
+    batch: int
+    tokens: int
+    num_warps: int
+
+    @classmethod
+    def of(cls, gdn: tuple[int, ...], batch: int, tokens: int, num_warps: int) -> GDNShape:
+        return cls(*gdn, batch, tokens, num_warps)
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    rep = property(lambda self: self.hv // self.hk)  # R: value heads per key head (per record)
+    key_dim = property(lambda self: self.hk * self.dk)
+    value_dim = property(lambda self: self.hv * self.dv)  # ssm_out columns
+    conv_dim = property(lambda self: 2 * self.key_dim + self.value_dim)  # C: [q | k | v]
+    ch = property(lambda self: 2 * self.dk + self.rep * self.dv)  # conv channels of one record
+    win = property(lambda self: self.conv_k - 1)  # window values per channel
+
+    @property
+    def proj_width(self) -> int:
+        """P: columns of proj [N, P] (the layer kind's packed projection, zero-padded rows)."""
+        rows = self.conv_dim + self.value_dim + 2 * self.hv
+        return -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+    cw = property(lambda self: min(LANES, self.dv))  # state columns per tile (lanes used)
+    tiles = property(lambda self: -(-self.dv // self.cw))  # column tiles per value head
+    rpw = property(lambda self: self.dk // self.num_warps)  # state rows per warp (per thread)
+
+    # ---- shared memory (fp32 words from the start of the scratch span) --------------------------
+    def smem(self) -> dict[str, int]:
+        """name -> word offset, and "words" the total: x [T][ch] (conv outputs: q | k | v),
+        beta [T][R], g [T][R], kq [T], part [2][NW][2][CW] (per-warp S^T k, S^T q), o [T][R][dv]."""
+        t, r = self.tokens, self.rep
+        out, off = {}, 0
+        for name, n in (("x", t * self.ch), ("beta", t * r), ("g", t * r), ("kq", t),
+                        ("part", 2 * self.num_warps * 2 * self.cw), ("o", t * r * self.dv)):
+            out[name] = off
+            off += -(-n // 4) * 4  # 16-byte aligned
+        out["words"] = off
+        return out
+
+    # ---- indices -------------------------------------------------------------------------------
+    def channel(self, c, kh, minimum=min):
+        """Conv channel (proj column, window row) of the record's channel c of key head kh:
+        q [0, dk) -> kh dk + c; k [dk, 2 dk) -> Hk dk + kh dk + c - dk; v -> 2 Hk dk + kh R dv +
+        c - 2 dk. Branch-free (`minimum` = cutlass.min in the kernel)."""
+        dk = self.dk
+        part = minimum(c // dk, 2)  # 0: q, 1: k, 2: v
+        is_v = part // 2
+        stride = dk + is_v * (self.rep * self.dv - dk)  # channels of one key head in the part
+        return part * self.key_dim + c - part * dk + kh * stride
+
+    def window(self, b, chan, j):
+        """Element (b, chan, j) of the conv window [B, C, K-1] (from the record's STATE)."""
+        return (b * self.conv_dim + chan) * self.win + j
+
+    def state(self, b, h, i, j):
+        """Element (b, h, i, j) of the state [B, Hv, dk, dv] (from STATE: after the window)."""
+        conv = self.batch * self.conv_dim * self.win
+        return conv + ((b * self.hv + h) * self.dk + i) * self.dv + j
+
+    def proj(self, b, t, col):
+        """Element of proj [N, P] (from PROJ_OFF): row b T + t, column col."""
+        return (b * self.tokens + t) * self.proj_width + col
+
+    def z_col(self, h, j):
+        return self.conv_dim + h * self.dv + j
+
+    def beta_col(self, h):
+        return self.conv_dim + self.value_dim + h
+
+    def a_col(self, h):
+        return self.conv_dim + self.value_dim + self.hv + h
+
+    def out(self, b, t, h, j):
+        """Element of ssm_out [N, Hv dv] (from OUT_OFF)."""
+        return (b * self.tokens + t) * self.value_dim + h * self.dv + j
+
+    def tile_column(self, it, lane):
+        """(value head of the record r, column j) of lane `lane` in state tile `it` of the record
+        (tiles value head by value head); j >= dv or lane >= CW: idle."""
+        r = it // self.tiles
+        return r, (it - r * self.tiles) * self.cw + lane
+
+    def part(self, buf, warp, which, lane):
+        """Word of part [2][NW][2][CW]: warp's partial S^T k (which 0) or S^T q (1), buffer buf."""
+        return ((buf * self.num_warps + warp) * 2 + which) * self.cw + lane
+
+
+def check_gdn(g: GDNShape) -> str:
+    """Why the handler cannot run these shapes ('' when it can)."""
+    if g.dk % g.num_warps:
+        return f"GDN key head dim {g.dk} must be a multiple of the {g.num_warps} warps"
+    if g.dv > LANES and g.dv % LANES:
+        return f"GDN value head dim {g.dv} must be <= {LANES} or a multiple of it"
+    if 2 * g.tokens > g.num_warps:
+        return f"GDN l2 norms need a warp per (token, q/k): {g.tokens} tokens > {g.num_warps // 2}"
+    return ""

@@ -1,0 +1,212 @@
+"""A numpy emulation of the GDN_CORE device handler (kernel/gdn.py), run with the kernel's own
+index helpers (kernel/gdn_index.py), against the CPU executor's step.
+
+The emulation walks the handler's phases with its thread mapping (a thread per conv channel, a
+warp per (token, q/k) norm and per (token, value head) output, lanes = state columns in tiles of
+CW, warps = row blocks of RPW, the two partial buffers) over flat fp32 arrays laid out as the
+state arena, proj, ssm_out and the shared scratch span, in float32 as the device code computes.
+The executor runs the same program step; its proj (the last GDN layer's), the state block of that
+layer before the step, and its outputs after it are the ground truth: new conv window and states
+within fp32 rounding, ssm_out within one bf16 ulp. Shapes: qwen3.5-tiny (R = 2, dv = 8 < 32: idle
+lanes) at B = 2, T = 1 and 4, and two other head shapes (SHAPES: two column tiles; three value
+heads per key head and a 3-tap conv).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from megakernel import isa
+from megakernel.executor import Executor, executor_gpu
+from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR, GDNShape, check_gdn
+from megakernel.kernel.spec import NUM_THREADS, make_spec
+from megakernel.layers.gdn import GDNConfig
+from megakernel.models import preset
+from megakernel.models.weights import random_weights
+from megakernel.program.compiler import compile_program
+from megakernel.program.pack import pack_weights
+
+F = np.float32
+NT, NW = NUM_THREADS, NUM_THREADS // LANES
+
+
+def silu(x):  # noqa: ANN001, ANN201
+    return F(x / (F(1.0) + np.exp(F(-x), dtype=F)))
+
+
+def emulate_core(g: GDNShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.ndarray,
+                 out: np.ndarray, eps: float) -> None:
+    """One GDN_CORE record, as kernel/gdn.py runs it: W bf16 weights (as fp32), F32 the fp32
+    arena, S the state arena (updated), out the bf16 arena as fp32 (written)."""
+    b, kh, proj, prm = d["B_IDX"], d["K_HEAD"], d["PROJ_OFF"], d["PARAM_OFF"]
+    st0, T, sm = d["STATE"], g.tokens, g.smem()
+    sS = np.full(sm["words"], np.nan, dtype=F)  # the scratch span
+    # phase 1: conv, a thread per channel (tidx strided)
+    for tidx in range(NT):
+        for c in range(tidx, g.ch, NT):
+            chan = g.channel(c, kh)
+            u = [S[st0 + g.window(b, chan, j)] for j in range(g.win)]
+            u += [F32[proj + g.proj(b, t, chan)] for t in range(T)]
+            taps = d["CONV_W"] + chan * g.conv_k
+            for t in range(T):
+                acc = F(0.0)
+                for j in range(g.conv_k):
+                    acc = F(acc + F(u[t + j] * W[taps + j]))
+                sS[sm["x"] + t * g.ch + c] = silu(acc)
+            for j in range(g.win):
+                S[st0 + g.window(b, chan, j)] = u[T + j]
+    # gates
+    for idx in range(T * g.rep):
+        t = idx // g.rep
+        h = kh * g.rep + idx - t * g.rep
+        bb = F32[proj + g.proj(b, t, g.beta_col(h))]
+        aa = F(F32[proj + g.proj(b, t, g.a_col(h))] + F32[prm + g.hv + h])
+        sp = aa if aa > SOFTPLUS_LINEAR else F(np.log1p(np.exp(aa, dtype=F), dtype=F))
+        sS[sm["beta"] + idx] = F(1.0) / (F(1.0) + np.exp(-bb, dtype=F))
+        sS[sm["g"] + idx] = F(-np.exp(F32[prm + h], dtype=F) * sp)
+    # l2 norms: a warp per (token, q or k)
+    for warp in range(NW):
+        for p in range(warp, 2 * T, NW):
+            t = p // 2
+            base = sm["x"] + t * g.ch + (p - 2 * t) * g.dk
+            v = sS[base : base + g.dk]
+            scale = F(1.0) / np.sqrt(F((v * v).sum(dtype=F) + F(L2NORM_EPS)), dtype=F)
+            if p - 2 * t == 0:
+                scale = F(scale * F(g.dk ** -0.5))
+            sS[base : base + g.dk] = v * scale
+    for t in range(T):
+        base = sm["x"] + t * g.ch
+        sS[sm["kq"] + t] = (sS[base + g.dk : base + 2 * g.dk] * sS[base : base + g.dk]).sum(
+            dtype=F)
+    # phase 3: states, per tile; registers [warp][lane][RPW]; the partial buffers alternate
+    buf = 0
+    for it in range(g.rep * g.tiles):
+        regs = np.zeros((NW, LANES, g.rpw), dtype=F)
+        cols = {}
+        for warp in range(NW):
+            for lane in range(LANES):
+                col = min(lane, g.cw - 1)
+                r, j = g.tile_column(it, col)
+                cols[lane] = (r, j, lane < g.cw)
+                h = kh * g.rep + r
+                for rr in range(g.rpw):
+                    regs[warp, lane, rr] = S[st0 + g.state(b, h, warp * g.rpw + rr, j)]
+        for t in range(T):
+            xt = sm["x"] + t * g.ch
+            for warp in range(NW):  # partials, then the barrier
+                rows = slice(warp * g.rpw, (warp + 1) * g.rpw)
+                for lane in range(LANES):
+                    col = min(lane, g.cw - 1)
+                    pk = (regs[warp, lane] * sS[xt + g.dk + rows.start : xt + g.dk + rows.stop]
+                          ).sum(dtype=F)
+                    pq = (regs[warp, lane] * sS[xt + rows.start : xt + rows.stop]).sum(dtype=F)
+                    sS[sm["part"] + g.part(buf, warp, 0, col)] = pk
+                    sS[sm["part"] + g.part(buf, warp, 1, col)] = pq
+            for warp in range(NW):
+                for lane in range(LANES):
+                    col = min(lane, g.cw - 1)
+                    r, j, live = cols[lane]
+                    tk = sum(F(sS[sm["part"] + g.part(buf, w, 0, col)]) for w in range(NW))
+                    tq = sum(F(sS[sm["part"] + g.part(buf, w, 1, col)]) for w in range(NW))
+                    a = np.exp(sS[sm["g"] + t * g.rep + r], dtype=F)
+                    u = F(sS[sm["beta"] + t * g.rep + r]
+                          * F(sS[xt + 2 * g.dk + r * g.dv + j] - F(a * tk)))
+                    if warp == 0 and live:
+                        sS[sm["o"] + (t * g.rep + r) * g.dv + j] = F(a * tq) + F(
+                            sS[sm["kq"] + t] * u)
+                    for rr in range(g.rpw):
+                        i = warp * g.rpw + rr
+                        regs[warp, lane, rr] = F(a * regs[warp, lane, rr]) + F(
+                            sS[xt + g.dk + i] * u)
+            buf = 1 - buf
+        for warp in range(NW):
+            for lane in range(LANES):
+                r, j, live = cols[lane]
+                if live:
+                    for rr in range(g.rpw):
+                        h = kh * g.rep + r
+                        S[st0 + g.state(b, h, warp * g.rpw + rr, j)] = regs[warp, lane, rr]
+    # phase 4: a warp per (token, value head)
+    for p in range(T * g.rep):
+        t = p // g.rep
+        h = kh * g.rep + p - t * g.rep
+        o = sS[sm["o"] + p * g.dv : sm["o"] + (p + 1) * g.dv]
+        assert np.isfinite(o).all(), "a column of o was never written"
+        rstd = F(1.0) / np.sqrt(F(F((o * o).sum(dtype=F)) / F(g.dv)) + F(eps), dtype=F)
+        for j in range(g.dv):
+            z = F32[proj + g.proj(b, t, g.z_col(h, j))]
+            out[d["OUT_OFF"] + g.out(b, t, h, j)] = F(o[j] * rstd * W[d["NORM_W"] + j]) * silu(z)
+
+
+SHAPES = {  # qwen3.5-tiny with other GDN heads
+    # dv = 64 > 32: two column tiles, every lane live
+    "wide": GDNConfig(2, 2, 64, 64, 4),
+    # R = 3 value heads per key head, R dv = 24 != dk: the v channels' stride is their own
+    "odd": GDNConfig(2, 6, 16, 8, 3),
+}
+
+
+def model_config(model: str):  # noqa: ANN201 (ModelConfig)
+    if model in SHAPES:
+        return dataclasses.replace(preset("qwen3.5-tiny"), gdn=SHAPES[model],
+                                   name=f"qwen3.5-gdn-{model}")
+    return preset(model)
+
+
+def last_gdn_records(prog, layer: int) -> list[dict]:
+    recs = [isa.decode(r) for q in prog.records().tolist() for r in q if r[0] != isa.Op.END]
+    return [d for d in recs if d["OPCODE"] == isa.Op.GDN_CORE and d["LAYER"] == layer]
+
+
+@pytest.mark.parametrize("model,batch,tokens", [("qwen3.5-tiny", 2, 1), ("qwen3.5-tiny", 2, 4),
+                                                ("wide", 1, 2), ("odd", 2, 3)])
+def test_gdn_core_emulation_matches_the_executor(model, batch, tokens):
+    cfg = model_config(model)
+    spec = make_spec(cfg, batch, tokens, "sm_90a")
+    g = spec.gdn_shape
+    assert check_gdn(g) == "" and g.num_warps == NW
+    w = random_weights(cfg, seed=5)
+    prog = compile_program(cfg, batch, executor_gpu(8), tokens=tokens, max_seq_len=32)
+    ex = Executor(prog, pack_weights(cfg, w), check=True)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(2):  # states and windows away from zero first
+        ex.step(torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen))
+    layer = max(b.layer for b in cfg.blocks if b.kind == "gdn")
+    before = ex.state.clone()
+    ex.step(torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen))
+    recs = last_gdn_records(prog, layer)
+    assert len(recs) == batch * g.hk
+    S = before.numpy().astype(F).copy()
+    F32 = ex.f32.numpy().astype(F)  # proj of this step (the last GDN layer's)
+    W = ex.weights.float().numpy()
+    out = np.full(ex.bf16.numel(), np.nan, dtype=F)
+    for d in recs:
+        emulate_core(g, d, W, F32, S, out, cfg.rms_norm_eps)
+    blk = prog.buffers.state[layer]
+    lo = blk["conv"].offset
+    hi = blk["state"].offset + blk["state"].numel
+    mine, theirs = S[lo:hi], ex.state.numpy()[lo:hi]
+    assert np.abs(theirs).max() > 0.05 and not np.array_equal(mine, before.numpy()[lo:hi])
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+    r = prog.buffers.bf16["ssm_out"]
+    got = torch.from_numpy(out[r.offset : r.offset + r.numel]).to(torch.bfloat16).float()
+    want = ex.bf16[r.offset : r.offset + r.numel].float()
+    assert torch.isfinite(got).all() and want.abs().max() > 0.01
+    ulp = 2.0 ** -7 * want.abs().clamp_min(1e-30)  # one bf16 ulp (8 significant bits)
+    assert bool(((got - want).abs() <= ulp).all()), float((got - want).abs().max())
+
+
+def test_gdn_shapes_the_handler_refuses():
+    """check_gdn names a shape the thread mapping cannot run; make_spec refuses it."""
+    assert "multiple of the 8 warps" in check_gdn(GDNShape(2, 2, 20, 8, 4, 1, 1, 8))
+    assert "value head dim 48" in check_gdn(GDNShape(2, 2, 16, 48, 4, 1, 1, 8))
+    assert "tokens" in check_gdn(GDNShape(2, 2, 16, 8, 4, 1, 8, 8))
+    cfg = dataclasses.replace(preset("qwen3.5-tiny"), gdn=GDNConfig(2, 4, 20, 8, 4))
+    from megakernel.kernel.spec import SpecError
+
+    with pytest.raises(SpecError, match="key head dim 20"):
+        make_spec(cfg, 1, 1, "sm_90a")
