@@ -28,11 +28,6 @@ def silu(x: Float32) -> Float32:
     return x / (Float32(1.0) + cute.math.exp(-x))
 
 
-def operand(rec: cute.Tensor, name: str):
-    """Operand `name` of the GDN_CORE record."""
-    return rec[word(Op.GDN_CORE, name)]
-
-
 class GatedDeltaRule:
     def __init__(self, spec: KernelSpec):
         self.spec = spec
@@ -45,11 +40,14 @@ class GatedDeltaRule:
     @cute.jit
     def core(self, rec: cute.Tensor, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,
              pS: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
-        b, kh = operand(rec, "B_IDX"), operand(rec, "K_HEAD")
-        proj, prm = operand(rec, "PROJ_OFF"), operand(rec, "PARAM_OFF")
-        st0 = join64(operand(rec, "STATE_LO"), operand(rec, "STATE_HI"))  # the layer's block
+        b, kh = rec[word(Op.GDN_CORE, "B_IDX")], rec[word(Op.GDN_CORE, "K_HEAD")]
+        proj, prm = rec[word(Op.GDN_CORE, "PROJ_OFF")], rec[word(Op.GDN_CORE, "PARAM_OFF")]
+        # the layer's block of the state arena (conv window, then states)
+        st0 = join64(rec[word(Op.GDN_CORE, "STATE_LO")], rec[word(Op.GDN_CORE, "STATE_HI")])
+        conv_w, norm_w = rec[word(Op.GDN_CORE, "CONV_W")], rec[word(Op.GDN_CORE, "NORM_W")]
+        out = rec[word(Op.GDN_CORE, "OUT_OFF")]
         cta_sync(self.named)  # the scratch span is free: the previous record is done with it
-        self.conv(b, kh, proj, Int64(operand(rec, "CONV_W")), st0, pW, pF, pS, sS, tidx)
+        self.conv(b, kh, proj, Int64(conv_w), st0, pW, pF, pS, sS, tidx)
         self.gates(b, kh, proj, prm, pF, sS, tidx)
         cta_sync(self.named)
         self.l2_norms(sS, warp, lane)
@@ -58,8 +56,7 @@ class GatedDeltaRule:
         cta_sync(self.named)
         self.states(b, kh, st0, pS, sS, warp, lane)
         cta_sync(self.named)
-        self.output(b, kh, proj, Int64(operand(rec, "NORM_W")), operand(rec, "OUT_OFF"), pW, pF,
-                    pB, sS, warp, lane)
+        self.output(b, kh, proj, Int64(norm_w), out, pW, pF, pB, sS, warp, lane)
 
     # ---- phase 1: the short causal conv ------------------------------------------------------
     @cute.jit
@@ -69,7 +66,7 @@ class GatedDeltaRule:
         K - 1 of u become the window. A thread per channel."""
         g, T, W = self.g, self.T, self.g.win
         x0 = self.sm["x"]
-        for c in cutlass.range(tidx, g.ch, self.NT):
+        for c in cutlass.range(tidx, g.ch, self.NT, unroll=1):
             chan = g.channel(c, kh, cutlass.min)
             u = cute.make_rmem_tensor((W + T,), Float32)
             for j in cutlass.range_constexpr(W):
@@ -92,7 +89,7 @@ class GatedDeltaRule:
         """beta[t][r] = sigmoid(b), g[t][r] = -exp(A_log) softplus(a + dt_bias) of value head
         h = kh R + r (params row: A_log [Hv], dt_bias [Hv])."""
         g = self.g
-        for idx in cutlass.range(tidx, self.T * g.rep, self.NT):
+        for idx in cutlass.range(tidx, self.T * g.rep, self.NT, unroll=1):
             t = idx // g.rep
             h = kh * g.rep + idx - t * g.rep
             bb = ld(pF, proj + g.proj(b, t, g.beta_col(h)))
@@ -108,27 +105,27 @@ class GatedDeltaRule:
         """q, k of each token scaled by rsqrt(sum^2 + 1e-6) in place (q also by dk^-1/2): one
         warp per (token, q or k)."""
         g = self.g
-        for p in cutlass.range(warp, 2 * self.T, self.NW):
+        for p in cutlass.range(warp, 2 * self.T, self.NW, unroll=1):
             t = p // 2
             base = self.sm["x"] + t * g.ch + (p - 2 * t) * g.dk
             ss = Float32(0.0)
-            for i in cutlass.range(lane, g.dk, LANES):
+            for i in cutlass.range(lane, g.dk, LANES, unroll=1):
                 ss = ss + sS[base + i] * sS[base + i]
             ss = cute.arch.warp_reduction_sum(ss)
             scale = Float32(1.0) / cute.math.sqrt(ss + Float32(L2NORM_EPS))
             if p - 2 * t == 0:
                 scale = scale * Float32(g.dk ** -0.5)
-            for i in cutlass.range(lane, g.dk, LANES):
+            for i in cutlass.range(lane, g.dk, LANES, unroll=1):
                 sS[base + i] = sS[base + i] * scale
 
     @cute.jit
     def kq(self, sS: cute.Tensor, warp: Int32, lane: Int32):
         """kq[t] = k . q of token t (both normalised): one warp per token."""
         g = self.g
-        for t in cutlass.range(warp, self.T, self.NW):
+        for t in cutlass.range(warp, self.T, self.NW, unroll=1):
             base = self.sm["x"] + t * g.ch
             d = Float32(0.0)
-            for i in cutlass.range(lane, g.dk, LANES):
+            for i in cutlass.range(lane, g.dk, LANES, unroll=1):
                 d = d + sS[base + g.dk + i] * sS[base + i]
             d = cute.arch.warp_reduction_sum(d)
             if lane == 0:
@@ -146,7 +143,7 @@ class GatedDeltaRule:
         col = cutlass.min(lane, Int32(g.cw - 1))
         buf = Int32(0)
         s_reg = cute.make_rmem_tensor((RPW,), Float32)
-        for it in cutlass.range(g.rep * g.tiles):
+        for it in cutlass.range(g.rep * g.tiles, unroll=1):
             r, j = g.tile_column(it, col)
             h = kh * g.rep + r
             for rr in cutlass.range_constexpr(RPW):
@@ -186,16 +183,16 @@ class GatedDeltaRule:
         """ssm_out[b T + t, h dv + j] = bf16(o * rsqrt(mean(o^2) + eps) * w[j] * silu(z)): one
         warp per (token, value head)."""
         g = self.g
-        for p in cutlass.range(warp, self.T * g.rep, self.NW):
+        for p in cutlass.range(warp, self.T * g.rep, self.NW, unroll=1):
             t = p // g.rep
             h = kh * g.rep + p - t * g.rep
             base = self.sm["o"] + p * g.dv
             ss = Float32(0.0)
-            for j in cutlass.range(lane, g.dv, LANES):
+            for j in cutlass.range(lane, g.dv, LANES, unroll=1):
                 ss = ss + sS[base + j] * sS[base + j]
             ss = cute.arch.warp_reduction_sum(ss)
             rstd = Float32(1.0) / cute.math.sqrt(ss / Float32(g.dv) + Float32(self.eps))
-            for j in cutlass.range(lane, g.dv, LANES):
+            for j in cutlass.range(lane, g.dv, LANES, unroll=1):
                 z = ld(pF, proj + g.proj(b, t, g.z_col(h, j)))
                 y = sS[base + j] * rstd * ld(pW, norm_w + j).to(Float32) * silu(z)
                 st(pB, out + g.out(b, t, h, j), y.to(BFloat16))
@@ -207,13 +204,13 @@ class GatedDeltaRule:
         them while the CTA waits for the projection (16-byte aligned blocks only)."""
         g = self.g
         if tidx == 0:
-            st0 = join64(operand(rec, "STATE_LO"), operand(rec, "STATE_HI"))
-            b, kh = operand(rec, "B_IDX"), operand(rec, "K_HEAD")
+            st0 = join64(rec[word(Op.GDN_CORE, "STATE_LO")], rec[word(Op.GDN_CORE, "STATE_HI")])
+            b, kh = rec[word(Op.GDN_CORE, "B_IDX")], rec[word(Op.GDN_CORE, "K_HEAD")]
             first = st0 + Int64(g.state(b, kh * g.rep, 0, 0))
             addr = pS.toint() + first * Int64(4)
             nbytes = g.rep * g.dk * g.dv * 4
             if addr % Int64(16) == Int64(0):
-                for off in cutlass.range(0, nbytes, STATE_PREFETCH_CHUNK):
+                for off in cutlass.range(0, nbytes, STATE_PREFETCH_CHUNK, unroll=1):
                     size = cutlass.min(Int32(STATE_PREFETCH_CHUNK), Int32(nbytes) - off)
                     cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
                                          read_only_args=[addr + Int64(off), size])

@@ -49,8 +49,8 @@ SUPPORT = [
     (lambda: preset(GATED), None),
     (lambda: _qwen35(head_dim=256, rotary_dim=64), None),  # the real presets' layout
     (lambda: _qwen35(head_dim=128, rotary_dim=128), None),
-    (lambda: preset("qwen3.5-tiny"), ("GDN_CORE", "gdn")),
-    (lambda: preset("qwen3.5-0.8b"), ("GDN_CORE", "gdn")),
+    (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE has a handler (kernel/gdn.py)
+    (lambda: preset("qwen3.5-0.8b"), None),
     (lambda: _qwen35(head_dim=128, rotary_dim=48), ("RoPE on 48 of 128",)),
 ]
 

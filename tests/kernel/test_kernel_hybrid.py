@@ -37,7 +37,7 @@ SUPPORT = [
     (lambda: _nemotron("-*-*--*"), None),
     (lambda: _nemotron("*-M-"), ("MAMBA_CORE", "mamba2")),
     (lambda: preset("nemotron-h-tiny"), ("MAMBA_CORE", "mamba2")),
-    (lambda: preset("qwen3.5-tiny"), ("GDN_CORE", "gdn")),
+    (lambda: preset("qwen3.5-tiny"), None),
     (lambda: preset("kimi-linear-tiny"), ("MLA", "moe")),
     (lambda: _nemotron("**"), ("feed-forward", "[]")),
     (lambda: _nemotron("--"), ("attention", "0 distinct")),

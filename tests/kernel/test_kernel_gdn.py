@@ -1,0 +1,67 @@
+"""Builds of the GDN handler (kernel/gdn.py): Qwen3.5 (GDN + gated attention) on both archs and
+weight paths, recurrent, within the register/spill/local budgets; T = 4 tokens per step; the
+handler compiled in only where the model has GDN layers; the spec's scratch span and tag."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megakernel import isa
+from megakernel.kernel import spec as spec_mod
+from megakernel.kernel.spec import ARCHS, make_spec
+from megakernel.models import preset
+from tests.kernel.helpers import specs_within_budgets, variant_builds
+
+GDN = "qwen3.5-tiny"
+# the handler's transcendentals: the gates' exp / softplus / sigmoid, the l2 and RMS norms' sqrt
+MATH_PTX = re.compile(r"ex2\.approx\.ftz\.f32|sqrt\.rn\.f32")
+STATE_PREFETCH = "cp.async.bulk.prefetch.L2.global"
+
+
+@pytest.fixture(scope="module")
+def gdn_builds(kernel_build):  # noqa: ANN001, ANN201
+    return variant_builds(kernel_build, GDN)
+
+
+def test_gdn_builds_within_budgets(gdn_builds):
+    for s in specs_within_budgets(gdn_builds).values():
+        assert s.gdn == (2, 4, 16, 8, 4) and isa.Op.GDN_CORE in s.handled_ops
+        assert isa.Op.GDN_REPLAY not in s.handled_ops and s.recurrent_smem_bytes > 0
+
+
+def test_gdn_builds_for_four_tokens(kernel_build):
+    builds = {arch: kernel_build(preset(GDN), arch, 2, 4) for arch in ARCHS}
+    for s in specs_within_budgets(builds).values():
+        assert s.tokens == 4 and s.gdn_shape.smem()["words"] * 4 == s.recurrent_smem_bytes
+
+
+def test_only_gdn_builds_carry_the_handler(gdn_builds, kernel_build):
+    attn_only = {arch: kernel_build(preset("qwen3.5-attn-tiny"), arch) for arch in ARCHS}
+    for arch in ARCHS:
+        mine = (gdn_builds[(arch, 1, None)][0] / "megakernel.ptx").read_text()
+        theirs = (attn_only[arch][0] / "megakernel.ptx").read_text()
+        assert len(MATH_PTX.findall(mine)) >= len(MATH_PTX.findall(theirs)) + 8, arch
+        # the state prefetch before the wait (and the weight lookahead both have)
+        assert mine.count(STATE_PREFETCH) > theirs.count(STATE_PREFETCH), arch
+
+
+def test_spec_tag_tells_layer_patterns_apart():
+    """Two models with the same main shapes but other layers (GDN or attention) have different
+    build-set tags, so a build set never serves one with the other's cubin."""
+    a = make_spec(preset(GDN), 1, 1, "sm_90a")
+    b = make_spec(preset("qwen3.5-attn-tiny"), 1, 1, "sm_90a")
+    assert a.tag != b.tag and a.tag.split("-")[:-1] == b.tag.split("-")[:-1]
+    assert make_spec(preset(GDN), 1, 1, "sm_100a").tag == a.tag  # the variants share it
+
+
+def test_recurrent_scratch_fits_and_extends_the_consumer_span():
+    """The GDN scratch span starts at shared byte 0 and ends before the weight ring: when the
+    consumers' regions are shorter, an `ssm` region extends them."""
+    for name, b, t in ((GDN, 1, 1), (GDN, 4, 4), ("qwen3.5-0.8b", 1, 1), ("qwen3.5-0.8b", 8, 4)):
+        s = make_spec(preset(name), b, t, "sm_90a")
+        regions = s.smem_regions()
+        end = regions["ring"][0] if s.pipelined else s.smem_bytes
+        assert s.recurrent_smem_bytes <= end, (name, b, t)
+        assert s.smem_bytes <= spec_mod.SMEM_BUDGET
