@@ -73,7 +73,7 @@ $(VSTAMP): pyproject.toml
 setup-vllm: $(VSTAMP)
 
 test-vllm: $(VSTAMP)
-	$(VVPY) -m pytest -q -ra -p no:cacheprovider tests/vllm
+	MEGAKERNEL_TEST_WITHOUT_DSL=1 $(VVPY) -m pytest -q -ra -p no:cacheprovider tests/vllm_plugin
 
 clean:
 	rm -rf $(VENV) $(VVENV) $(OUTDIR) build *.egg-info
