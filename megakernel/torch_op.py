@@ -287,15 +287,21 @@ class DeviceState:
                                 ) from None
 
 
-def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # noqa: ANN001
-                   device: str | torch.device) -> DeviceState:
-    """Pack the weights and allocate every buffer of `prog` on `device` (CPU works too: the
-    layout is checked there). Counters start at zero and are never reset (epochs)."""
+def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor] | None, prog,  # noqa: ANN001
+                   device: str | torch.device, packed=None,  # noqa: ANN001
+                   caches: tuple[torch.Tensor, torch.Tensor] | None = None) -> DeviceState:
+    """Pack the weights (or take `packed`, packed once for several programs) and allocate every
+    buffer of `prog` on `device` (CPU works too: the layout is checked there); `caches`: K and V
+    shared with other programs of one cache layout (paged buckets). Counters start at zero and
+    are never reset (epochs)."""
     from megakernel.layers import kind
     from megakernel.program.pack import pack_weights
 
     buf, hdr, d = prog.buffers, prog.header, torch.device(device)
-    packed = pack_weights(cfg, weights)
+    packed = packed if packed is not None else pack_weights(cfg, weights)
+    k_cache, v_cache = caches if caches is not None else (
+        torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
+        torch.zeros(buf.v_shape, dtype=torch.bfloat16, device=d))
     st = DeviceState(
         prog=prog,
         program=prog.records().to(d),
@@ -304,8 +310,7 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor], prog,  # 
         f32=torch.zeros(buf.f32_numel, dtype=torch.float32, device=d),
         bf16=torch.zeros(buf.bf16_numel, dtype=torch.bfloat16, device=d),
         i32=torch.zeros(buf.i32_numel, dtype=torch.int32, device=d),
-        k_cache=torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
-        v_cache=torch.zeros(buf.v_shape, dtype=torch.bfloat16, device=d),
+        k_cache=k_cache, v_cache=v_cache,
         state=torch.zeros(buf.state_numel, dtype=torch.float32, device=d),
         offsets=[hdr["I32_LENGTHS_OFF"], hdr["I32_TOKENS_OUT_OFF"], hdr["F32_LOGITS_OFF"],
                  hdr["S_MAX"]],

@@ -448,11 +448,7 @@ class Executor:
                 r = getattr(b, nd.arena)[nd.name]  # the block's view: the region's start
                 expect[nd.arena][r.offset : r.offset + math.prod(nd.shape)] += 1
             if kd.kv_cache:
-                slot = b.kv_slot[blk.layer]
-                for kv in ("k", "v"):
-                    e = expect[kv].view(getattr(self, kv).shape)
-                    for bi, n0 in enumerate(lengths):
-                        e[slot, bi, :, n0 : n0 + p.tokens] = 1
+                self._expect_kv(b.kv_slot[blk.layer], lengths, expect)
             if kd.recurrent:
                 self._expect_state(blk, expect, ring_before)
         for k, tr in self.tracks.items():
@@ -462,6 +458,24 @@ class Executor:
                 raise WriteCountError(
                     f"{k}[{i}] was written {int(tr.count[i])} times this step, expected "
                     f"{int(expect[k][i])} ({int(bad.sum())} elements differ)")
+
+    def _expect_kv(self, slot: int, lengths: list[int], expect: dict) -> None:
+        """The new K/V of cache slot `slot` once: positions lengths[b] .. + T of each sequence,
+        or (paged) the page position of every row's non-negative slot_mapping entry."""
+        p, paged = self.prog, self.prog.buffers.paged
+        for kv in ("k", "v"):
+            e = expect[kv].view(getattr(self, kv).shape)
+            if paged is None:
+                for bi, n0 in enumerate(lengths):
+                    e[slot, bi, :, n0 : n0 + p.tokens] = 1
+                continue
+            for s in self.region("i32", "slot_mapping").tolist():
+                if s >= 0:
+                    blk, o = divmod(s, paged.block_size)
+                    if kv == "k":  # K pages are [D, block_size]
+                        e[slot, blk, :, :, o] = 1
+                    else:
+                        e[slot, blk, :, o] = 1
 
     def _expect_state(self, blk, expect: dict, ring_before) -> None:  # noqa: ANN001
         """A recurrent layer: conv window once; recurrent: state once; ReplaySSM: the new ring
@@ -498,6 +512,9 @@ def load_cache(prog, cache, k: torch.Tensor, v: torch.Tensor, state: torch.Tenso
     ReplaySSM rings and counts, and the lengths. What the first step after a prefill by the
     reference reads (the executor's and the kernel's)."""
     p, b = prog, prog.buffers
+    if b.paged is not None:
+        raise ExecutorError("a paged program's KV cache is the caller's pages; load_cache "
+                            "fills the contiguous cache")
     if cache.replay_window != p.replay_window:
         raise ExecutorError(f"the cache is for replay_window {cache.replay_window}, the "
                             f"program runs replay_window {p.replay_window}")

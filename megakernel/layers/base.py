@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from megakernel.models.config import Block, ModelConfig
+    from megakernel.program.paged import PagedKV
     from megakernel.program.stages import Stage
 
 KINDS: Registry[type[LayerKind]] = Registry("megakernel.layers", "layer kind",
@@ -72,6 +73,7 @@ class StepShape:
     n_splits: int
     num_sms: int
     ring_cap: int  # ReplaySSM ring entries per (layer, sequence); 0: recurrent update
+    paged: PagedKV | None = None  # paged KV and caller-owned step metadata (program/paged.py)
 
     @property
     def rows(self) -> int:

@@ -87,7 +87,11 @@ def needs(model, shape: StepShape) -> list[Need]:  # noqa: ANN001
             Need("f32", "logits", (n, model.vocab_size), OUTPUT),
             Need("f32", "part_argmax", (shape.num_sms, n, 2), OUTPUT),
             Need("i32", "tokens_in", (n,), STREAM), Need("i32", "tokens_out", (n,), STREAM),
-            Need("i32", "lengths", (shape.batch,), STREAM, persistent=True)]
+            Need("i32", "lengths", (shape.batch,), STREAM, persistent=True)] + (
+        # paged: the caller's block table [B, max_blocks] and slot mapping [N] (program/paged.py)
+        [Need("i32", "block_table", (shape.batch, shape.paged.max_blocks), STREAM,
+              persistent=True),
+         Need("i32", "slot_mapping", (n,), STREAM, persistent=True)] if shape.paged else [])
 
 
 def embed_stage(ctx) -> tuple[Stage, int]:  # noqa: ANN001
@@ -157,7 +161,8 @@ def head_stages(ctx, wait: int) -> list[Stage]:  # noqa: ANN001
                           f32["h"].offset, f32["logits"].offset, wait, c_lm,
                           n * rows * 4 + n * 8, TILE=-1, PARG_OFF=f32["part_argmax"].offset)
 
-    flags = FLAG_ADVANCE | (FLAG_FEEDBACK if ctx.tokens == 1 else 0)
+    # a paged program's caller owns lengths and input ids (program/paged.py)
+    flags = 0 if ctx.buf.paged else FLAG_ADVANCE | (FLAG_FEEDBACK if ctx.tokens == 1 else 0)
 
     def mk_argmax(u0: int, u1: int) -> Instr:
         nt = vpad // ROW_ALIGN  # upper bound for the cost model; set by number_lm_tiles

