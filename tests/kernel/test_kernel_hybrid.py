@@ -35,9 +35,9 @@ SUPPORT = [
     (lambda: preset("qwen3-tiny"), None),
     (lambda: preset(HYBRID), None),
     (lambda: _nemotron("-*-*--*"), None),
-    (lambda: _nemotron("*-M-"), ("MAMBA_CORE", "mamba2")),
-    (lambda: preset("nemotron-h-tiny"), ("MAMBA_CORE", "mamba2")),
-    (lambda: preset("qwen3.5-tiny"), ("GDN_CORE", "gdn")),
+    (lambda: _nemotron("*-M-"), None),  # MAMBA_CORE has a handler (kernel/mamba2.py)
+    (lambda: preset("nemotron-h-tiny"), None),
+    (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE (kernel/gdn.py)
     (lambda: preset("kimi-linear-tiny"), ("MLA", "moe")),
     (lambda: _nemotron("**"), ("feed-forward", "[]")),
     (lambda: _nemotron("--"), ("attention", "0 distinct")),
