@@ -313,10 +313,12 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
     shapes = {Op.QKV: [(H, Hkv * slots * D)], Op.OPROJ: [(Hq * D, H)],
               Op.GATEUP: [(H, 2 * Inter)], Op.UP_RELU2: [(H, Inter)], Op.DOWN: [(Inter, H)],
               Op.LMHEAD: [(H, padded_vocab(V))]}
-    gdn = gdn_shape(spec)
-    if gdn is not None:  # the GDN layers' fused input projection and out_proj
-        shapes[Op.PROJ] = [(H, gdn.proj_width)]
-        shapes[Op.OPROJ].append((gdn.value_dim, H))
+    gdn, mamba = recurrent_shape(spec, "gdn"), recurrent_shape(spec, "mamba")
+    # the recurrent layers' fused input projection (rows = its width P) and out_proj
+    for rec_shape, out_k in ((gdn, "value_dim"), (mamba, "d_inner")):
+        if rec_shape is not None:
+            shapes.setdefault(Op.PROJ, []).append((H, rec_shape.proj_width))
+            shapes[Op.OPROJ].append((getattr(rec_shape, out_k), H))
     handled = set(spec.get("ops") or (s.code for s in isa.specs() if s.device))
     for sm, queue in enumerate(records.tolist()):
         for pos, rec in enumerate(queue):
@@ -342,9 +344,10 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                         f"{where}: K={d['K']}, rows [{d['ROW0']}, {d['ROW0'] + d['NROWS']}) do "
                         f"not fit the build's {' or '.join(f'[{r}, {k}]' for k, r in shapes[op])}"
                         f" matrix; the program is for another model or build")
-                if op == Op.PROJ and d["OUT_W"] != gdn.proj_width:
-                    raise ArgumentError(f"{where}: OUT_W={d['OUT_W']} is not the build's GDN "
-                                        f"projection width {gdn.proj_width}")
+                if op == Op.PROJ and d["OUT_W"] not in (r for _, r in shapes[op]):
+                    raise ArgumentError(f"{where}: OUT_W={d['OUT_W']} is not a projection "
+                                        f"width of the build's recurrent layers "
+                                        f"({', '.join(str(r) for _, r in shapes[op])})")
                 if op == Op.QKV and (d["NROWS"] % D or d["ROW0"] % D):
                     raise ArgumentError(f"{where}: a QKV slab of {d['NROWS']} rows at row "
                                         f"{d['ROW0']} is not whole heads of {D}")
@@ -358,6 +361,12 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                     raise ArgumentError(f"{where}: sequence {d['B_IDX']}, key head "
                                         f"{d['K_HEAD']}, state offset {d['STATE']} outside the "
                                         f"build's B={B}, Hk={gdn.hk}")
+            elif op == Op.MAMBA_CORE:
+                if not (0 <= d["B_IDX"] < B and 0 <= d["GROUP"] < mamba.groups
+                        and d["STATE"] >= 0):
+                    raise ArgumentError(f"{where}: sequence {d['B_IDX']}, group {d['GROUP']}, "
+                                        f"state offset {d['STATE']} outside the build's B={B}, "
+                                        f"G={mamba.groups}")
             elif op == Op.EMBED:
                 if d["K"] != H or not 0 <= d["N0"] <= d["N1"] <= N:
                     raise ArgumentError(f"{where}: rows [{d['N0']}, {d['N1']}) of K={d['K']} do "
@@ -376,15 +385,18 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                                         f"multiple of {m}; the kernel's vector accesses need it")
 
 
-def gdn_shape(spec: dict[str, Any]):  # noqa: ANN201 (gdn_index.GDNShape | None)
-    """A manifest spec's GDN index arithmetic (None: no GDN layers)."""
+def recurrent_shape(spec: dict[str, Any], field: str):  # noqa: ANN201
+    """A manifest spec's index arithmetic of a recurrent kind (`field` "gdn": GDNShape, "mamba":
+    MambaShape; None when the build has no such layers)."""
     from megakernel.kernel.gdn_index import GDNShape
+    from megakernel.kernel.mamba_index import MambaShape
     from megakernel.kernel.spec import LANES
 
-    if not spec.get("gdn"):
+    if not spec.get(field):
         return None
-    return GDNShape.of(tuple(spec["gdn"]), spec["batch"], spec["tokens"],
-                       spec.get("num_threads", 256) // LANES)
+    cls = {"gdn": GDNShape, "mamba": MambaShape}[field]
+    return cls.of(tuple(spec[field]), spec["batch"], spec["tokens"],
+                  spec.get("num_threads", 256) // LANES)
 
 
 def check_lengths(spec: dict[str, Any], lengths: list[int], s_max: int) -> None:

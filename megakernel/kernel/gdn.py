@@ -17,15 +17,14 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from megakernel.isa import Op
 from megakernel.kernel.fields import word
 from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
-from megakernel.kernel.memory import join64, ld, st
+from megakernel.kernel.memory import join64, ld, prefetch_l2, st
 from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
-
-STATE_PREFETCH_CHUNK = 32 * 1024  # bytes per cp.async.bulk.prefetch.L2 of a record's states
 
 
 def silu(x: Float32) -> Float32:
     return x / (Float32(1.0) + cute.math.exp(-x))
+
 
 
 class GatedDeltaRule:
@@ -42,11 +41,10 @@ class GatedDeltaRule:
              pS: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
         b, kh = rec[word(Op.GDN_CORE, "B_IDX")], rec[word(Op.GDN_CORE, "K_HEAD")]
         proj, prm = rec[word(Op.GDN_CORE, "PROJ_OFF")], rec[word(Op.GDN_CORE, "PARAM_OFF")]
-        # the layer's block of the state arena (conv window, then states)
+        # the layer's block
         st0 = join64(rec[word(Op.GDN_CORE, "STATE_LO")], rec[word(Op.GDN_CORE, "STATE_HI")])
-        conv_w, norm_w = rec[word(Op.GDN_CORE, "CONV_W")], rec[word(Op.GDN_CORE, "NORM_W")]
-        out = rec[word(Op.GDN_CORE, "OUT_OFF")]
         cta_sync(self.named)  # the scratch span is free: the previous record is done with it
+        conv_w, norm_w = rec[word(Op.GDN_CORE, "CONV_W")], rec[word(Op.GDN_CORE, "NORM_W")]
         self.conv(b, kh, proj, Int64(conv_w), st0, pW, pF, pS, sS, tidx)
         self.gates(b, kh, proj, prm, pF, sS, tidx)
         cta_sync(self.named)
@@ -56,7 +54,8 @@ class GatedDeltaRule:
         cta_sync(self.named)
         self.states(b, kh, st0, pS, sS, warp, lane)
         cta_sync(self.named)
-        self.output(b, kh, proj, Int64(norm_w), out, pW, pF, pB, sS, warp, lane)
+        self.output(b, kh, proj, Int64(norm_w), rec[word(Op.GDN_CORE, "OUT_OFF")], pW, pF, pB,
+                    sS, warp, lane)
 
     # ---- phase 1: the short causal conv ------------------------------------------------------
     @cute.jit
@@ -201,16 +200,9 @@ class GatedDeltaRule:
     @cute.jit
     def prefetch_state(self, rec: cute.Tensor, pS: cute.Pointer, tidx: Int32):
         """The record's R value heads' states are contiguous and predate this step: ask L2 for
-        them while the CTA waits for the projection (16-byte aligned blocks only)."""
+        them while the CTA waits for the projection."""
         g = self.g
-        if tidx == 0:
-            st0 = join64(rec[word(Op.GDN_CORE, "STATE_LO")], rec[word(Op.GDN_CORE, "STATE_HI")])
-            b, kh = rec[word(Op.GDN_CORE, "B_IDX")], rec[word(Op.GDN_CORE, "K_HEAD")]
-            first = st0 + Int64(g.state(b, kh * g.rep, 0, 0))
-            addr = pS.toint() + first * Int64(4)
-            nbytes = g.rep * g.dk * g.dv * 4
-            if addr % Int64(16) == Int64(0):
-                for off in cutlass.range(0, nbytes, STATE_PREFETCH_CHUNK, unroll=1):
-                    size = cutlass.min(Int32(STATE_PREFETCH_CHUNK), Int32(nbytes) - off)
-                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                                         read_only_args=[addr + Int64(off), size])
+        st0 = join64(rec[word(Op.GDN_CORE, "STATE_LO")], rec[word(Op.GDN_CORE, "STATE_HI")])
+        b, kh = rec[word(Op.GDN_CORE, "B_IDX")], rec[word(Op.GDN_CORE, "K_HEAD")]
+        first = st0 + Int64(g.state(b, kh * g.rep, 0, 0))
+        prefetch_l2(pS, first, g.rep * g.dk * g.dv * 4, tidx)

@@ -7,11 +7,14 @@ elements (weights, KV cache) are carried as Int64.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel.isa import RECORD_WORDS
 from megakernel.kernel.spec import VEC
+
+L2_PREFETCH_CHUNK = 32 * 1024  # bytes per cp.async.bulk.prefetch.L2 (prefetch_l2)
 
 # weights are read once per step: do not pollute L1, ask L2 for 256-byte lines
 _W_ATOM_KW = dict(
@@ -127,3 +130,17 @@ def st(base: cute.Pointer, offset, value) -> None:
     """Scalar global store `base[offset] = value`."""
     t = cute.make_tensor(elem_ptr(base, offset, base.dtype.width // 8), cute.make_layout(1))
     t[0] = value
+
+
+@cute.jit
+def prefetch_l2(base: cute.Pointer, first: Int64, nbytes: int, tidx: Int32):
+    """Ask L2 for `nbytes` (static) from element `first` of `base` (thread 0, in chunks of
+    L2_PREFETCH_CHUNK; a 16-byte aligned span only): a recurrent record's states, which predate
+    the step, while the CTA waits for its dependency."""
+    if tidx == 0:
+        addr = base.toint() + first * Int64(base.dtype.width // 8)
+        if addr % Int64(16) == Int64(0):
+            for off in cutlass.range(0, nbytes, L2_PREFETCH_CHUNK, unroll=1):
+                size = cutlass.min(Int32(L2_PREFETCH_CHUNK), Int32(nbytes) - off)
+                cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                     read_only_args=[addr + Int64(off), size])

@@ -473,6 +473,9 @@ class KernelSpec:
     # the gated delta rule's (num_k_heads, num_v_heads, k_head_dim, v_head_dim, conv_kernel)
     # when the model has GDN layers (kernel/gdn_index.py); () = none
     gdn: tuple[int, ...] = ()
+    # Mamba2's (num_heads, head_dim, state_size, n_groups, conv_kernel) when the model has Mamba2
+    # layers (kernel/mamba_index.py); () = none
+    mamba: tuple[int, ...] = ()
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
     smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (above)
     timeline: bool = False  # the variant that stamps per-instruction times (TIMELINE_FIELDS)
@@ -579,10 +582,11 @@ class KernelSpec:
     @property
     def matvec_ks(self) -> tuple[int, ...]:
         """Every K a matvec of the build has: H (QKV, GATEUP, PROJ, LMHEAD), Hq D (o_proj), I
-        (down), and the recurrent layers' out_proj inputs (GDN: Hv dv)."""
+        (down), and the recurrent layers' out_proj inputs (GDN: Hv dv; Mamba2: H P)."""
         ks = (self.hidden, self.heads * self.head_dim, self.inter)
-        g = self.gdn_shape
-        return ks + ((g.value_dim,) if g is not None else ())
+        g, m = self.gdn_shape, self.mamba_shape
+        return (ks + ((g.value_dim,) if g is not None else ())
+                + ((m.d_inner,) if m is not None else ()))
 
     @property
     def k_max(self) -> int:
@@ -629,11 +633,21 @@ class KernelSpec:
         return GDNShape.of(self.gdn, self.batch, self.tokens, self.num_warps)
 
     @property
+    def mamba_shape(self):  # noqa: ANN201 (mamba_index.MambaShape | None)
+        """The Mamba2 handler's index arithmetic for this build (None: no Mamba2 layers)."""
+        from megakernel.kernel.mamba_index import MambaShape
+
+        if not self.mamba:
+            return None
+        return MambaShape.of(self.mamba, self.batch, self.tokens, self.num_warps)
+
+    @property
     def recurrent_smem_bytes(self) -> int:
-        """Shared memory a recurrent core handler uses: a span from the start of the carve-up
-        over the consumers' regions (x, acc, ..., none of them live across records)."""
-        g = self.gdn_shape
-        return 4 * g.smem()["words"] if g is not None else 0
+        """Shared memory the recurrent core handlers use (the largest of the model's kinds): a
+        span from the start of the carve-up over the consumers' regions (x, acc, ..., none of
+        them live across records)."""
+        shapes = (s for s in (self.gdn_shape, self.mamba_shape) if s is not None)
+        return max((4 * s.smem()["words"] for s in shapes), default=0)
 
     # shared memory carve-up (bytes, every region 128-byte aligned)
     def smem_regions(self) -> dict[str, tuple[int, int]]:
@@ -686,8 +700,8 @@ class KernelSpec:
         if self.rows > isa.MAX_ROWS:
             raise SpecError(f"batch * tokens = {self.rows} > {isa.MAX_ROWS} rows per step")
         for what, k in (("hidden_size", self.hidden), ("q_size", self.heads * self.head_dim),
-                        ("intermediate_size", self.inter), ("recurrent out_proj K",
-                                                            self.matvec_ks[-1])):
+                        ("intermediate_size", self.inter),
+                        *(("recurrent out_proj K", k) for k in self.matvec_ks[3:])):
             if k % VEC:
                 raise SpecError(f"{what} = {k} must be a multiple of {VEC} (16-byte loads)")
         if self.num_threads % LANES or not 64 <= self.num_threads <= 1024:
@@ -722,6 +736,11 @@ class KernelSpec:
 
             if check_gdn(self.gdn_shape):
                 raise SpecError(check_gdn(self.gdn_shape))
+        if self.mamba:
+            from megakernel.kernel.mamba_index import check_mamba
+
+            if check_mamba(self.mamba_shape):
+                raise SpecError(check_mamba(self.mamba_shape))
 
     # ---- identity ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -872,7 +891,7 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         norm_one_plus=cfg.norm_kind == "rms_1p", output_gate=att.output_gate,
         gate_off=gate_offset(cfg, batch, tokens),
         ops=tuple(sorted(program_ops(cfg, replay))),
-        gdn=recurrent_constants(cfg, "gdn"),
+        gdn=recurrent_constants(cfg, "gdn"), mamba=recurrent_constants(cfg, "mamba2"),
         attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
         eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,
         num_threads=num_threads, smem_stages=smem_stages, timeline=timeline,
@@ -882,12 +901,14 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
 
 
 def recurrent_constants(cfg, kind_name: str) -> tuple[int, ...]:  # noqa: ANN001 (ModelConfig)
-    """A recurrent kind's shapes the build bakes in (KernelSpec.gdn, ...); () without one."""
+    """A recurrent kind's shapes the build bakes in (KernelSpec.gdn, .mamba); () without one."""
     if not cfg.has_kind(kind_name):
         return ()
     c = cfg.kind_config(kind_name)
     if kind_name == "gdn":
         return (c.num_k_heads, c.num_v_heads, c.k_head_dim, c.v_head_dim, c.conv_kernel)
+    if kind_name == "mamba2":
+        return (c.num_heads, c.head_dim, c.state_size, c.n_groups, c.conv_kernel)
     raise SpecError(f"no kernel constants for recurrent kind {kind_name!r}")
 
 

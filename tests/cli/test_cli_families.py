@@ -129,8 +129,7 @@ KIMI_MISSING = "EXPERT_DOWN, EXPERT_GATEUP, {}, MLA, MOE_COMBINE, ROUTER"
     ("qwen3.5-tiny", True, "GDN_REPLAY"),  # GDN_CORE and PROJ have handlers
     ("kimi-linear-tiny", False, KIMI_MISSING.format("KDA_CORE")),
     ("kimi-linear-tiny", True, KIMI_MISSING.format("KDA_REPLAY")),
-    ("nemotron-h-tiny", False, "MAMBA_CORE"),  # its relu^2 MLP and PROJ have handlers
-    ("nemotron-h-tiny", True, "MAMBA_REPLAY"),
+    ("nemotron-h-tiny", True, "MAMBA_REPLAY"),  # MAMBA_CORE, relu^2 and PROJ have handlers
 ])
 def test_kernel_backend_names_the_missing_device_handlers(capsys, model, replay, missing):
     """Refused before any GPU is looked for (the same answer on a CPU and a GPU machine): the
@@ -143,10 +142,11 @@ def test_kernel_backend_names_the_missing_device_handlers(capsys, model, replay,
     assert "the CPU executor runs its program" in err
 
 
-def test_kernel_backend_takes_qwen35_to_the_gpu(capsys):
-    """Qwen3.5 (GDN + gated attention) runs on the kernel: without a GPU the refusal is the
-    GPU's, not a missing handler's."""
-    rc, _, err = _run(capsys, "generate", "--model", "qwen3.5-tiny", "--backend", "kernel")
+@pytest.mark.parametrize("model", ["qwen3.5-tiny", "nemotron-h-tiny"])
+def test_kernel_backend_takes_recurrent_models_to_the_gpu(capsys, model):
+    """Qwen3.5 (GDN + gated attention) and Nemotron-H (Mamba2 + attention + relu^2) run on the
+    kernel: without a GPU the refusal is the GPU's, not a missing handler's."""
+    rc, _, err = _run(capsys, "generate", "--model", model, "--backend", "kernel")
     assert rc == 2 and "Traceback" not in err
     assert "no device handlers" not in err and "CUDA GPU" in err
 

@@ -283,6 +283,30 @@ def test_check_records_refuses_a_program_for_another_model_or_a_broken_slab():
             check_records(bad, spec)
 
 
+def test_check_records_checks_the_mamba2_records():
+    """A Nemotron-H program fits its build (PROJ of the Mamba2 width, out_proj K = H P, the
+    MAMBA_CORE indices); a record past the build's groups, a projection of another width and a
+    program of other Mamba2 heads are refused."""
+    from megakernel.isa import Op, field_index
+
+    spec = manifest_dict(batch=2, model="nemotron-h-tiny")["spec"]
+    recs = _program("nemotron-h-tiny").records()
+    check_records(recs, spec)
+    cases = [
+        (Op.MAMBA_CORE, "GROUP", 2, "group 2.*outside the build's B=2, G=2"),
+        (Op.PROJ, "OUT_W", 16, "OUT_W=.*not a projection width"),
+    ]
+    for op, field, delta, match in cases:
+        bad = recs.clone()
+        sm, pos = _first(bad, int(op))
+        bad[sm, pos, field_index(op, field)] += delta
+        with pytest.raises(ArgumentError, match=match):
+            check_records(bad, spec)
+    with pytest.raises(ArgumentError, match="K=64.*the program is for another model or build"):
+        # the same projection width (208) but H P = 32: another out_proj
+        check_records(recs, {**spec, "mamba": [8, 4, 32, 2, 4]})
+
+
 def test_validate_refuses_arenas_past_int32_offsets():
     spec = manifest_dict()["spec"]
     ts = tensors(spec)

@@ -1,0 +1,157 @@
+"""Index arithmetic of the Mamba2 device handler (MAMBA_CORE; kernel/mamba2.py), no DSL.
+
+One record runs one (sequence b, group j) with its R = H / G heads h = j R + r, on one CTA:
+
+1. conv: each of the unit's ch = R P + 2 N channels (x of its heads, then the group's B and C)
+   reads its fp32 window (K - 1 values) and the T new inputs (proj columns after z), writes
+   silu(conv + bias) of the T tokens to shared memory and its new window back: the window is read
+   once and written once. The same pass puts dt = softplus(dt + dt_bias) and e^{dt A},
+   A = -exp(A_log), per (token, head) in shared memory; after a barrier one warp per token forms
+   B . C.
+2. state: the record's R heads' states S [P, N] are R P contiguous rows of N fp32 (head-major),
+   held in registers in row tiles: LPR = min(32, N) lanes on a row (lane l has the columns
+   l + LPR c, c < N / LPR: a warp load is 128 contiguous bytes), 32 / LPR rows per warp pass,
+   RPT passes per thread (RPT * N / LPR <= REG_VALUES registers). Rows evolve on their own given
+   x, B, C, dt, so a tile stays in registers for all T tokens: per token a row's S . C is a
+   shuffle reduction over its LPR lanes (no barrier), y = e^{dt A} (S . C) + dt (B . C) x + D x
+   goes to shared memory, then S <- e^{dt A} S + x (dt B). Each state element is read once and
+   written once per step, the bytes layers/recurrent.py charges.
+3. output: one warp per token: g = y silu(z) over the group's R P columns, RMSNorm over them,
+   times w, to bf16.
+
+Plain arithmetic on ints here and in the host emulation
+(tests/kernel/test_kernel_mamba_emulation.py), on Int32/Int64 in the kernel: the same functions
+index both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megakernel.isa.records import ROW_ALIGN
+
+LANES = 32
+REG_VALUES = 16  # state values a thread holds (RPT rows x N / LPR columns)
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    """A build's Mamba2 constants: KernelSpec.mamba = (H, P, N, G, K), batch, tokens, warps."""
+
+    heads: int
+    head_dim: int
+    state_size: int
+    groups: int
+    conv_k: int
+    batch: int
+    tokens: int
+    num_warps: int
+
+    @classmethod
+    def of(cls, mamba: tuple[int, ...], batch: int, tokens: int, num_warps: int) -> MambaShape:
+        return cls(*mamba, batch, tokens, num_warps)
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    rep = property(lambda self: self.heads // self.groups)  # R: heads per group (per record)
+    d_inner = property(lambda self: self.heads * self.head_dim)  # ssm_out columns
+    gn = property(lambda self: self.groups * self.state_size)
+    conv_dim = property(lambda self: self.d_inner + 2 * self.gn)  # C: [x | B | C]
+    rows = property(lambda self: self.rep * self.head_dim)  # R P: state rows (and y) of a record
+    ch = property(lambda self: self.rows + 2 * self.state_size)  # conv channels of one record
+    win = property(lambda self: self.conv_k - 1)  # window values per channel
+
+    @property
+    def proj_width(self) -> int:
+        """Columns of proj [N, P'] ([z | xBC | dt], zero-padded to a multiple of 16)."""
+        rows = self.d_inner + self.conv_dim + self.heads
+        return -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+    lpr = property(lambda self: min(LANES, self.state_size))  # lanes on a state row
+    cpl = property(lambda self: self.state_size // self.lpr)  # columns per lane
+    rpp = property(lambda self: LANES // self.lpr)  # rows per warp pass
+
+    @property
+    def rpt(self) -> int:
+        """Rows per thread in a tile: the largest power of two within REG_VALUES registers that
+        divides the record's passes (rows / (warps * rpp))."""
+        passes = max(1, self.rows // (self.num_warps * self.rpp))
+        r = 1
+        while 2 * r * self.cpl <= REG_VALUES and passes % (2 * r) == 0:
+            r *= 2
+        return r
+
+    tile_rows = property(lambda self: self.num_warps * self.rpp * self.rpt)
+    tiles = property(lambda self: self.rows // self.tile_rows)
+
+    # ---- shared memory (fp32 words from the start of the scratch span) --------------------------
+    def smem(self) -> dict[str, int]:
+        """name -> word offset, and "words" the total: x [T][ch] (conv outputs: x | B | C),
+        dt [T][R], da [T][R] (e^{dt A}), bc [T] (B . C), y [T][R P]."""
+        t, r = self.tokens, self.rep
+        out, off = {}, 0
+        for name, n in (("x", t * self.ch), ("dt", t * r), ("da", t * r), ("bc", t),
+                        ("y", t * self.rows)):
+            out[name] = off
+            off += -(-n // 4) * 4  # 16-byte aligned
+        out["words"] = off
+        return out
+
+    # ---- indices -------------------------------------------------------------------------------
+    def channel(self, c, j, minimum=min):
+        """Conv channel (window row; proj column d_inner + it) of the record's channel c of group
+        j: x [0, R P) -> j R P + c; B [R P, R P + N) -> d_inner + j N + c - R P; C -> d_inner +
+        G N + j N + c - R P - N. Branch-free (`minimum` = cutlass.min in the kernel)."""
+        rp, n = self.rows, self.state_size
+        is_bc = minimum(c // rp, 1)  # B or C
+        is_c = c // (rp + n)  # C (c < R P + 2 N < 2 (R P + N))
+        return c + (1 - is_bc) * j * rp + is_bc * (self.d_inner - rp + j * n) + is_c * (self.gn
+                                                                                       - n)
+
+    def window(self, b, chan, k):
+        """Element (b, chan, k) of the conv window [B, C, K-1] (from the record's STATE)."""
+        return (b * self.conv_dim + chan) * self.win + k
+
+    def state(self, b, j, row, n):
+        """Element (b, head j R + row // P, row % P, n) of the state [B, H, P, N] (from STATE:
+        after the window); the record's rows are contiguous."""
+        conv = self.batch * self.conv_dim * self.win
+        return conv + ((b * self.heads + j * self.rep) * self.head_dim + row) * self.state_size + n
+
+    def proj(self, b, t, col):
+        """Element of proj [N, P'] (from PROJ_OFF): row b T + t, column col."""
+        return (b * self.tokens + t) * self.proj_width + col
+
+    def x_col(self, chan):
+        """proj column of conv channel chan (xBC follows z)."""
+        return self.d_inner + chan
+
+    def z_col(self, j, c):
+        """proj column of z for the record's column c (head j R + c // P, dim c % P)."""
+        return j * self.rows + c
+
+    def dt_col(self, h):
+        return self.d_inner + self.conv_dim + h
+
+    def out(self, b, t, j, c):
+        """Element of ssm_out [N, H P] (from OUT_OFF); c also indexes the norm weight from
+        NORM_W + j R P."""
+        return (b * self.tokens + t) * self.d_inner + j * self.rows + c
+
+    def row(self, it, warp, lane, k):
+        """State row of the record that (warp, lane) holds as its k-th row in tile `it`."""
+        return it * self.tile_rows + (k * self.num_warps + warp) * self.rpp + lane // self.lpr
+
+    def col(self, lane, c):
+        """State column n of a lane's c-th value."""
+        return lane % self.lpr + c * self.lpr
+
+
+def check_mamba(m: MambaShape) -> str:
+    """Why the handler cannot run these shapes ('' when it can)."""
+    n = m.state_size
+    if (n > LANES and n % LANES) or (n < LANES and LANES % n):
+        return f"Mamba2 state size {n} must divide {LANES} or be a multiple of it"
+    if m.rows % (m.num_warps * m.rpp):
+        return (f"Mamba2 state rows per group R P = {m.rows} must be a multiple of "
+                f"{m.num_warps * m.rpp} ({m.num_warps} warps x {m.rpp} rows per warp pass)")
+    return ""
