@@ -107,7 +107,7 @@ def test_ptx_holds_the_relu2_epilogue_and_dense_builds_do_not(hybrid_builds, ker
         assert not RELU2_PTX.search((d / "megakernel.ptx").read_text()), arch
 
 
-# ---- Mamba2 (MAMBA_CORE, kernel/mamba2.py) --------------------------------------------------------
+# ---- Mamba2 (MAMBA_CORE, kernel/mamba2.py) ------------------------------------------------
 @pytest.fixture(scope="module")
 def mamba_builds(kernel_build):  # noqa: ANN001, ANN201
     return variant_builds(kernel_build, "nemotron-h-tiny")
