@@ -290,6 +290,9 @@ def compile_timing(step: Callable[..., object], args: tuple, iters: int = 50,
     return res
 
 
+TORCH_DECODE_FAMILIES = ("llama", "qwen3", "qwen2")  # what TorchDecode implements
+
+
 class TorchDecode:
     """One decode step (T = 1) of the dense families (Llama, Qwen3, Qwen2) in plain torch ops
     with bf16 weights and a static KV cache [L, B, Hkv, S_max, D] (graph-safe: no host syncs),

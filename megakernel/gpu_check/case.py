@@ -27,16 +27,21 @@ SNAPSHOT = ("f32", "bf16", "i32", "k_cache", "v_cache", "state")  # what a step 
 
 def config(model: str, simulate: bool):  # noqa: ANN201 (ModelConfig)
     """The preset, cut to SIMULATED_LAYERS layers when simulated (every real shape, vocab
-    included, stays: the executor of a whole 1B model would take minutes a step)."""
+    included, stays: the executor of a whole 1B model would take minutes a step); a hybrid
+    preset keeps the layers up to the first of each of its kinds."""
     import dataclasses
 
     from megakernel.models import preset
 
     cfg = preset(model)
-    n = getattr(cfg, "num_layers", 0)
-    if simulate and n > SIMULATED_LAYERS and not model.endswith(("-tiny", "-mid")):
-        cfg = dataclasses.replace(cfg, num_layers=SIMULATED_LAYERS)
-    return cfg
+    if not simulate or model.endswith(("-tiny", "-mid")) or cfg.num_layers <= SIMULATED_LAYERS:
+        return cfg
+    types = getattr(cfg, "layer_types", None)
+    if types is None:  # a dense stack
+        return dataclasses.replace(cfg, num_layers=SIMULATED_LAYERS)
+    # a hybrid stack: the shortest prefix with every kind of layer it has (and at least 2)
+    n = max(SIMULATED_LAYERS, max(types.index(k) for k in set(types)) + 1)
+    return cfg.replace(layer_types=tuple(types[:n]))
 
 
 class Weights:

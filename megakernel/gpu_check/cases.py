@@ -2,11 +2,12 @@
 
 Stage 0 asks the one question that must be answered first (does the kernel launch, finish and agree
 at all: the smallest model, B = 1, 8 steps, the global-memory variant before the default one);
-stage 1 covers the shapes (the quick tiny set with Nemotron-H's attention and relu^2 blocks and
-Qwen3.5's gated attention, llama-mid cases that reach a K-split > 1 at B = 1 and K-chunked slabs at
+stage 1 covers the shapes (the quick tiny set with Nemotron-H's attention and relu^2 blocks,
+Qwen3.5's gated attention, and both families' recurrent layers with state parity against the
+executor, llama-mid cases that reach a K-split > 1 at B = 1 and K-chunked slabs at
 B = 16 on both GEMV paths, several attention splits with an empty one); stage 2 runs the real
-presets (one of them against the CPU executor too) and then the benchmark with what the cost model
-assumes, measured in the same run.
+presets (dense and hybrid, some against the CPU executor too) and then the benchmark with what
+the cost model assumes, measured in the same run.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ TINY = (
     # (1 + w) RMSNorm, every layer attention: the second hybrid family's slice the kernel runs
     Case("qwen3.5-attn-tiny", 1, 1, 32, 2, cap_s=30),
     Case("qwen3.5-attn-tiny", 4, 1, 32, 1, cap_s=30),
+    # the recurrent layers (GDN_CORE, MAMBA_CORE): every case also against the executor, whose
+    # recurrent state arena (conv windows, states) the kernel's must equal after each step
+    *(Case(m, b, t, 24, 2, cap_s=30) for m in ("qwen3.5-tiny", "nemotron-h-tiny")
+      for b, t in ((1, 1), (4, 1), (1, 4), (4, 4))),
 )
 MID = (  # K-split 2 on the FMA path (B = 1); K-chunked slabs on mma (default) and FMA (global)
     Case("llama-mid", 1, 1, 16, 1, cap_s=45),
@@ -104,6 +109,8 @@ REAL = (
     Case("llama-3.2-1b", 1, 4, 16, cap_s=60),
     Case("qwen3-0.6b", 1, 1, 32, bench=True, cap_s=60),
     Case("qwen3-0.6b", 4, 4, 16, cap_s=60),
+    Case("qwen3.5-0.8b", 1, 1, 16, 1, bench=True, cap_s=90),
+    Case("nemotron-h-8b", 1, 1, 8, 1, bench=True, cap_s=150),
 )
 STAGES = (
     Stage(0, "launch", "does the kernel launch, finish and agree at all",

@@ -36,6 +36,8 @@ STARTUP_S = 60.0  # a child's imports and CUDA context before its first item
 REPORT_S = 5.0  # kept for writing the last report
 SIMULATE_CAP = 4.0  # the CPU executor is slower than a GPU: caps scale by this when simulated
 MIN_ITEM_S = 5.0  # an item is not started with less time than this left
+# the largest (cut) preset a simulated case builds random weights and references for on the CPU
+SIMULATE_MAX_PARAMS = 1.0e9
 SAME_EXECUTOR = "simulated: one CPU executor serves every variant (stage 0 runs both)"
 
 
@@ -49,12 +51,17 @@ def item(kind: str, case: Case, variant: str, cap_s: float | None = None) -> dic
 def bench_items(build_dir: Path, arch: str | None) -> list[dict[str, Any]]:
     """The benchmark stage: bandwidths and clocks first, then the decode benchmarks (default
     variant; the global one and the one without the L2 lookahead on the first case), the
-    torch.compile baselines at B = 1 and one step's timeline."""
+    torch.compile baselines at B = 1 (dense families) and one step's timeline."""
+    from megakernel.measure import TORCH_DECODE_FAMILIES
+    from megakernel.models import preset
+
     first = BENCH_CASES[0]
     out = [item("measure", first, "default", 60)]
     out += [item("bench", c, "default", 45) for c in BENCH_CASES]
     out += [item("bench", first, v, 45) for v in ("global", "nolookahead")]
-    out += [item("compile", c, "default", 90) for c in BENCH_CASES if c.batch == 1]
+    # the torch.compile baseline (measure.TorchDecode) is of the dense families only
+    out += [item("compile", c, "default", 90) for c in BENCH_CASES
+            if c.batch == 1 and preset(c.model).family in TORCH_DECODE_FAMILIES]
     out.append(item("timeline", first, "timeline", 45))
     return [it for it in out if it["kind"] in ("measure", "compile")
             or have_build(build_dir, it, arch)]
@@ -103,6 +110,8 @@ def run(out: Path, build_dir: Path, stages: list[int], simulate: bool = False,
                     for it in items:
                         r.skip(st.number, it["name"], SAME_EXECUTOR)
                     continue
+                if simulate:
+                    items = _simulable(items, r, st.number)
                 missing = [it for it in items if not have_build(build_dir, it, arch)]
                 for it in missing:
                     r.skip(st.number, it["name"], f"no {arch} build in {build_dir}")
@@ -114,7 +123,8 @@ def run(out: Path, build_dir: Path, stages: list[int], simulate: bool = False,
             if simulate:
                 for it in [it for it in items if it["variant"] not in ("default", "timeline")]:
                     r.skip(2, it["name"], SAME_EXECUTOR)
-                items = [it for it in items if it["variant"] in ("default", "timeline")]
+                items = _simulable([it for it in items
+                                    if it["variant"] in ("default", "timeline")], r, 2)
             _run_group(2, items, r, work_dir, build_dir, simulate, deadline, task="bench")
     r.finish(time.time() - t0)
     return r.data
@@ -295,6 +305,35 @@ def _context_alive(torch) -> bool:  # noqa: ANN001
         return True
     except Exception:
         return False
+
+
+def _simulable(items: list[dict], r, stage: int) -> list[dict]:  # noqa: ANN001 (Report)
+    """The items a simulated run can afford; the rest are skipped with the reason (a cut preset
+    still too big for the CPU machine's memory and minutes)."""
+    out = []
+    for it in items:
+        if "case" in it and _simulated_params(it["case"]["model"]) > SIMULATE_MAX_PARAMS:
+            r.skip(stage, it["name"], f"simulated: more than {SIMULATE_MAX_PARAMS / 1e9:g}B "
+                   "parameters for the CPU executor")
+        else:
+            out.append(it)
+    return out
+
+
+def _simulated_params(model: str) -> int:
+    """Parameters of the preset as a simulated case cuts it (case.config); 0 for a name that is
+    no preset (the case itself then says so)."""
+    import math
+
+    from megakernel.gpu_check.case import config
+    from megakernel.models import ConfigError
+    from megakernel.models.weights import expected_shapes
+
+    try:
+        cfg = config(model, True)
+    except ConfigError:
+        return 0
+    return sum(math.prod(s) for s in expected_shapes(cfg).values())
 
 
 def _device_info(simulate: bool) -> dict[str, Any]:

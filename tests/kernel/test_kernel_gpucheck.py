@@ -254,6 +254,42 @@ def test_simulated_case_catches_a_broken_launch(tmp_path, monkeypatch):
     assert not r["ok"] and r["band_failures"] == r["steps"] == 2
 
 
+def test_state_parity_allows_rounding_only():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, generator=g)
+    assert compare.state_parity(x, x * (1 + 1e-6))["ok"]
+    bad = x.clone()
+    bad[17] += 0.05 * float(x.abs().max())  # one element of a skipped or misplaced update
+    r = compare.state_parity(bad, x)
+    assert not r["ok"] and r["max_diff"] > 0
+    assert not compare.state_parity(x[:10], x)["ok"]  # another arena
+    assert compare.state_parity(torch.zeros(0), torch.zeros(0))["ok"]  # a dense model's
+
+
+def test_simulated_hybrid_case_catches_a_corrupt_state(tmp_path, monkeypatch):
+    """The last step leaving a slightly wrong recurrent state (one element nudged by 1% of the
+    arena's largest: no logits see it) fails the case through the state parity alone."""
+    from megakernel import torch_op
+    from megakernel.gpu_check.case import Weights, run_case
+
+    case = Case("qwen3.5-tiny", 2, 1, 2, 2)
+    good = run_case(case, None, Weights(), simulate=True)
+    assert good["ok"] and good["executor_state_ok"]
+    real_step = torch_op.Megakernel.step
+    calls = []
+
+    def step(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = real_step(self, *a, **k)
+        calls.append(1)
+        if len(calls) == case.steps:  # the last checked step; the replays come after
+            self.state[self.state.numel() // 2] += 0.01 * float(self.state.abs().max())
+        return out
+    monkeypatch.setattr(torch_op.Megakernel, "step", step)
+    r = run_case(case, None, Weights(), simulate=True)
+    assert r["band_failures"] == 0 and r["executor_logit_over"] == 0
+    assert not r["executor_state_ok"] and r["executor_state_max_diff"] > 0 and not r["ok"]
+
+
 def test_stages_flag_is_checked(capsys):
     from megakernel.cli import main
 
@@ -305,6 +341,13 @@ def test_stage_tables_cover_what_the_issue_asks():
     assert ("ksplit", False) in reach and ("kchunk", True) in reach and ("kchunk", False) in reach
     assert any(c.n_splits and c.n_splits > 1 and c.tokens > 1
                for g in STAGES[1].groups for c in g.cases)
+    # the recurrent layers, against the executor (state parity), B in {1, 4}, T in {1, 4}
+    for m in ("qwen3.5-tiny", "nemotron-h-tiny"):
+        shapes = {(c.batch, c.tokens) for c in STAGES[1].groups[0].cases
+                  if c.model == m and c.executor_steps > 0}
+        assert shapes == {(1, 1), (4, 1), (1, 4), (4, 4)}, m
+    assert {"qwen3.5-0.8b", "nemotron-h-8b"} <= {c.model for g in STAGES[2].groups
+                                                 for c in g.cases if c.bench}
 
 
 def test_a_gpu_report_renders_and_judges_the_targets(tmp_path):
