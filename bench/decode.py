@@ -1,8 +1,11 @@
 """Decode-step benchmark on a GPU: the megakernel vs torch baselines, against the measured
 achievable bandwidth, and the targets of the first measurements judged in the same run.
 
-    python bench/decode.py --model llama-3.2-1b --batch 1 --context 1024 \
+    python bench/decode.py --model llama-3.2-1b --batches 1 --context 1024 \
         [--build-dir out/gpu-builds] [--out out/bench]
+    python bench/decode.py --model nemotron-h-8b --batches 1,8,64 --replay-windows 0,16
+
+Hybrid models: the recurrent update against ReplaySSM (one row per fold window L) per batch.
 
 Measured in one run (CUDA events; random bf16 weights):
 - read: the HBM read-stream kernel on every SM (megakernel.measure.read_bandwidth; its build in
@@ -56,13 +59,17 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Namespace,  # noqa: ANN001
-                bw: float) -> dict:
-    """One batch size: the kernel (CUDA-graph replays) and the torch baselines, same bytes."""
+                bw: float, window: int = 0) -> dict:
+    """One batch size: the kernel (CUDA-graph replays) and the torch baselines, same bytes;
+    `window` > 0: the recurrent layers by ReplaySSM with that fold window (no torch baselines:
+    they implement the dense families' recurrent-free step only)."""
+    from megakernel.measure import TORCH_DECODE_FAMILIES
     from megakernel.torch_op import Megakernel
 
     s_max = args.context + args.iters * 8 + 64
-    res: dict = {"batch": batch}
-    mk = Megakernel(cfg, w, batch=batch, max_seq_len=s_max, build_dir=args.build_dir)
+    res: dict = {"batch": batch, "replay_window": window}
+    mk = Megakernel(cfg, w, batch=batch, max_seq_len=s_max, build_dir=args.build_dir,
+                    replay_window=window or None)
     # prefill on the kernel (one token per step): time to first token of a context-long prompt
     gen = mk.generate_program([[1 + (b * 7919 + i) % (cfg.vocab_size - 1)
                                 for i in range(args.context)] for b in range(batch)], 1)
@@ -81,6 +88,8 @@ def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Name
                      "bw_fraction": nbytes / t_kernel / bw}
     del mk, graph
     torch.cuda.empty_cache()
+    if window or cfg.family not in TORCH_DECODE_FAMILIES:
+        return res
 
     base = TorchDecode(cfg, w, batch, s_max)
     tok = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
@@ -105,12 +114,13 @@ def markdown(res: dict) -> str:
              f"{res['achievable_GBps']:.0f} GB/s (measured in this run: read "
              f"{f'{read:.0f} GB/s' if read else res['read'].get('error')}, copy "
              f"{res['copy_GBps'] or float('nan'):.0f} GB/s)", "",
-             "| B | bytes/step | predicted ms | kernel ms | kernel tok/s/user "
+             "| B | ReplaySSM L | bytes/step | predicted ms | kernel ms | kernel tok/s/user "
              "| kernel % achievable BW | eager ms | compile ms | speedup vs compile | TTFT ms |",
-             "|" + "---|" * 10]
+             "|" + "---|" * 11]
     for r in res["runs"]:
         k, e, c = r["kernel"], r.get("torch_eager", {}), r.get("torch_compile", {})
-        lines.append(f"| {r['batch']} | {r['bytes_per_step'] / 1e9:.3f} GB | "
+        lines.append(f"| {r['batch']} | {r.get('replay_window') or '-'} | "
+                     f"{r['bytes_per_step'] / 1e9:.3f} GB | "
                      f"{r['predicted_ms']:.3f} | {k['ms']:.3f} | {k['tok_s_user']:.0f} | "
                      f"{100 * k['bw_fraction']:.1f}% | {e.get('ms', float('nan')):.3f} | "
                      f"{c.get('ms', float('nan')):.3f}{'' if c.get('compiled') else ' eager'} | "
@@ -159,6 +169,9 @@ def main() -> int:
     ap.add_argument("--build-dir", default=None, help="AOT builds (default: JIT cache)")
     ap.add_argument("--out", default=None, help="directory for decode.{json,md,png}")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--replay-windows", default="0",
+                    help="comma list of ReplaySSM fold windows L run next to each other per batch "
+                         "(0: the recurrent update; models with recurrent layers), e.g. 0,16")
     args = ap.parse_args()
     if not Path(args.model).is_dir():
         check_names("--model", args.model, list(presets()))
@@ -166,6 +179,11 @@ def main() -> int:
         print("error: bench/decode.py needs a CUDA GPU", file=sys.stderr)
         return 2
     cfg = resolve(args.model)
+    windows = [int(x) for x in args.replay_windows.split(",") if x.strip()]
+    if any(x < 0 for x in windows) or (any(windows) and not cfg.recurrent_layers()):
+        print(f"error: --replay-windows {args.replay_windows}: windows >= 0, and > 0 only for "
+              f"a model with recurrent layers", file=sys.stderr)
+        return 2
     w = random_weights(cfg, seed=0)
     copy = copy_bandwidth()
     read = (read_bandwidth(args.build_dir) if args.build_dir else
@@ -181,10 +199,12 @@ def main() -> int:
                  "runs": []}
     with ClockSampler(interval_s=0.5) as sampler:
         for b in (int(x) for x in args.batches.split(",") if x.strip()):
-            try:
-                res["runs"].append(bench_batch(cfg, w, b, args, bw))
-            except Exception as e:  # a missing build for one B must not lose the others
-                print(f"B={b}: skipped ({type(e).__name__}: {e})", file=sys.stderr)
+            for window in windows:
+                try:
+                    res["runs"].append(bench_batch(cfg, w, b, args, bw, window))
+                except Exception as e:  # a missing build for one B must not lose the others
+                    print(f"B={b} L={window}: skipped ({type(e).__name__}: {e})",
+                          file=sys.stderr)
     res["clocks"] = sampler.summary()
     res["targets"] = evaluate_targets(res)
     if not res["runs"]:

@@ -385,6 +385,15 @@ TARGETS = (
     Target("llama-3.2-1b", 1, "vs_hazy", 1.10, "H200", "Hazy's 760 us / kernel time"),
     Target("llama-3.2-1b", 1, "vs_compile", 1.4, "H200", "torch.compile step / kernel step"),
     Target("qwen3-0.6b", 1, "vs_compile", 2.0, None, "torch.compile step / kernel step"),
+    # hybrid models (issue 12): bandwidth at B = 1, ReplaySSM against the recurrent update
+    Target("qwen3.5-0.8b", 1, "bw_fraction", 0.80, None,
+           "bytes/step / kernel time vs the measured achievable bandwidth"),
+    Target("nemotron-h-8b", 1, "bw_fraction", 0.80, None,
+           "bytes/step / kernel time vs the measured achievable bandwidth"),
+    Target("nemotron-h-8b", 1, "replay_speedup", 1.0, None,
+           "recurrent step / fastest ReplaySSM step at the same B (no slower)"),
+    Target("nemotron-h-8b", 64, "replay_speedup", 1.3, None,
+           "recurrent step / fastest ReplaySSM step at the same B"),
 )
 
 
@@ -407,6 +416,13 @@ def metric(name: str, run: dict, res: dict) -> tuple[float | None, str]:
             return None, f"no torch.compile timing ({c.get('error') or 'not run'})"
         flag = "" if c.get("compiled") else f" (EAGER: compile failed: {c.get('error')})"
         return c["ms"] / k_ms, "vs torch.compile" + flag
+    if name == "replay_speedup":
+        rep = [r for r in res.get("runs", []) if r["batch"] == run["batch"]
+               and r.get("replay_window") and r.get("kernel", {}).get("ms")]
+        if not rep:
+            return None, "no ReplaySSM run at this batch (--replay-windows)"
+        best = min(rep, key=lambda r: r["kernel"]["ms"])
+        return k_ms / best["kernel"]["ms"], f"vs ReplaySSM L={best['replay_window']}"
     raise ValueError(f"unknown target metric {name!r}")
 
 
@@ -417,7 +433,8 @@ def evaluate_targets(res: dict, targets=TARGETS) -> list[dict]:  # noqa: ANN001
     for t in targets:
         if t.model != res["model"]:
             continue
-        run = next((r for r in res["runs"] if r["batch"] == t.batch), None)
+        run = next((r for r in res["runs"] if r["batch"] == t.batch
+                    and not r.get("replay_window")), None)  # the recurrent update's row
         value, note = metric(t.metric, run, res) if run else (None, f"B={t.batch} not run")
         on_gpu = t.gpu is None or t.gpu in res["device"]
         met = value >= t.bound if value is not None and math.isfinite(value) and on_gpu else None

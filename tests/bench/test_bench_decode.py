@@ -153,3 +153,24 @@ def test_compile_timing_falls_back_to_eager_and_flags_it(monkeypatch):
     assert r["compiled"] is False and "no-such-mode" in r["error"]
     assert r["ms"] == pytest.approx(2.0) and calls  # the eager step ran and was timed
     assert "compile_s" not in r
+
+
+def test_replay_targets_compare_rows_of_one_batch():
+    """nemotron-h-8b: ReplaySSM against the recurrent update at the same B (the fastest window),
+    the recurrent row the one judged for bandwidth; no ReplaySSM row: not measured."""
+    runs = [{"batch": b, "replay_window": w, "bytes_per_step": GB, "kernel": {"ms": ms}}
+            for b, w, ms in ((1, 0, 1.0), (1, 8, 1.02), (1, 16, 0.98), (64, 0, 4.0),
+                             (64, 16, 2.9))]
+    res = {"model": "nemotron-h-8b", "device": "NVIDIA H200", "achievable_GBps": 4400.0,
+           "runs": runs}
+    rows = {r["target"]: r for r in bench.evaluate_targets(res)}
+    one, many = rows["nemotron-h-8b B=1 replay_speedup >= 1"], rows[
+        "nemotron-h-8b B=64 replay_speedup >= 1.3"]
+    assert one["measured"] == pytest.approx(1.0 / 0.98) and one["met"] is True
+    assert "L=16" in one["note"]
+    assert many["measured"] == pytest.approx(4.0 / 2.9) and many["met"] is True
+    bw = rows["nemotron-h-8b B=1 bw_fraction >= 0.8"]
+    assert bw["measured"] == pytest.approx(GB / 1.0e-3 / 4400e9)  # the recurrent row
+    res["runs"] = [r for r in runs if not r["replay_window"]]
+    rows = {r["target"]: r for r in bench.evaluate_targets(res)}
+    assert rows["nemotron-h-8b B=64 replay_speedup >= 1.3"]["met"] is None
