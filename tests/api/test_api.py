@@ -91,7 +91,8 @@ def test_cli_generate_steps_1_runs_the_program(no_reference_prefill, executor_st
                                                           1, None)]
 
 
-@pytest.mark.parametrize("model,replay_window", [("llama-tiny", None), ("nemotron-h-tiny", 4)])
+@pytest.mark.parametrize("model,replay_window", [("llama-tiny", None), ("nemotron-h-tiny", 4),
+                                                ("nemotron-h-tiny", None), ("qwen3.5-tiny", None)])
 def test_megakernel_generates_on_the_program_through_the_op(model, replay_window,  # noqa: ANN001
                                                             no_reference_prefill):
     """The kernel path on CPU tensors (the op's CPU executor): prefill through decode_step, and a
