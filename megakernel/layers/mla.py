@@ -1,4 +1,5 @@
-"""Multi-head latent attention (Kimi Linear `full_attention`) with the latent cache.
+"""Multi-head latent attention (Kimi Linear `full_attention`) with the latent cache, decoded with
+weight absorption.
 
     q = q_proj x                                                [H, d_nope + d_rope]
     [c | k_rope] = kv_a_proj_with_mqa x;  c = RMSNorm(c)        c [r], k_rope [d_rope] (all heads)
@@ -6,6 +7,15 @@
     o = softmax(q . [k_nope | k_rope] / sqrt(d_nope + d_rope)) v  -> bf16 -> o_proj
 No RoPE is applied anywhere, as in the HF KimiLinear model (its checkpoints set mla_use_nope); the
 latent norm uses eps 1e-6 (HF constructs it without the config's eps).
+
+Absorbed decode (kv_b's rows of head h: W_UK_h [dn, r], then W_UV_h [dv, r]): q_nope . W_UK_h c =
+(W_UK_h^T q_nope) . c and softmax(.) W_UV_h c = W_UV_h (softmax(.) c), so a step never expands
+kv_b over the cache; the heads share one latent key/value head (c, k_rope):
+    MLA_Q   per head:                 q_lat = W_UK_h^T bf16(q_nope)  [N, H, r] f32
+    MLA     per (sequence, split):    the latent of the new positions -> cache; split-KV attention
+                                      of all H heads over [c | k_rope] with values c -> partials
+    MLA_O   per head:                 merge the splits, o = W_UV_h o_lat -> bf16 -> OPROJ
+The latent cache is read once per (sequence, step), kv_b once per step (not per sequence).
 
 Packed: proj [P, H] = [q_proj (H (dn + dr)) | kv_a_proj_with_mqa (r + dr)], zero rows up to a
 multiple of 16; lat_norm [r] and kv_b [H (dn + dv), r] at the arena head; o [H, H dv]. The KV
@@ -53,25 +63,64 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-MLA = register(OpSpec(
-    24, "MLA", "mla", "latent norm -> latent cache, kv_b over the cache, attention of one "
-    "(sequence, head)",
+MLA_Q = register(OpSpec(
+    29, "MLA_Q", "mla", "absorb W_UK into one head's query: q_lat = W_UK_h^T q_nope, all N rows",
     (
-        ("B_IDX", "sequence b"),
         ("HEAD", "head h"),
         ("PROJ_OFF", "f32: proj [N, P], columns [q (H (dn + dr)) | c (r) | k_rope (dr)]"),
-        ("KVB_W", "weights: kv_b [H (dn + dv), r]"),
+        ("KVB_W", "weights: kv_b [H (dn + dv), r]; W_UK_h = rows h (dn + dv) .. + dn"),
+        ("QLAT_OFF", "f32: latent query [N, H, r]"),
+    ),
+    notes="For every row n: q_lat[n, h] = sum_i bf16(q[n, h, i]) W_UK_h[i, :] over the dn "
+    "non-rotary columns of head h, fp32 accumulation."))
+
+MLA = register(OpSpec(
+    24, "MLA", "mla", "latent norm -> latent cache, split-KV attention of one (sequence, split) "
+    "for all heads over the latent cache (keys [c | k_rope], values c)",
+    (
+        ("B_IDX", "sequence b"),
+        ("SPLIT", "split s"),
+        ("N_SPLITS", "S"),
+        ("PROJ_OFF", "f32: proj [N, P], columns [q (H (dn + dr)) | c (r) | k_rope (dr)]"),
+        ("QLAT_OFF", "f32: latent query [N, H, r] (MLA_Q)"),
         ("NORM_W", "weights: kv_a_layernorm [r] (eps 1e-6)"),
         ("LEN_OFF", "i32: lengths [B]"),
+        ("PO_OFF", "f32: partial latent o [S, N, H, r]"),
+        ("PML_OFF", "f32: partial (m, l) [S, N, H, 2]"),
+    ),
+    notes="Keys 0 .. ctx-1 of sequence b (ctx = lengths[b] + T) are divided into S ranges "
+    "[floor(s ctx / S), floor((s + 1) ctx / S)) (ATTN_PARTIAL's rule). The new positions "
+    "lengths[b] + t in split s's range: c = bf16(RMSNorm(c)), k_rope = bf16(k_rope) from proj, "
+    "stored into the latent cache (k / v of LAYER's KV slot, kv head 0) by this split alone; "
+    "the other keys of the range are read from the cache (each cached latent is read once per "
+    "step, by one split, for all heads). Token t sees keys <= lengths[b] + t; for each head h: "
+    "score = (q_lat[n, h] . c + bf16(q_rope[n, h]) . k_rope) / sqrt(dn + dr) in fp32, partial "
+    "m = max score, l = sum e^(score - m), o = sum e^(score - m) c [r] (an empty range: m = -inf, "
+    "l = 0, o = 0) -> split s of PO_OFF / PML_OFF, rows bT .. bT + T - 1.",
+    reach=True))
+
+MLA_O = register(OpSpec(
+    30, "MLA_O", "mla", "merge one head's MLA splits and apply W_UV after the attention, all N "
+    "rows",
+    (
+        ("HEAD", "head h"),
+        ("N_SPLITS", "S"),
+        ("PO_OFF", "f32: partial latent o [S, N, H, r]"),
+        ("PML_OFF", "f32: partial (m, l) [S, N, H, 2]"),
+        ("KVB_W", "weights: kv_b [H (dn + dv), r]; W_UV_h = rows h (dn + dv) + dn .. + dv"),
         ("OUT_OFF", "bf16: attention output [N, H dv]"),
     ),
-    notes="For one sequence and head: c = bf16(RMSNorm(c)), computed by every head, stored by head "
-    "0 into the latent cache (k of LAYER's KV slot, kv head 0, position lengths[b] + t), "
-    "bf16(k_rope) into v (other heads use their own copy of the new positions, so they need not "
-    "wait for head 0); [k_nope | v] = the head's rows of kv_b times c for every cached "
-    "position; q = bf16(q); softmax(q . [k_nope | k_rope] / sqrt(dn + dr)) v -> bf16 columns "
-    "h dv .. (h + 1) dv.",
-    reach=True))
+    notes="For every row n: merge splits 0..S-1 of head h in order (M = max m_s, o_lat = "
+    "sum o_s e^(m_s - M) / sum l_s e^(m_s - M)), o = W_UV_h o_lat in fp32 -> bf16 columns "
+    "h dv .. (h + 1) dv."))
+
+
+def split_keys(s: int, n_splits: int, context: int, tokens: int) -> tuple[int, int]:
+    """(cached, new) keys of split s when every sequence has `context` cached keys (MLA's split
+    rule at the planned context): what the split reads from the cache and stores into it."""
+    ctx = context + tokens
+    k0, k1 = s * ctx // n_splits, (s + 1) * ctx // n_splits
+    return max(0, min(k1, context) - k0), max(0, k1 - max(k0, context))
 
 
 @register_kind
@@ -79,7 +128,7 @@ class MultiLatentAttention(LayerKind):
     name = "mla"
     config = MLAConfig
     kv_cache = True
-    flow = {"PROJ": None, "MLA": "PROJ", "OPROJ": "MLA"}
+    flow = {"PROJ": None, "MLA_Q": "PROJ", "MLA": "MLA_Q", "MLA_O": "MLA", "OPROJ": "MLA_O"}
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001
@@ -140,9 +189,12 @@ class MultiLatentAttention(LayerKind):
     # ---- buffers -----------------------------------------------------------------------------
     @classmethod
     def needs(cls, blk, model, shape: StepShape) -> list[Need]:  # noqa: ANN001
-        m, n = blk.cfg, shape.rows
+        m, n, s, hh = blk.cfg, shape.rows, shape.n_splits, blk.cfg.num_heads
         return [Need("f32", "proj", (n, round_rows(cls.proj_rows(m)))),
-                Need("bf16", "attn", (n, m.num_heads * m.v_head_dim))]
+                Need("f32", "qlat", (n, hh, m.kv_lora_rank)),
+                Need("f32", "part_o", (s, n, hh, m.kv_lora_rank)),
+                Need("f32", "part_ml", (s, n, hh, 2)),
+                Need("bf16", "attn", (n, hh * m.v_head_dim))]
 
     @classmethod
     def kv(cls, blk, model, batch: int, max_seq_len: int):  # noqa: ANN001, ANN206
@@ -156,45 +208,62 @@ class MultiLatentAttention(LayerKind):
         m, layer, key = blk.cfg, blk.layer, blk.key
         proj, c_p = proj_stage(ctx, blk, round_rows(cls.proj_rows(m)), wait)
         f32, bf, i32 = ctx.buf.f32, ctx.buf.bf16, ctx.buf.i32
-        tokens, context, lat = ctx.tokens, ctx.context, m.latent
-        keys = context + tokens
-        kvb_rows = m.qk_nope_head_dim + m.v_head_dim  # per head
-        c_attn = ctx.ctr(f"L{layer}.attn")
-        common = dict(PROJ_OFF=f32["proj"].offset, KVB_W=ctx.lay[f"{key}.kvb"].offset,
-                      NORM_W=ctx.lay[f"{key}.lat_norm"].offset, LEN_OFF=i32["lengths"].offset,
-                      OUT_OFF=bf["attn"].offset)
+        n, tokens, hh, r, s_n = ctx.rows, ctx.tokens, m.num_heads, m.kv_lora_rank, ctx.n_splits
+        dn, dv, lat = m.qk_nope_head_dim, m.v_head_dim, m.latent
+        kvb = ctx.lay[f"{key}.kvb"].offset
+        c_q, c_attn, c_mo = (ctx.ctr(f"L{layer}.{x}") for x in ("mla_q", "attn", "mla_o"))
+        parts = dict(N_SPLITS=s_n, PO_OFF=f32["part_o"].offset, PML_OFF=f32["part_ml"].offset)
 
-        def mk_mla(u0: int, u1: int) -> Instr:
-            b, h = divmod(u0, m.num_heads)
-            return Instr(MLA, layer, dict(B_IDX=b, HEAD=h, **common), wait=c_p, signal=c_attn,
-                         # the first head of a sequence pulls the cached latents from HBM, the
-                         # others find them in L2
-                         w_bytes=(context * lat * 2 if h == 0 else 0)
-                         + kvb_rows * m.kv_lora_rank * 2,
-                         l2_bytes=tokens * (m.qk_head_dim + lat) * 4
-                         + (context * lat * 2 if h else 0),
-                         store_bytes=tokens * ((lat if h == 0 else 0) + m.v_head_dim) * 2,
-                         fp32_flops=2.0 * keys * kvb_rows * m.kv_lora_rank
-                         + 4.0 * tokens * keys * m.qk_head_dim)
+        def mk_q(u0: int, u1: int) -> Instr:
+            return Instr(MLA_Q, layer, dict(HEAD=u0, PROJ_OFF=f32["proj"].offset, KVB_W=kvb,
+                                            QLAT_OFF=f32["qlat"].offset),
+                         wait=c_p, signal=c_q, w_bytes=dn * r * 2, l2_bytes=n * dn * 4,
+                         store_bytes=n * r * 4, **ctx.matvec_flops(r, dn))
 
-        attn = Stage(f"L{layer}.attn", MLA, layer, ctx.batch * m.num_heads, False, mk_mla)
-        o, c_o = residual_stage(ctx, OPROJ, blk, "o", m.num_heads * m.v_head_dim,
-                                bf["attn"].offset, c_attn, f"L{layer}.oproj")
-        return [proj, attn, o], c_o
+        def mk_attn(u0: int, u1: int) -> Instr:
+            b, sp = divmod(u0, s_n)
+            cached, new = split_keys(sp, s_n, ctx.context, tokens)
+            keys = -(-(ctx.context + tokens) // s_n)
+            return Instr(MLA, layer, dict(
+                B_IDX=b, SPLIT=sp, PROJ_OFF=f32["proj"].offset, QLAT_OFF=f32["qlat"].offset,
+                NORM_W=ctx.lay[f"{key}.lat_norm"].offset, LEN_OFF=i32["lengths"].offset,
+                **parts), wait=c_q, signal=c_attn,
+                w_bytes=cached * lat * 2,  # the split's cached latents: once for all heads
+                l2_bytes=tokens * hh * (r + m.qk_rope_head_dim) * 4 + new * lat * 4,
+                store_bytes=tokens * hh * (r + 2) * 4 + new * lat * 2,
+                fp32_flops=2.0 * tokens * hh * keys * (lat + r))
+
+        def mk_o(u0: int, u1: int) -> Instr:
+            return Instr(MLA_O, layer, dict(HEAD=u0, KVB_W=kvb, OUT_OFF=bf["attn"].offset,
+                                            **parts),
+                         wait=c_attn, signal=c_mo, w_bytes=dv * r * 2,
+                         l2_bytes=s_n * n * (r + 2) * 4, store_bytes=n * dv * 2,
+                         fp32_flops=2.0 * n * (s_n + dv) * r)
+
+        stages = [proj, Stage(f"L{layer}.mla_q", MLA_Q, layer, hh, False, mk_q),
+                  Stage(f"L{layer}.attn", MLA, layer, ctx.batch * s_n, False, mk_attn),
+                  Stage(f"L{layer}.mla_o", MLA_O, layer, hh, False, mk_o)]
+        o, c_o = residual_stage(ctx, OPROJ, blk, "o", hh * dv, bf["attn"].offset, c_mo,
+                                f"L{layer}.oproj")
+        return [*stages, o], c_o
 
     @classmethod
     def coverage(cls, blk, prog) -> dict[str, int]:  # noqa: ANN001
-        return {"MLA": prog.batch * blk.cfg.num_heads}
+        h = blk.cfg.num_heads
+        return {"MLA_Q": h, "MLA": prog.batch * prog.n_splits, "MLA_O": h}
 
     @classmethod
     def cover(cls, d: dict, blk, prog) -> tuple[int, int]:  # noqa: ANN001
-        u = d["B_IDX"] * blk.cfg.num_heads + d["HEAD"]
+        """The work unit of a record: a head (MLA_Q, MLA_O) or a (sequence, split) (MLA)."""
+        u = d["HEAD"] if "HEAD" in d else d["B_IDX"] * prog.n_splits + d["SPLIT"]
         return u, u + 1
 
     @classmethod
     def step_bytes(cls, blk, prog) -> dict[str, float]:  # noqa: ANN001
+        """kv_b once per step (W_UK by MLA_Q, W_UV by MLA_O); the latent cache once per
+        (sequence, step), shared by all heads."""
         m = blk.cfg
         row = m.latent * 2  # latent c and k_rope, bf16, one position
         kvb = m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank * 2
-        return {"weights": prog.batch * kvb, "kv_read": prog.batch * prog.context * row,
+        return {"weights": kvb, "kv_read": prog.batch * prog.context * row,
                 "kv_written": prog.rows * row}

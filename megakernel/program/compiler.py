@@ -183,10 +183,14 @@ def check_memory(cfg, buf: BufferPlan, lay: WeightLayout, gpu: GPU) -> None:  # 
 
 
 def default_splits(cfg, batch: int, gpu: GPU, context: int) -> int:  # noqa: ANN001
-    """Attention splits per (sequence, kv head): about one partial per SM, >= 64 keys each."""
-    if not cfg.has_kind("attention"):
+    """Attention splits per (sequence, kv head): about one partial per SM, >= 64 keys each (MLA:
+    one latent kv head per sequence)."""
+    if cfg.has_kind("attention"):
+        hkv = cfg.kind_config("attention").num_kv_heads
+    elif cfg.has_kind("mla"):
+        hkv = 1
+    else:
         return 1
-    hkv = cfg.kind_config("attention").num_kv_heads
     per = max(1, round(gpu.num_sms / (batch * hkv)))
     return max(1, min(per, 16, max(1, context // 64)))
 

@@ -4,6 +4,13 @@
     [c | k_rope] = kv_a_proj_with_mqa x;  c = RMSNorm(c)        c [r], k_rope [d_rope] (all heads)
     cache <- (c, k_rope);  [k_nope | v] = kv_b_proj c  per cached position and head
     o = softmax(q . [k_nope | k_rope] / sqrt(d_nope + d_rope)) v  -> bf16 store -> o_proj
+With `absorb=True` the same attention never expands kv_b over the cache: per head h, with
+kv_b's rows W_UK_h [d_nope, r] and W_UV_h [d_v, r],
+    q_lat = W_UK_h^T q_nope  [r];  scores = (q_lat . c + q_rope . k_rope) / sqrt(d_nope + d_rope)
+    o = W_UV_h (softmax(scores) c)
+(q_nope . W_UK_h c = (W_UK_h^T q_nope) . c), an MQA over the latent cache that every head
+shares. Both paths round at the same points (q, the latent, o), so they differ only by fp32
+reassociation.
 No RoPE is applied anywhere, as in the HF KimiLinear model (its checkpoints set mla_use_nope).
 The q_a / kv_a norms use eps 1e-6 (HF constructs them without the config's eps).
 
@@ -49,8 +56,9 @@ class MLA(ReferenceLayer):
     kind = "mla"
     state = "kv"
 
-    def __init__(self, cfg: MLAConfig, w: dict[str, torch.Tensor], p: str, mode: str):
-        self.cfg, self.mode = cfg, mode
+    def __init__(self, cfg: MLAConfig, w: dict[str, torch.Tensor], p: str, mode: str,
+                 absorb: bool = False):
+        self.cfg, self.mode, self.absorb = cfg, mode, absorb
         self.w = {n[len(p):]: t for n, t in w.items() if n.startswith(p)}
 
     @classmethod
@@ -93,11 +101,34 @@ class MLA(ReferenceLayer):
             end = start + t
             cache.c[i, start:end] = store(lat[i], self.mode).to(cache.c.dtype)
             cache.k_rope[i, start:end] = store(k_rope[i], self.mode).to(cache.k_rope.dtype)
-            kv = linear(cache.c[i, :end].to(torch.float32), w["kv_b_proj.weight"])
-            k_nope, v = kv.reshape(end, c.num_heads, -1).split(
-                [c.qk_nope_head_dim, c.v_head_dim], dim=-1)  # [S, H, .]
-            kr = cache.k_rope[i, :end].to(torch.float32)[:, None].expand(end, c.num_heads, -1)
-            keys = torch.cat((k_nope, kr), dim=-1).transpose(0, 1)  # [H, S, d_qk]
-            outs.append(attend(q[i], keys, v.transpose(0, 1), start, c.qk_head_dim**-0.5))
+            c_i = cache.c[i, :end].to(torch.float32)  # [S, r]
+            kr = cache.k_rope[i, :end].to(torch.float32)  # [S, d_rope]
+            attn = self._absorbed if self.absorb else self._expanded
+            outs.append(attn(q[i], c_i, kr, start))
         o = torch.stack(outs, dim=0).reshape(b, t, c.num_heads * c.v_head_dim)
         return linear(store(o, self.mode), w["o_proj.weight"])
+
+    def _expanded(self, q: torch.Tensor, c_s: torch.Tensor, k_rope: torch.Tensor, start: int
+                  ) -> torch.Tensor:
+        """[k_nope | v] = kv_b c for every cached position and head. q [T, H, d_qk],
+        c_s [S, r], k_rope [S, d_rope] -> [T, H, d_v]."""
+        m, s = self.cfg, c_s.shape[0]
+        k_nope, v = linear(c_s, self.w["kv_b_proj.weight"]).reshape(s, m.num_heads, -1).split(
+            [m.qk_nope_head_dim, m.v_head_dim], dim=-1)  # [S, H, .]
+        kr = k_rope[:, None].expand(s, m.num_heads, -1)
+        keys = torch.cat((k_nope, kr), dim=-1).transpose(0, 1)  # [H, S, d_qk]
+        return attend(q, keys, v.transpose(0, 1), start, m.qk_head_dim**-0.5)
+
+    def _absorbed(self, q: torch.Tensor, c_s: torch.Tensor, k_rope: torch.Tensor, start: int
+                  ) -> torch.Tensor:
+        """W_UK into the query, W_UV after the attention: one latent key/value head. Same
+        arguments and result as `_expanded`."""
+        m = self.cfg
+        w_uk, w_uv = self.w["kv_b_proj.weight"].to(torch.float32).view(
+            m.num_heads, -1, m.kv_lora_rank).split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
+        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, r]
+        keys = torch.cat((c_s, k_rope), dim=-1)[None]  # [1, S, r + d_rope]
+        o_lat = attend(torch.cat((q_lat, q_rope), dim=-1), keys, c_s[None], start,
+                       m.qk_head_dim**-0.5)  # [T, H, r]
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)

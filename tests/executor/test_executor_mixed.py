@@ -93,8 +93,8 @@ def test_executor_matches_reference(name, batch, tokens, window, record_numerics
 
 # several attention splits (the cases above compile one: their context is short): 2, 3 and more
 # splits than keys (S_max <= 24 here), so that splits are empty, and for T = 4 causally empty for
-# the step's first tokens
-@pytest.mark.parametrize("name", ["qwen3.5-tiny", "nemotron-h-tiny"])
+# the step's first tokens; Kimi's MLA splits its latent cache the same way
+@pytest.mark.parametrize("name", ["qwen3.5-tiny", "nemotron-h-tiny", "kimi-linear-tiny"])
 @pytest.mark.parametrize("tokens", [1, 4])
 @pytest.mark.parametrize("n_splits", [2, 3, 32])
 def test_attention_splits_match_reference(name, tokens, n_splits, record_numerics):

@@ -160,7 +160,8 @@ def flow_of(kind_name: str) -> tuple[dict[str, Any], str]:
         "attention": ({"QKV": None, "ATTN_PARTIAL": "QKV", "OPROJ": "ATTN_PARTIAL"}, "OPROJ"),
         "swiglu": ({"GATEUP": None, "DOWN": "GATEUP"}, "DOWN"),
         "relu2": ({"UP_RELU2": None, "DOWN": "UP_RELU2"}, "DOWN"),
-        "mla": ({"PROJ": None, "MLA": "PROJ", "OPROJ": "MLA"}, "OPROJ"),
+        "mla": ({"PROJ": None, "MLA_Q": "PROJ", "MLA": "MLA_Q", "MLA_O": "MLA",
+                 "OPROJ": "MLA_O"}, "OPROJ"),
         "moe": ({"ROUTER": None, "EXPERT_GATEUP": "ROUTER", "EXPERT_DOWN": "EXPERT_GATEUP",
                  "MOE_COMBINE": "EXPERT_DOWN"}, "MOE_COMBINE"),
     }[kind_name]
@@ -211,7 +212,11 @@ def needs_of(blk: Block, model: ModelConfig, shape: StepShape
     if k == "mla":
         width = -(-(c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) + c.kv_lora_rank
                     + c.qk_rope_head_dim) // 16) * 16
+        hr, s = (c.num_heads, c.kv_lora_rank), shape.n_splits  # absorbed decode's scratch
         return {("f32", "proj"): ((n, width), SCRATCH, False, False, None),
+                ("f32", "qlat"): ((n, *hr), SCRATCH, False, False, None),
+                ("f32", "part_o"): ((s, n, *hr), SCRATCH, False, False, None),
+                ("f32", "part_ml"): ((s, n, c.num_heads, 2), SCRATCH, False, False, None),
                 ("bf16", "attn"): ((n, c.num_heads * c.v_head_dim), SCRATCH, False, False, None)}
     return {("f32", "router"): ((c.num_experts * h + c.num_experts,), CONST, True, False, "moe"),
             ("f32", "moe_w"): ((n, c.top_k), SCRATCH, False, False, None),
@@ -222,20 +227,22 @@ def needs_of(blk: Block, model: ModelConfig, shape: StepShape
 
 def coverage_of(blk: Block, prog: Any) -> dict[str, int]:
     """The units each `coverage` opcode of the block covers once: (sequence, kv head, split)
-    partials, (sequence, unit) cores, (sequence, head) MLA records, the router once and the
+    partials, (sequence, unit) cores, MLA's heads (MLA_Q, MLA_O) and (sequence, split) partials,
+    the router once and the
     combine's columns of h."""
     c, k, b = blk.cfg, blk.kind, prog.batch
     if k in RECURRENT:
         return {mode_op(k, prog.replay_window): b * RECURRENT[k].sizes(c)[3]}
     return {"attention": lambda: {"ATTN_PARTIAL": b * c.num_kv_heads * prog.n_splits},
-            "mla": lambda: {"MLA": b * c.num_heads},
+            "mla": lambda: {"MLA_Q": c.num_heads, "MLA": b * prog.n_splits,
+                            "MLA_O": c.num_heads},
             "moe": lambda: {"ROUTER": 1, "MOE_COMBINE": prog.cfg.hidden_size}}.get(k, dict)()
 
 
 def step_bytes_of(blk: Block, prog: Any) -> dict[str, int]:
     """The block's bytes besides its slabs: KV read over the context and written for the N new
-    positions (bf16), MLA's kv_b once per sequence, MoE's fp32 router row (the recurrent kinds':
-    test_replay_writes_the_state_once_per_window)."""
+    positions (bf16), MLA's kv_b once per step (absorbed: W_UK by MLA_Q, W_UV by MLA_O), MoE's
+    fp32 router row (the recurrent kinds': test_replay_writes_the_state_once_per_window)."""
     c, k, b = blk.cfg, blk.kind, prog.batch
     if k == "attention":
         row = c.num_kv_heads * c.head_dim * 2 * 2
@@ -243,7 +250,7 @@ def step_bytes_of(blk: Block, prog: Any) -> dict[str, int]:
     if k == "mla":
         kvb = c.num_heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank * 2
         row = (c.kv_lora_rank + c.qk_rope_head_dim) * 2
-        return {"weights": b * kvb, "kv_read": b * prog.context * row,
+        return {"weights": kvb, "kv_read": b * prog.context * row,
                 "kv_written": prog.rows * row}
     if k == "moe":
         return {"weights": (c.num_experts * prog.cfg.hidden_size + c.num_experts) * 4}

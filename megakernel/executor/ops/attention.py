@@ -36,6 +36,14 @@ def split_keys(split: int, n_splits: int, length: int, tokens: int
     return k0, k1, torch.arange(k0, k1)[None, :] <= qpos[:, None]
 
 
+def merge_splits(po: torch.Tensor, pml: torch.Tensor) -> torch.Tensor:
+    """Splits 0..S-1 merged in order: po [S, ..., D], pml [S, ..., 2] (m, l) -> [..., D] =
+    sum(o_s e^(m_s - M)) / sum(l_s e^(m_s - M)), M = max m_s (empty splits weigh 0)."""
+    ms, ls = pml[..., 0], pml[..., 1]
+    wgt = torch.exp(ms - ms.amax(dim=0))
+    return (po * wgt[..., None]).sum(0) / (ls * wgt).sum(0)[..., None]
+
+
 @op("QKV")
 def qkv(ex: Executor, d: dict, epoch: int) -> None:
     p, hdr = ex.prog, ex.prog.header
@@ -147,9 +155,7 @@ def attn_partial(ex: Executor, d: dict, epoch: int) -> None:
     # the last split of (b, grp): merge splits 0..S-1 in order
     po = ex.read("f32", d["PO_OFF"], (ns, n, hq, dh), (slice(None), rows, heads))
     pml = ex.read("f32", d["PML_OFF"], (ns, n, hq, 2), (slice(None), rows, heads))
-    ms, ls = pml[..., 0], pml[..., 1]  # [S, T, G]
-    wgt = torch.exp(ms - ms.amax(dim=0))  # [S, T, G]; 0 for empty splits
-    out = (po * wgt[..., None]).sum(0) / (ls * wgt).sum(0)[..., None]  # [T, G, D]
+    out = merge_splits(po, pml)  # [T, G, D]
     if pad:  # no keys anywhere: the output of a padding row is zero
         out = torch.zeros_like(out)
     if hdr["OUTPUT_GATE"]:
