@@ -110,12 +110,13 @@ def slots_of(table: torch.Tensor, lengths: torch.Tensor, tokens: int, block_size
 
 def load_pages(k: torch.Tensor, v: torch.Tensor, kv_slot: dict[int, int], cache,  # noqa: ANN001
                table: torch.Tensor, block_size: int) -> None:
-    """Scatter a reference cache (reference.model.Cache) of the first sequences into pages: K
+    """Scatter a reference cache (reference.model.Cache) of the table's sequences (its first
+    table.shape[0]) into pages: K
     [slots, blocks, Hkv, D, bs], V [slots, blocks, Hkv, bs, D] (`kv_slot`: decoder layer ->
     cache slot), key j of sequence b at block table[b, j // bs], offset j % bs."""
     for layer, slot in kv_slot.items():
         ck, cv = cache.layers[layer].k, cache.layers[layer].v  # [B, Hkv, S, D]
-        for b in range(ck.shape[0]):
+        for b in range(table.shape[0]):
             for j in range(int(cache.lengths[b])):
                 blk, o = int(table[b, j // block_size]), j % block_size
                 k[slot, blk, :, :, o] = ck[b, :, j].to(k.device)
