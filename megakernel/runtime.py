@@ -236,7 +236,9 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
     # the cache has a slot per attention layer (KernelSpec.kv_layers)
     L = len(spec.get("attn_layers") or ()) or spec["layers"]
     B, Hkv, D = spec["batch"], spec["kv_heads"], spec["head_dim"]
-    for name in ("k_cache", "v_cache"):
+    if spec.get("paged"):
+        check_pages(spec, tensors, L)
+    for name in ("k_cache", "v_cache") if not spec.get("paged") else ():
         t = tensors[name]
         if t.dim() != 5:
             raise ArgumentError(f"{name} must be [L, B, Hkv, S_max, D] = [{L}, {B}, {Hkv}, "
@@ -247,10 +249,11 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
         if (t.shape[0], t.shape[1], t.shape[2], t.shape[4]) != (L, B, Hkv, D):
             raise ArgumentError(f"{name} must be [L, B, Hkv, S_max, D] = [{L}, {B}, {Hkv}, "
                                 f"S_max, {D}], got shape {tuple(t.shape)}")
-    if tensors["k_cache"].shape != tensors["v_cache"].shape:
+    if tensors["k_cache"].shape != tensors["v_cache"].shape and not spec.get("paged"):
         raise ArgumentError(f"k_cache {tuple(tensors['k_cache'].shape)} and v_cache "
                             f"{tuple(tensors['v_cache'].shape)} differ")
-    if max_seq_len is not None and tensors["k_cache"].shape[3] != max_seq_len:
+    if (max_seq_len is not None and not spec.get("paged")
+            and tensors["k_cache"].shape[3] != max_seq_len):
         raise ArgumentError(f"the KV cache has S_max = {tensors['k_cache'].shape[3]} positions "
                             f"but the program was compiled for max_seq_len {max_seq_len} (its "
                             f"rope tables are laid out for it); allocate the cache with "
@@ -277,15 +280,34 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
                                     f"{tensors[n].data_ptr() % 16})")
 
 
+def check_pages(spec: dict[str, Any], tensors: dict[str, torch.Tensor], slots: int) -> None:
+    """A paged build's caches: K [slots, num_blocks, Hkv, D, block_size] and V [slots,
+    num_blocks, Hkv, block_size, D] of the pool the build bakes in (kernel/paged_index.py)."""
+    nb, bs = spec["paged"][0], spec["paged"][1]
+    Hkv, D = spec["kv_heads"], spec["head_dim"]
+    for name, want in (("k_cache", (slots, nb, Hkv, D, bs)), ("v_cache", (slots, nb, Hkv, bs, D))):
+        if tuple(tensors[name].shape) != want:
+            raise ArgumentError(f"{name} must be the paged build's pages {list(want)}, got shape "
+                                f"{tuple(tensors[name].shape)}")
+
+
 def check_header(header: dict[str, int], spec: dict[str, Any]) -> None:
     """The program header's constants a build bakes in (KernelSpec): the RMSNorm form, the RoPE
-    dims, the output gate and its buffer's offset; ArgumentError naming the first mismatch."""
+    dims, the output gate and its buffer's offset, the page pool of a paged build (and no pages
+    for a contiguous one); ArgumentError naming the first mismatch."""
     rotary = (spec.get("rotary") or spec["head_dim"]) if spec.get("rope", True) else 0
     gated = bool(spec.get("output_gate"))
     want = {"NORM_KIND": int(bool(spec.get("norm_one_plus"))), "ROTARY_DIM": rotary,
             "OUTPUT_GATE": int(gated)}
     if gated:
         want["F32_GATE_OFF"] = spec["gate_off"]
+    if spec.get("paged"):
+        from megakernel.kernel.paged_index import PagedShape
+
+        want.update(PagedShape.of(tuple(spec["paged"]), spec["kv_heads"],
+                                  spec["head_dim"]).header())
+    else:
+        want["PAGED"] = 0
     for k, v in want.items():
         if header.get(k, 0) != v:
             raise ArgumentError(f"program header {k}={header.get(k)} but the kernel build has "

@@ -123,7 +123,7 @@ def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
     if e.loaded is None:
         e.loaded = LoadedKernel(e.manifest, program.device.index)
     e.loaded.launch(program.shape[0], tensors,
-                    dict(queue_len=program.shape[1], s_max=k_cache.shape[3],
+                    dict(queue_len=program.shape[1], s_max=s_max,  # = the cache's (checked)
                          lengths_off=lengths_off))
     return _outputs(e, f32, i32, tok_off, logits_off, return_logits)
 
@@ -211,14 +211,15 @@ def _require_gpu() -> None:
 
 
 def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
-               build_dir: str | Path | None, replay: bool = False) -> Manifest:
+               build_dir: str | Path | None, replay: bool = False,
+               paged=None) -> Manifest:  # noqa: ANN001 (program.paged.PagedKV | None)
     """The manifest to launch: `build_dir` / $MEGAKERNEL_BUILD_DIR (AOT; a single build
     DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache (`replay`: for programs
-    with a ReplaySSM window)."""
+    with a ReplaySSM window; `paged`: the paged-KV build for this page pool)."""
     from megakernel.kernel.spec import make_spec
 
     # SpecError names what the kernel cannot run
-    need = make_spec(cfg, batch, tokens, arch, replay=replay)
+    need = make_spec(cfg, batch, tokens, arch, replay=replay, paged=paged)
     build_dir = build_dir or os.environ.get(ENV_BUILD_DIR)
     if build_dir is None:
         from megakernel.kernel.jit import ensure_build

@@ -5,7 +5,8 @@ Per step: scratch and outputs poisoned first (NaN, tokens -1), nothing left unwr
 logits within the band (compare.band) and the greedy tokens checked (compare.greedy_check). After
 the steps: the KV cache within the band on every written position, four steps replayed from a
 snapshot bit-identical, and (executor_steps > 0) the first steps equal to the CPU executor's run of
-the same program from the same cache (logits and new KV entries up to shared-rounding flips).
+the same program from the same cache (logits and new KV entries up to shared-rounding flips);
+(paged cases) the paged build's steps next to these (paged_case.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from megakernel.gpu_check import compare
 from megakernel.gpu_check.cases import Case
+from megakernel.gpu_check.paged_case import PagedRun
 
 SIMULATED_STEPS = 3  # steps of a simulated case (the executor is slow; the machinery is the point)
 SIMULATED_LAYERS = 2  # a simulated real preset keeps its shapes but only this many layers
@@ -101,6 +103,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     ref16.prefill(cache16, prompts)
     ref32.prefill(cache32, prompts)
     ex = _executor(mk, cache16) if c.executor_steps else None
+    paged = PagedRun(c, mk, cache16, build_dir, simulate) if c.paged else None
     mk.prog.buffers.poison_scratch(mk.f32, mk.bf16)  # before the first kernel step
     res: dict[str, Any] = dict(
         case=c.name, model=c.model, layers=cfg.num_layers, batch=c.batch, tokens=c.tokens,
@@ -129,6 +132,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
             snap = _snapshot(mk)
         mk.logits.fill_(float("nan"))
         mk._region("i32", "tokens_out").fill_(-1)
+        n0 = list(mk.lengths)
         out_tok, logits = mk.step(tok, return_logits=True)
         l16, l32 = ref16.decode(cache16, tok), ref32.decode(cache32, tok)
         logits = logits.view(c.batch * c.tokens, -1)
@@ -147,6 +151,8 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
             res["first_failure_step"] = step
         if ex is not None and step < c.executor_steps:
             _against_executor(ex, mk, tok, logits, out_tok, l16, l32, ex_res)
+        if paged is not None:
+            paged.step(tok, n0, logits, l16, l32)
         last = out_tok.view(c.batch, c.tokens)[:, -1].long()
         tok = last[:, None]
         res["steps"] += 1
@@ -169,6 +175,8 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
                               and ex_res["executor_kv_over"] == 0
                               and ex_res["executor_token_mismatches"] == 0
                               and ex_res["executor_state_ok"])
+    if paged is not None:
+        res.update(paged.verdict())
     compared = res["steps"] * c.batch * c.tokens
     res["near_ties_ok"] = compare.near_ties_ok(res["near_tie_mismatches"],
                                                res["ref_near_ties"], compared)
@@ -176,7 +184,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     res["ok"] = (res["steps"] == steps and res["unwritten"] == 0 and res["band_failures"] == 0
                  and res["token_mismatches"] == 0 and res["not_own_argmax"] == 0
                  and res["near_ties_ok"] and res["kv_ok"] and res.get("deterministic", True)
-                 and res.get("executor_ok", True))
+                 and res.get("executor_ok", True) and res.get("paged_ok", True))
     return res
 
 

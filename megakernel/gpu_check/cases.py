@@ -3,11 +3,11 @@
 Stage 0 asks the one question that must be answered first (does the kernel launch, finish and agree
 at all: the smallest model, B = 1, 8 steps, the global-memory variant before the default one);
 stage 1 covers the shapes (the quick tiny set with Nemotron-H's attention and relu^2 blocks,
-Qwen3.5's gated attention, and both families' recurrent layers with state parity against the
-executor, llama-mid cases that reach a K-split > 1 at B = 1 and K-chunked slabs at
-B = 16 on both GEMV paths, several attention splits with an empty one); stage 2 runs the real
-presets (dense and hybrid, some against the CPU executor too) and then the benchmark with what
-the cost model assumes, measured in the same run.
+Qwen3.5's gated attention, both families' recurrent layers with state parity against the
+executor, and the paged KV build against the contiguous one, llama-mid cases that reach a K-split
+> 1 at B = 1 and K-chunked slabs at B = 16 on both GEMV paths, several attention splits with an
+empty one); stage 2 runs the real presets (dense and hybrid, some against the CPU executor too)
+and then the benchmark with what the cost model assumes, measured in the same run.
 """
 
 from __future__ import annotations
@@ -27,11 +27,24 @@ class Case:
     bench: bool = False  # time it in the benchmark stage
     n_splits: int | None = None  # attention splits (None: the compiler's choice)
     cap_s: float = 60.0  # the longest it may take (weights, program, reference and all steps)
+    paged: int = 0  # block size: also run the paged build next to the contiguous one (0: not)
 
     @property
     def name(self) -> str:
         s = f" S={self.n_splits}" if self.n_splits is not None else ""
-        return f"{self.model} B={self.batch} T={self.tokens}{s}"
+        return f"{self.model} B={self.batch} T={self.tokens}{s}" + (
+            f" paged/{self.paged}" if self.paged else "")
+
+    def pool(self):  # noqa: ANN201 (program.paged.PagedKV | None)
+        """The page pool of a paged case (the paged build bakes it in, so it depends on the case
+        alone): room for the longest prompt (< 24), the steps and 8 spare positions per
+        sequence, 3 spare blocks."""
+        if not self.paged:
+            return None
+        from megakernel.program.paged import PagedKV
+
+        max_blocks = -(-(24 + self.steps * self.tokens + 8) // self.paged)
+        return PagedKV(self.batch * max_blocks + 3, self.paged, max_blocks)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +111,10 @@ TINY = (
     # recurrent state arena (conv windows, states) the kernel's must equal after each step
     *(Case(m, b, t, 24, 2, cap_s=30) for m in ("qwen3.5-tiny", "nemotron-h-tiny")
       for b, t in ((1, 1), (4, 1), (1, 4), (4, 4))),
+    # the paged build (vLLM's pages, block table, slot mapping; the last sequence padding)
+    # against the contiguous one and the references, in the same run
+    Case("llama-tiny", 4, 1, 16, 1, paged=16, cap_s=30),
+    Case("qwen3-tiny", 3, 2, 16, 1, n_splits=3, paged=8, cap_s=30),
 )
 MID = (  # K-split 2 on the FMA path (B = 1); K-chunked slabs on mma (default) and FMA (global)
     Case("llama-mid", 1, 1, 16, 1, cap_s=45),

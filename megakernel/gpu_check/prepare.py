@@ -31,25 +31,27 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
     for c, v in wanted() if cases is None else cases:
         cfg = preset(c.model)
         for arch in archs:
-            what = f"{v} {c.model} B={c.batch} T={c.tokens} {arch}"
-            t0 = time.perf_counter()
-            try:
-                make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[v])  # can it serve it?
-                tag = make_spec(cfg, c.batch, c.tokens, arch).tag  # what find_build looks for
-                if (tag, arch, v) in done:
+            for pool in (None, c.pool()) if c.paged else (None,):  # a paged case: both builds
+                what = f"{v} {c.model} B={c.batch} T={c.tokens}{' paged' if pool else ''} {arch}"
+                t0 = time.perf_counter()
+                try:
+                    # can the variant serve it? and the tag find_build looks for
+                    make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[v], paged=pool)
+                    tag = make_spec(cfg, c.batch, c.tokens, arch, paged=pool).tag
+                    if (tag, arch, v) in done:
+                        continue
+                    done.add((tag, arch, v))
+                    m = build_arch(cfg, arch, variant_dir(build_dir, v) / tag, c.batch,
+                                   c.tokens, **VARIANTS[v], paged=pool)
+                except Exception as e:  # SpecError (the variant cannot serve it), BuildError
+                    failed.append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
+                    print(f"FAILED {failed[-1]}", flush=True)
                     continue
-                done.add((tag, arch, v))
-                m = build_arch(cfg, arch, variant_dir(build_dir, v) / tag, c.batch, c.tokens,
-                               **VARIANTS[v])
-            except Exception as e:  # SpecError (the variant cannot serve the case), BuildError
-                failed.append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
-                print(f"FAILED {failed[-1]}", flush=True)
-                continue
-            r = m["resources"]
-            print(f"built {what}: {r['registers']} regs, spills {r['spill_stores']}/"
-                  f"{r['spill_loads']}, smem {m['dynamic_smem_bytes']} B, "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
-            out.append(m)
+                r = m["resources"]
+                print(f"built {what}: {r['registers']} regs, spills {r['spill_stores']}/"
+                      f"{r['spill_loads']}, smem {m['dynamic_smem_bytes']} B, "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+                out.append(m)
     if cases is None:
         out += _stream(build_dir, archs, failed)
     return out, failed

@@ -9,6 +9,9 @@ Inside a warp, keys go 32 at a time: lane = key for the scores (q from shared me
 loads of the key row), a warp max/sum for the online softmax, then lane = E head dims for the
 weighted sum of the value rows (the probability of key j broadcast with a shuffle). D = 64, 128
 or 256: E = D / 32 = 2, 4 or 8 contiguous dims per lane; sQ / sO hold one D-row per warp.
+
+A paged build (KernelSpec.paged) reads the keys and values through the block table, page by
+page (kernel/paged_index.py); a padding row (slot_mapping < 0) sees no keys and its output is 0.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel.fields import common, word
 from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
+from megakernel.kernel.paged_index import k_elem, page_base, slot_block, table_entry, v_elem
 from megakernel.kernel.spec import (
     LANES,
     VEC,
@@ -52,6 +56,7 @@ class Attention:
         self.WQ = max(1, self.NW // self.QG)  # warps per query
         self.E = self.D // LANES  # head dims per lane (contiguous)
         self.scale = attn_scale(self.D)
+        self.pg = spec.paged_shape  # None: the contiguous cache
 
     # ---- ATTN_PARTIAL -------------------------------------------------------------------------
     @cute.jit
@@ -66,6 +71,10 @@ class Attention:
         length = ld(pI, len_off + b)
         cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)  # cache slot
         kv_row0 = kv_row(Int64(cslot), b, g, Int64(s_max), self.B, self.Hkv)
+        live = Int32(1)  # 0: a padding row of a paged step (no keys)
+        if cutlass.const_expr(self.pg is not None):
+            if ld(pI, self.pg.slot_off + b * self.T) < 0:
+                live = Int32(0)
         WQ = self.WQ
         q0, part = attn_warp(warp, WQ)
         for qi in cutlass.range(q0, self.QG, self.NW // WQ):
@@ -73,12 +82,14 @@ class Attention:
             # this query's keys in the split, then this warp's share of them
             kb, ke = attn_keys(s, n_splits, length, t, part, WQ, self.T, cutlass.min,
                                cutlass.max)
+            if cutlass.const_expr(self.pg is not None):
+                ke = kb + (ke - kb) * live
             # q -> shared (fp32), one warp-private row
             for d in cutlass.range(lane, self.D, LANES):
                 sQ[warp * self.D + d] = ld(pB, q_off + (n * self.Hq + head) * self.D + d).to(
                     Float32)
             cute.arch.sync_warp()
-            m, lsum, o = self.attend(kv_row0, kb, ke, pK, pV, sQ, warp, lane)
+            m, lsum, o = self.attend(kv_row0, b, cslot, g, kb, ke, pI, pK, pV, sQ, warp, lane)
             if cutlass.const_expr(WQ == 1):
                 self.store_partial(m, lsum, o, s, n, head, po_off, pml_off, pF, lane)
             else:
@@ -107,10 +118,13 @@ class Attention:
                 self.store_partial(mm, lsum, o, s, n, head, po_off, pml_off, pF, lane)
 
     @cute.jit
-    def attend(self, kv_row0: Int64, kb: Int32, ke: Int32, pK: cute.Pointer, pV: cute.Pointer,
-               sQ: cute.Tensor, warp: Int32, lane: Int32):
-        """Online softmax over keys [kb, ke) of one query: (m, l, o[E] of this lane)."""
-        D, E = self.D, self.E
+    def attend(self, kv_row0: Int64, b: Int32, cslot: Int32, g: Int32, kb: Int32, ke: Int32,
+               pI: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, sQ: cute.Tensor,
+               warp: Int32, lane: Int32):
+        """Online softmax over keys [kb, ke) of one query: (m, l, o[E] of this lane). Keys of
+        (sequence b, kv head g) at rows kv_row0 + key of the contiguous cache, or (paged) in
+        the pages of b's block table in cache slot `cslot`."""
+        D, E, pg = self.D, self.E, self.pg
         m = Float32(NEG_INF)
         lsum = Float32(0.0)
         o = cute.make_rmem_tensor((E,), Float32)
@@ -118,13 +132,25 @@ class Attention:
         for k0 in cutlass.range(kb, ke, LANES):
             key = k0 + lane
             score = Float32(NEG_INF)
+            kslot = Int32(0)  # paged: the key's block * block_size + offset
             if key < ke:
                 dot = Float32(0.0)
-                krow = (kv_row0 + key) * D
-                for c in cutlass.range_constexpr(D // VEC):
-                    kv8 = load_bf16x8(pK, krow + c * VEC)
-                    q8 = load_smem_bf16x8_f32(sQ, warp * D + c * VEC)
-                    dot = (kv8 * q8).reduce(cute.ReductionOp.ADD, dot, 0)
+                if cutlass.const_expr(pg is not None):
+                    col, ko = table_entry(b, key, pg.block_size, pg.max_blocks)
+                    blk = ld(pI, pg.table_off + col)
+                    kslot = blk * pg.block_size + ko
+                    kbase = page_base(Int64(cslot), Int64(blk), Int64(g), pg.num_blocks,
+                                      self.Hkv, pg.page_elems)
+                    for c in cutlass.range_constexpr(D // VEC):  # the contiguous path's order
+                        kv8 = self.load_key8(pK, kbase, c * VEC, ko)
+                        q8 = load_smem_bf16x8_f32(sQ, warp * D + c * VEC)
+                        dot = (kv8 * q8).reduce(cute.ReductionOp.ADD, dot, 0)
+                else:
+                    krow = (kv_row0 + key) * D
+                    for c in cutlass.range_constexpr(D // VEC):
+                        kv8 = load_bf16x8(pK, krow + c * VEC)
+                        q8 = load_smem_bf16x8_f32(sQ, warp * D + c * VEC)
+                        dot = (kv8 * q8).reduce(cute.ReductionOp.ADD, dot, 0)
                 score = dot * Float32(self.scale)
             m_blk = cute.arch.warp_reduction_max(score)
             m_new = cute.arch.fmax(m, m_blk)
@@ -136,11 +162,25 @@ class Attention:
             nvalid = cutlass.min(ke - k0, Int32(LANES))
             for jj in cutlass.range(nvalid):
                 pj = cute.arch.shuffle_sync(p, jj)
-                vv = load_bf16_vec(pV, (kv_row0 + k0 + jj) * D + lane * E, E)
+                vrow = (kv_row0 + k0 + jj) * D
+                if cutlass.const_expr(pg is not None):  # key k0 + jj's slot, from its lane
+                    vblk, vo = slot_block(cute.arch.shuffle_sync(kslot, jj), pg.block_size)
+                    vrow = v_elem(page_base(Int64(cslot), Int64(vblk), Int64(g), pg.num_blocks,
+                                            self.Hkv, pg.page_elems), vo, 0, D)
+                vv = load_bf16_vec(pV, vrow + lane * E, E)
                 for e in cutlass.range_constexpr(E):
                     o[e] = o[e] + pj * vv[e]
             m = m_new
         return m, lsum, o
+
+    @cute.jit
+    def load_key8(self, pK: cute.Pointer, base: Int64, d0: int, o: Int32) -> cute.TensorSSA:
+        """fp32 [8] of head dims d0 .. d0 + 7 of the key at offset o of a K page [D, block_size]
+        (one scalar per dim: across the warp's lanes, consecutive keys of a page row)."""
+        r = cute.make_rmem_tensor((VEC,), Float32)
+        for v in cutlass.range_constexpr(VEC):
+            r[v] = ld(pK, k_elem(base, d0 + v, o, self.pg.block_size)).to(Float32)
+        return r.load()
 
     @cute.jit
     def store_partial(self, m: Float32, lsum: Float32, o: cute.Tensor, s: Int32, n: Int32,
@@ -203,6 +243,10 @@ class Attention:
             for e in cutlass.range_constexpr(self.E):
                 a = base + e
                 y = o[e] / den
+                if cutlass.const_expr(self.pg is not None):  # a padding row: no keys, 0
+                    y = Float32(0.0)
+                    if den > Float32(0.0):
+                        y = o[e] / den
                 if cutlass.const_expr(self.spec.output_gate):  # times sigmoid(gate), fp32
                     gt = ld(pF, self.spec.gate_off + gate_index(n, head, lane * self.E + e,
                                                                self.Hq, self.D))
@@ -224,16 +268,29 @@ class Attention:
         if tidx < 2:
             if hi > lo:
                 cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)
-                row0 = kv_row(Int64(cslot), b, g, Int64(s_max), self.B, self.Hkv) + lo
-                nbytes = (hi - lo) * self.D * 2
                 base = pK.toint()
                 if tidx == 1:
                     base = pV.toint()
-                addr = base + row0 * Int64(self.D * 2)
-                for off in cutlass.range(0, nbytes, KV_PREFETCH_CHUNK):
-                    size = cutlass.min(Int32(KV_PREFETCH_CHUNK), nbytes - off)
-                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                                         read_only_args=[addr + Int64(off), size])
+                if cutlass.const_expr(self.pg is not None):  # the pages holding keys [lo, hi)
+                    pg = self.pg
+                    for key in cutlass.range(lo - lo % pg.block_size, hi, pg.block_size,
+                                             unroll=1):
+                        col, _ = table_entry(b, key, pg.block_size, pg.max_blocks)
+                        page = page_base(Int64(cslot), Int64(ld(pI, pg.table_off + col)),
+                                         Int64(g), pg.num_blocks, self.Hkv, pg.page_elems)
+                        prefetch_span(base + page * Int64(2), Int32(pg.page_elems * 2))
+                else:
+                    row0 = kv_row(Int64(cslot), b, g, Int64(s_max), self.B, self.Hkv) + lo
+                    prefetch_span(base + row0 * Int64(self.D * 2), (hi - lo) * self.D * 2)
+
+
+@cute.jit
+def prefetch_span(addr: Int64, nbytes: Int32):
+    """cp.async.bulk.prefetch.L2 of [addr, addr + nbytes) in KV_PREFETCH_CHUNK requests."""
+    for off in cutlass.range(0, nbytes, KV_PREFETCH_CHUNK):
+        size = cutlass.min(Int32(KV_PREFETCH_CHUNK), nbytes - off)
+        cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                             read_only_args=[addr + Int64(off), size])
 
 
 def load_smem_bf16x8_f32(s: cute.Tensor, offset):

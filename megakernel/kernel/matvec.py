@@ -50,6 +50,7 @@ from megakernel.kernel.memory import (
     store_smem_bf16x8,
     weight_atom,
 )
+from megakernel.kernel.paged_index import k_elem, page_base, slot_block, v_elem
 from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import (
     LANES,
@@ -593,24 +594,41 @@ class Matvec:
                                 st(pF, self.spec.gate_off + gate_index(
                                     n, grp * G + j - G, lane + LANES * e, self.Hq, D), x[e])
                         else:
-                            self.store_kv(x, j, G + NG, layer, b, grp, pos, s_max, pK, pV,
-                                          lane)
+                            self.store_kv(x, j, G + NG, layer, n, grp, pos, s_max, pI, pK,
+                                          pV, lane)
                     else:
-                        self.store_kv(x, j, G, layer, b, grp, pos, s_max, pK, pV, lane)
+                        self.store_kv(x, j, G, layer, n, grp, pos, s_max, pI, pK, pV, lane)
 
     @cute.jit
-    def store_kv(self, x: cute.Tensor, j: Int32, kslot: int, layer: Int32, b: Int32,
-                 grp: Int32, pos: Int32, s_max: Int32, pK: cute.Pointer, pV: cute.Pointer,
-                 lane: Int32):
-        """bf16(x) -> row `pos` of the k (j == kslot) or v cache of (the layer's slot, b, grp)."""
+    def store_kv(self, x: cute.Tensor, j: Int32, kslot: int, layer: Int32, n: Int32,
+                 grp: Int32, pos: Int32, s_max: Int32, pI: cute.Pointer, pK: cute.Pointer,
+                 pV: cute.Pointer, lane: Int32):
+        """bf16(x) -> the k (j == kslot) or v entry of activation row n, kv head grp in the
+        layer's cache slot: row `pos` of sequence n // T (contiguous), or (paged) the page
+        position of slot_mapping[n], nothing for a padding row (slot < 0; paged_index.py)."""
         D = self.D
         cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)
-        row = kv_row(Int64(cslot), b, grp, Int64(s_max), self.B, self.Hkv) + pos
-        for e in cutlass.range_constexpr(self.E):
-            if j == kslot:
-                st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))
-            else:
-                st(pV, row * D + lane + LANES * e, x[e].to(BFloat16))
+        pg = self.spec.paged_shape
+        if cutlass.const_expr(pg is not None):
+            slot = ld(pI, pg.slot_off + n)
+            if slot >= 0:
+                blk, o = slot_block(slot, pg.block_size)
+                base = page_base(Int64(cslot), Int64(blk), Int64(grp), pg.num_blocks, self.Hkv,
+                                 pg.page_elems)
+                for e in cutlass.range_constexpr(self.E):
+                    d = lane + LANES * e
+                    if j == kslot:
+                        st(pK, k_elem(base, d, o, pg.block_size), x[e].to(BFloat16))
+                    else:
+                        st(pV, v_elem(base, o, d, D), x[e].to(BFloat16))
+        else:
+            b = n // self.T
+            row = kv_row(Int64(cslot), b, grp, Int64(s_max), self.B, self.Hkv) + pos
+            for e in cutlass.range_constexpr(self.E):
+                if j == kslot:
+                    st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))
+                else:
+                    st(pV, row * D + lane + LANES * e, x[e].to(BFloat16))
 
     @cute.jit
     def rope_lanes(self, x: cute.Tensor, lane: Int32, pos: Int32, pF: cute.Pointer,

@@ -476,6 +476,9 @@ class KernelSpec:
     # Mamba2's (num_heads, head_dim, state_size, n_groups, conv_kernel) when the model has Mamba2
     # layers (kernel/mamba_index.py); () = none
     mamba: tuple[int, ...] = ()
+    # paged KV (kernel/paged_index.py): (num_blocks, block_size, max_blocks, block table and
+    # slot mapping i32 offsets); () = the contiguous cache [slots, B, Hkv, S_max, D]
+    paged: tuple[int, ...] = ()
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
     smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (above)
     timeline: bool = False  # the variant that stamps per-instruction times (TIMELINE_FIELDS)
@@ -642,6 +645,13 @@ class KernelSpec:
         return MambaShape.of(self.mamba, self.batch, self.tokens, self.num_warps)
 
     @property
+    def paged_shape(self):  # noqa: ANN201 (paged_index.PagedShape | None)
+        """The paged cache's index arithmetic for this build (None: the contiguous cache)."""
+        from megakernel.kernel.paged_index import PagedShape
+
+        return PagedShape.of(self.paged, self.kv_heads, self.head_dim) if self.paged else None
+
+    @property
     def recurrent_smem_bytes(self) -> int:
         """Shared memory the recurrent core handlers use (the largest of the model's kinds): a
         span from the start of the carve-up over the consumers' regions (x, acc, ..., none of
@@ -741,6 +751,13 @@ class KernelSpec:
 
             if check_mamba(self.mamba_shape):
                 raise SpecError(check_mamba(self.mamba_shape))
+        if self.paged:
+            from megakernel.kernel.paged_index import PAGED_FIELDS, check_paged
+
+            if len(self.paged) != len(PAGED_FIELDS):
+                raise SpecError(f"paged must be ({', '.join(PAGED_FIELDS)}), got {self.paged}")
+            if check_paged(self.paged_shape):
+                raise SpecError(check_paged(self.paged_shape))
 
     # ---- identity ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -759,7 +776,8 @@ class KernelSpec:
         shapes) that a build bakes in; the variants (arch, threads, ring, l2 window) are not in
         it (a build set keeps them apart)."""
         rest = {k: v for k, v in self.to_dict().items()
-                if k not in ("arch", "num_threads", "smem_stages", "timeline", "l2_window")}
+                if k not in ("arch", "num_threads", "smem_stages", "timeline", "l2_window")
+                and (k != "paged" or v)}  # the contiguous builds' tags as before the field
         digest = hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
         return (f"{self.family}-h{self.hidden}-i{self.inter}-v{self.vocab}-l{self.layers}"
                 f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}"
@@ -858,23 +876,26 @@ def gate_offset(cfg, batch: int, tokens: int) -> int:  # noqa: ANN001 (ModelConf
 
 def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelConfig)
               num_threads: int = NUM_THREADS, smem_stages: int | None = None,
-              timeline: bool = False, l2_window: int = -1, replay: bool = False) -> KernelSpec:
+              timeline: bool = False, l2_window: int = -1, replay: bool = False,
+              paged=None) -> KernelSpec:  # noqa: ANN001 (program.paged.PagedKV | None)
     """The build's static config for a model, batch and tokens per step (`replay`: programs with
     a ReplaySSM window, whose recurrent layers run the kinds' ReplaySSM core ops). `smem_stages`
     None: the deepest ring (PIPELINE_STAGES down to MIN_PIPELINE_STAGES) whose spec is valid, else 0
     (the global-memory weight path); an int is taken as given (SpecError when it cannot serve
     the model/batch). `timeline`: the variant that records per-instruction times; `l2_window`:
-    the L2 lookahead in bytes per SM (-1: the arch's, 0: none, for an A/B of the lookahead)."""
+    the L2 lookahead in bytes per SM (-1: the arch's, 0: none, for an A/B of the lookahead);
+    `paged`: a program/paged.PagedKV page pool (the paged build, kernel/paged_index.py)."""
     if batch < 1 or tokens < 1:
         raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
     if smem_stages is None:
         for stages in range(PIPELINE_STAGES, MIN_PIPELINE_STAGES - 1, -1):
             try:
                 return make_spec(cfg, batch, tokens, arch, num_threads, stages, timeline,
-                                 l2_window, replay)
+                                 l2_window, replay, paged)
             except SpecError:
                 pass
-        return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window, replay)
+        return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window, replay,
+                         paged)
     from megakernel.models import validate
 
     validate(cfg)
@@ -893,11 +914,29 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         ops=tuple(sorted(program_ops(cfg, replay))),
         gdn=recurrent_constants(cfg, "gdn"), mamba=recurrent_constants(cfg, "mamba2"),
         attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
+        paged=paged_constants(cfg, batch, tokens, paged),
         eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,
         num_threads=num_threads, smem_stages=smem_stages, timeline=timeline,
         l2_window=l2_window)
     spec.validate()
     return spec
+
+
+def paged_constants(cfg, batch: int, tokens: int, paged) -> tuple[int, ...]:  # noqa: ANN001
+    """KernelSpec.paged of a page pool (program/paged.PagedKV; None: () = the contiguous cache):
+    the pool's shape and where the program's block table and slot mapping live in i32 (their
+    offsets depend on the step shape only, like gate_offset)."""
+    if paged is None:
+        return ()
+    if cfg.recurrent_layers():  # (the program refuses them too: compile_program)
+        raise SpecError("the paged build serves stacks of attention layers without recurrent "
+                        f"layers ({cfg.name or cfg.family})")
+    from megakernel.layers.base import StepShape
+    from megakernel.program.buffers import plan_buffers
+
+    i32 = plan_buffers(cfg, StepShape(batch, tokens, paged.max_seq_len, 1, 1, 0, paged)).i32
+    return (paged.num_blocks, paged.block_size, paged.max_blocks, i32["block_table"].offset,
+            i32["slot_mapping"].offset)
 
 
 def recurrent_constants(cfg, kind_name: str) -> tuple[int, ...]:  # noqa: ANN001 (ModelConfig)

@@ -28,7 +28,7 @@ import torch
 
 from megakernel.models.config import ConfigError
 
-__all__ = ["PagedKV", "page_runs", "write_step_meta"]
+__all__ = ["PagedKV", "load_pages", "page_runs", "slots_of", "write_step_meta"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,30 @@ def write_step_meta(i32: torch.Tensor, buffers, tokens: torch.Tensor,  # noqa: A
     put("lengths", lengths)
     put("block_table", block_table)
     put("slot_mapping", slot_mapping)
+
+
+def slots_of(table: torch.Tensor, lengths: torch.Tensor, tokens: int, block_size: int,
+             live: int) -> torch.Tensor:
+    """slot_mapping [B T] of a step: row (b, t) of the first `live` sequences goes to position
+    lengths[b] + t through the block table [B, max_blocks]; the other rows are padding (-1)."""
+    out = torch.full((table.shape[0], tokens), -1, dtype=torch.int64)
+    for b in range(live):
+        for t in range(tokens):
+            j = int(lengths[b]) + t
+            out[b, t] = int(table[b, j // block_size]) * block_size + j % block_size
+    return out.reshape(-1)
+
+
+def load_pages(k: torch.Tensor, v: torch.Tensor, kv_slot: dict[int, int], cache,  # noqa: ANN001
+               table: torch.Tensor, block_size: int) -> None:
+    """Scatter a reference cache (reference.model.Cache) of the table's sequences (its first
+    table.shape[0]) into pages: K
+    [slots, blocks, Hkv, D, bs], V [slots, blocks, Hkv, bs, D] (`kv_slot`: decoder layer ->
+    cache slot), key j of sequence b at block table[b, j // bs], offset j % bs."""
+    for layer, slot in kv_slot.items():
+        ck, cv = cache.layers[layer].k, cache.layers[layer].v  # [B, Hkv, S, D]
+        for b in range(table.shape[0]):
+            for j in range(int(cache.lengths[b])):
+                blk, o = int(table[b, j // block_size]), j % block_size
+                k[slot, blk, :, :, o] = ck[b, :, j].to(k.device)
+                v[slot, blk, :, o] = cv[b, :, j].to(v.device)

@@ -206,13 +206,15 @@ def test_global_memory_gemv_indexing_computes_the_matrix_product():
 
 # ---- attention ----------------------------------------------------------------------------------
 def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.ndarray,
-                       vc: np.ndarray, lengths: list[int], layer: int, n_splits: int
-                       ) -> np.ndarray:
+                       vc: np.ndarray, lengths: list[int], layer: int, n_splits: int,
+                       fetch=None, live=None) -> np.ndarray:  # noqa: ANN001
     """ATTN_PARTIAL for every (sequence, kv head, split) then the merge: out [N, Hq, D].
-    q [N * Hq * D] flat (the q buffer), kc / vc [L * B * Hkv * S_max * D] flat (the caches)."""
+    q [N * Hq * D] flat (the q buffer), kc / vc [L * B * Hkv * S_max * D] flat (the caches);
+    `fetch(b, g, key)`: (key row, value row) of another cache layout (the paged one); `live`
+    [B] 0/1: 0 for a padding row of a paged step, which sees no keys (Attention.partial)."""
     D, G, T, N, Hq, NW = (spec.head_dim, spec.group, spec.tokens, spec.rows, spec.heads,
                           spec.num_warps)
-    s_max = kc.size // (spec.layers * spec.batch * spec.kv_heads * D)
+    s_max = kc.size // (spec.layers * spec.batch * spec.kv_heads * D) if fetch is None else 0
     WQ = max(1, NW // spec.attn_queries)
     po = np.full((n_splits * N * Hq, D), np.nan)
     pml = np.full((n_splits * N * Hq, 2), np.nan)
@@ -226,13 +228,19 @@ def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.nda
                     for qi in range(q0, spec.attn_queries, NW // WQ):
                         t, head, n = attn_query(qi, g, b, G, T)
                         kb, ke = attn_keys(s, n_splits, lengths[b], t, part, WQ, T)
+                        if live is not None:
+                            ke = kb + (ke - kb) * live[b]
                         qa = row_major(row_major(n, head, Hq), 0, D)
                         qv = q[qa:qa + D]
                         m, lsum, o = -np.inf, 0.0, np.zeros(D)
                         for k0 in range(kb, ke, LANES):  # online softmax, 32 keys at a time
                             keys = range(k0, min(ke, k0 + LANES))
-                            kr = np.stack([kc[(row0 + key) * D:][:D] for key in keys])
-                            vr = np.stack([vc[(row0 + key) * D:][:D] for key in keys])
+                            if fetch is None:
+                                kr = np.stack([kc[(row0 + key) * D:][:D] for key in keys])
+                                vr = np.stack([vc[(row0 + key) * D:][:D] for key in keys])
+                            else:
+                                kr, vr = (np.stack(x) for x in zip(
+                                    *(fetch(b, g, key) for key in keys), strict=True))
                             sc = kr @ qv * scale
                             m_new = max(m, sc.max())
                             p = np.exp(sc - m_new)
@@ -258,8 +266,11 @@ def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.nda
                 _, head, n = attn_query(qi, g, b, G, T)
                 slots = [(s * N + n) * Hq + head for s in range(n_splits)]
                 mm = max(pml[sl, 0] for sl in slots)
-                wts = [np.exp(pml[sl, 0] - mm) for sl in slots]
+                wts = [np.exp(pml[sl, 0] - mm) if mm > -np.inf else 0.0 for sl in slots]
                 den = sum(pml[sl, 1] * wt for sl, wt in zip(slots, wts, strict=True))
+                if not den > 0:  # a padding row of a paged step saw no keys: 0
+                    out[n, head] = 0.0
+                    continue
                 out[n, head] = sum(po[sl] * wt for sl, wt in zip(slots, wts, strict=True)) / den
     return out
 
