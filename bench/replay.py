@@ -9,12 +9,13 @@ ReplaySSM ring, conv window) and the step time. Rows come from one of two source
 - compiled: the whole program is compiled and scheduled with the cost model;
   bytes = `step_bytes_by_category(prog)`, predicted = the cost model's replay (`prog.cost`).
 - analytic: the compiler refuses the plan (checked cheaply, before scheduling) or the compile is
-  too slow for a bench (programs of more than SLOW_INSTRUCTIONS instructions at batch 1, i.e.
-  Kimi Linear's ~120k, are compiled at batch 1 only; `--compile-max-batch`). The bytes are still
+  too slow for a bench (programs of more than SLOW_INSTRUCTIONS instructions at batch 1 are
+  compiled at batch 1 only; `--compile-max-batch`). The bytes are still
   `step_bytes_by_category`, evaluated on a stand-in program: the instructions of a batch-1 compile
-  without the cost model (matrix slabs are the same at every batch), with each MoE expert slab
-  re-weighted by the chance that one of the N rows picks it (the compiler's own rule). Only the
-  copy-bandwidth floor (bytes / copy bandwidth) is given as a time; no schedule exists.
+  without the cost model (matrix slabs are the same at every batch), with the MoE's work slots
+  (their number grows with N) re-weighted by the expected routed experts of N rows (the
+  compiler's own rule). Only the copy-bandwidth floor (bytes / copy bandwidth) is given as a
+  time; no schedule exists.
 
 Every compiled row is also recomputed the analytic way and the two must agree byte for byte.
 
@@ -38,6 +39,7 @@ from megakernel import isa  # noqa: E402
 from megakernel.cli import check_names  # noqa: E402
 from megakernel.layers import kind  # noqa: E402
 from megakernel.layers.base import StepShape  # noqa: E402
+from megakernel.layers.moe import SHARED  # noqa: E402
 from megakernel.models import ModelConfig, preset, presets, real_presets  # noqa: E402
 from megakernel.program.buffers import plan_buffers  # noqa: E402
 from megakernel.program.bytes import step_bytes_by_category  # noqa: E402
@@ -52,10 +54,10 @@ from megakernel.program.gpus import GPU, GPUS, gpu  # noqa: E402
 from megakernel.program.pack import weight_layout  # noqa: E402
 from megakernel.program.stages import PlanError  # noqa: E402
 
-# a cost-model compile places every instruction on a simulated timeline. Kimi Linear's 256
-# experts x 8 slabs x 26 layers are ~116k instructions already at batch 1 (1.5-2.5 min per compile
-# on a shared 2-core machine, more at larger batches); the dense-MLP hybrids have 9k-17k at batch 1
-# and up to 123k at batch 256 (30-55 s)
+# a cost-model compile places every instruction on a simulated timeline. Programs of more than
+# SLOW_INSTRUCTIONS instructions at batch 1 are compiled at batch 1 only (the dense-MLP hybrids
+# have 9k-17k at batch 1 and up to 123k at batch 256, 30-55 s; Kimi Linear's work slots grow with
+# the batch: ~16k instructions at batch 1)
 SLOW_INSTRUCTIONS = 50_000
 MAX_BATCH = isa.MAX_ROWS
 KINDS = ("weights", "per_seq_weights", "expert", "kv", "state_read", "state_written", "ring",
@@ -128,11 +130,11 @@ def per_sequence_weight_bytes(cfg: ModelConfig, batch: int, tokens: int = 1) -> 
     return int(batch * tokens * cfg.hidden_size * 2 + blocks(batch) - blocks(0))
 
 
-def expert_share(cfg: ModelConfig, expert: int, rows: int) -> float:
-    """The compiler's rule (layers/moe.py): a routed expert's slabs are streamed with
-    probability 1 - (1 - top_k / E)^N; the shared expert (index E) always."""
+def expert_share(cfg: ModelConfig, slot: int, rows: int) -> float:
+    """The compiler's rule (layers/moe.py): a work slot's slabs are streamed with probability
+    expected routed experts / work slots; the shared expert's (slot -1) always."""
     e = cfg.kind_config("moe")
-    return 1.0 if expert == e.num_experts else 1.0 - (1.0 - e.top_k / e.num_experts) ** rows
+    return 1.0 if slot == SHARED else e.expected_experts(rows) / e.work_slots(rows)
 
 
 def analytic_bytes(base: Program, batch: int, tokens: int = 1,
@@ -148,18 +150,19 @@ def analytic_bytes(base: Program, batch: int, tokens: int = 1,
     """
     n = batch * tokens
     slab: dict[int, int] = {}  # op -> bytes of its slabs
-    experts: dict[int, float] = {}  # expert -> share
     for ins in base.instrs:
         s = isa.spec(ins.op)
         if not s.slab:
             continue
         w = ins.w_bytes
-        if s.kind == "moe":
-            x = ins.operands["EXPERT"]
-            if x not in experts:
-                experts[x] = expert_share(base.cfg, x, n)
-            full = ins.operands["NROWS"] * ins.operands["K"] * 2  # bf16 slab
-            w = int(full * experts[x])  # rounded per instruction, as the compiler does
+        if s.kind == "moe":  # work slot 0 stands for the W slots of N rows, -1 (shared) for itself
+            slot, d = ins.operands["SLOT"], ins.operands
+            if slot > 0:
+                continue
+            share = expert_share(base.cfg, slot, n)
+            lo, hi = d["ROW0"] * d["K"] * 2, (d["ROW0"] + d["NROWS"]) * d["K"] * 2  # bf16
+            times = 1 if slot == SHARED else base.cfg.kind_config("moe").work_slots(n)
+            w = times * (int(hi * share) - int(lo * share))  # rounded as the compiler does
         slab[ins.op] = slab.get(ins.op, 0) + w
     instrs = [SimpleNamespace(op=op, w_bytes=w) for op, w in slab.items()]
     stand_in = _step(base.cfg, batch, tokens, base.context, replay_window, instrs)
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-max-batch", type=int, default=None,
                     help="largest batch compiled with the cost model; above it rows are "
                          f"analytic (default {MAX_BATCH}; 1 for models whose batch-1 program has "
-                         f"more than {SLOW_INSTRUCTIONS} instructions, i.e. Kimi Linear)")
+                         f"more than {SLOW_INSTRUCTIONS} instructions)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     if args.replay_window < 1:

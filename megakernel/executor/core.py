@@ -145,6 +145,7 @@ class Executor:
         self._arenas = {"f32": self.f32, "bf16": self.bf16, "i32": self.i32, "state": self.state,
                         "k": self.k.view(-1), "v": self.v.view(-1)}  # flat views, made once
         self.counters = [0] * prog.counter_words()
+        self.slab_bytes = {"weights": 0, "expert": 0}  # weight slabs read in the last step
         self.counter_names = [c.name for c in prog.counters]
         self.blocks = {(blk.layer, blk.kind): blk for blk in self.cfg.blocks}
         shape = prog.step_shape()
@@ -280,7 +281,9 @@ class Executor:
         return (y * self.norm_weight(d["NORM_OFF"], k)).to(torch.bfloat16).float()
 
     def slab(self, d: dict) -> torch.Tensor:
-        """The record's weight slab [NROWS, K] (bf16)."""
+        """The record's weight slab [NROWS, K] (bf16), its bytes counted in `slab_bytes`."""
+        cat = "expert" if isa.spec(d["OPCODE"]).kind == "moe" else "weights"  # as bytes.py
+        self.slab_bytes[cat] += d["NROWS"] * d["K"] * 2
         return self.weights[d["W"] : d["W"] + d["NROWS"] * d["K"]].view(d["NROWS"], d["K"])
 
     def matvec(self, d: dict) -> torch.Tensor:
@@ -323,6 +326,7 @@ class Executor:
         ring_before = (self.region("i32", "ring_count").clone()
                        if "ring_count" in p.buffers.i32 else None)
         self.poison()
+        self.slab_bytes = {"weights": 0, "expert": 0}
         if self.check:
             for tr in self.tracks.values():
                 tr.reset()

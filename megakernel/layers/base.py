@@ -16,7 +16,8 @@ buffers      `needs` (activation scratch, constants, per-layer tables), `kv` (th
 program      its opcodes (isa.registry, declared in the kind's module), `stages` (the block's
              work as stages, waiting on the block input), `flow` (which opcode of the block
              waits on which: the verifier's dataflow check), `coverage` (work units of the
-             opcodes without a weight slab, checked once per step by the verifier)
+             opcodes without a weight slab, checked once per step by the verifier),
+             `slab_passes` (matrices whose slabs are bound at run time)
 cost         `step_bytes` (bytes by category, for the per-family byte accounting)
 """
 
@@ -186,6 +187,14 @@ class LayerKind:
     def check_record(cls, d: dict, blk: Block, prog: Any, where: str) -> None:
         """ProgramError (program/verify.py) naming a record of this block that breaks one of the
         kind's invariants."""
+
+    @classmethod
+    def slab_passes(cls, blk: Block, prog: Any) -> dict[str, int]:
+        """Times per step the block's slab records cover a packed matrix (key suffix), for the
+        matrices not covered exactly once: a matrix reached only through a run-time binding (0)
+        and the one whose records are bound at run time to it or its likes (once per binding:
+        layers/moe.py's work slots)."""
+        return {}
 
     @classmethod
     def coverage(cls, blk: Block, prog: Any) -> dict[str, int]:

@@ -5,10 +5,18 @@ the correction bias choose the top-k experts within the best groups; the chosen 
 scores, normalised and scaled, weight their SwiGLU outputs, summed in increasing expert index,
 and the shared expert's output is added last.
 
-Program: ROUTER writes the expert ids [N, top_k] and weights at run time; every expert (the shared
-one as expert E, slot top_k) has EXPERT_GATEUP and EXPERT_DOWN slabs that work only on the rows
-routed to it; MOE_COMBINE adds the weighted sum into h. Packed per expert x: gateup [2 I, H]
-(layers/swiglu.py block order), down [H, I]. fp32 router table row: W_r [E, H] then the bias [E].
+Program: ROUTER writes the expert ids [N, top_k], their weights and the step's work list at run
+time. The work list has one row per expert slot, W = min(E, N top_k) of them (no step routes more
+distinct experts): row w = [expert, m, p_0 .. p_{m-1}, -1 ...] for the w-th smallest routed expert,
+p = n top_k + s for each of the m (row n, top-k slot s) pairs routed to it in increasing p, and
+[-1, 0, -1 ...] past the routed experts (`work_list`). The program issues EXPERT_GATEUP and
+EXPERT_DOWN slabs per work slot, not per expert: a slot's records point at expert 0's matrix and
+are bound at run time to the slot's expert (its matrix is MOE_X_STRIDE elements per expert
+further, header), and a slot past the routed experts does nothing and streams nothing; so a step
+issues instructions, and reads weights, in proportion to the routed experts. The shared expert
+(packed as expert E, activation slot top_k) has its own slabs (SLOT = -1, every row).
+MOE_COMBINE adds the weighted sum into h. Packed per expert x: gateup [2 I, H] (layers/swiglu.py
+block order), down [H, I]. fp32 router table row: W_r [E, H] then the bias [E].
 """
 
 from __future__ import annotations
@@ -23,9 +31,10 @@ from megakernel.isa.registry import MATVEC, OpSpec, register
 from megakernel.layers.base import CONST, LayerKind, Need, StepShape, register_kind
 from megakernel.layers.swiglu import gateup_rows
 from megakernel.models.config import ConfigError, positive
-from megakernel.program.stages import Instr, Stage
+from megakernel.program.stages import Instr, PlanError, Stage
 
 EXPERT_SLABS = 8  # at most this many slabs per expert matrix
+SHARED = -1  # the SLOT of the shared expert's records
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,36 @@ class MoEConfig:
         """Expert slots per row: top_k routed, then the shared expert."""
         return self.top_k + (1 if self.num_shared_experts else 0)
 
+    def work_slots(self, rows: int) -> int:
+        """Work-list slots of a step of `rows` activation rows: the most distinct experts the
+        rows can pick."""
+        return min(self.num_experts, rows * self.top_k)
+
+    def expected_experts(self, rows: int) -> float:
+        """Distinct experts `rows` rows pick in expectation under uniform routing (each expert
+        is missed by a row with probability 1 - top_k / E)."""
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** rows)
+
+
+def expert_stride(e: MoEConfig, hidden: int) -> int:
+    """Elements from expert x's packed matrices to expert x + 1's: gateup [2 I, H] then down
+    [H, I], back to back (H is a multiple of the arena's alignment; `MoE.stages` checks the
+    layout)."""
+    return 3 * e.intermediate_size * hidden
+
+
+def work_list(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Expert ids [N, top_k] -> the work list int32 [W, 2 + N] (module docstring)."""
+    n, k = ids.shape
+    slots = min(num_experts, n * k)
+    out = torch.full((slots, 2 + n), -1, dtype=torch.int32)
+    out[:, 1] = 0
+    flat = ids.reshape(-1)
+    for w, x in enumerate(torch.unique(flat).tolist()):  # ascending
+        pairs = (flat == x).nonzero().reshape(-1)  # p = n top_k + s, ascending
+        out[w, 0], out[w, 1] = x, len(pairs)
+        out[w, 2 : 2 + len(pairs)] = pairs.to(torch.int32)
+    return out
 
 ROUTER = register(OpSpec(
     25, "ROUTER", "moe", "RMSNorm(h) -> fp32 router -> group-limited top-k expert ids and weights",
@@ -72,24 +111,31 @@ ROUTER = register(OpSpec(
         ("ROUTER_OFF", "f32: router weight [E, H] then e_score_correction_bias [E] (fp32)"),
         ("IDS_OFF", "i32: expert ids [N, top_k]"),
         ("WTS_OFF", "f32: expert weights [N, top_k]"),
+        ("WORK_OFF", "i32: the work list [SLOTS, 2 + N]"),
+        ("SLOTS", "work-list slots W = min(E, N top_k)"),
     ),
     notes="All N rows: s = sigmoid(W_r bf16(RMSNorm(h))); choice = s + bias; the header's "
     "MOE_TOPK_GROUP best of MOE_N_GROUP groups (group score: sum of its top-2 choices), then the "
-    "top_k experts of those groups by choice; weights s_e / (sum + 1e-20) * scaling (header)."))
-_EXPERT = (("EXPERT", "expert e (E = the shared expert)"),
-           ("IDS_OFF", "i32: expert ids [N, top_k]"))
+    "top_k experts of those groups by choice (ties: the lower expert id); weights "
+    "s_e / (sum + 1e-20) * scaling (header). Then the whole work list: row w = [the w-th "
+    "smallest routed expert, m, its m pairs p = n top_k + s ascending, -1 ...], rows past the "
+    "routed experts [-1, 0, -1 ...]."))
+_EXPERT = (("SLOT", "work-list slot bound at run time (-1: the shared expert, every row)"),
+           ("WORK_OFF", "i32: the work list [W, 2 + N]"))
 EXPERT_GATEUP = register(OpSpec(
-    26, "EXPERT_GATEUP", "moe", "gate/up slab of one expert for the tokens routed to it "
-    "(run-time ids)", MATVEC + _EXPERT,
-    notes="For the rows (n, s) with ids[n, s] == EXPERT (shared: every n, s = top_k), "
-    "RMSNorm(h[n]) -> slab of the expert's interleaved gate/up -> act_moe[n, s, ROW0/2 + c] "
-    "(bf16 [N, top_k + 1, I_e]); no row selected: no work (its weights are not streamed).",
+    26, "EXPERT_GATEUP", "moe", "gate/up slab of the expert bound to a work-list slot, for the "
+    "rows routed to it", MATVEC + _EXPERT,
+    notes="Slot row [x, m, p...] of the work list (x = -1: no work, nothing streamed); the slab "
+    "is W + x * MOE_X_STRIDE (W: expert 0's; the shared expert: its own, x = 0). For each pair "
+    "p = n top_k + s (shared: every n, s = top_k), RMSNorm(h[n]) -> slab of the expert's "
+    "interleaved gate/up -> act_moe[n, s, ROW0/2 + c] (bf16 [N, top_k + 1, I_e]).",
     slab=True, matvec="expert_gateup"))
 EXPERT_DOWN = register(OpSpec(
-    27, "EXPERT_DOWN", "moe", "down slab of one expert for the tokens routed to it (run-time ids)",
-    MATVEC + _EXPERT,
-    notes="Rows as EXPERT_GATEUP; IN_OFF = bf16 act_moe [N, top_k + 1, I_e], OUT_OFF = f32 moe_y "
-    "[N, top_k + 1, H]: moe_y[n, s, ROW0 + r] = acc.", slab=True, matvec="expert_down"))
+    27, "EXPERT_DOWN", "moe", "down slab of the expert bound to a work-list slot, for the rows "
+    "routed to it", MATVEC + _EXPERT,
+    notes="Binding and rows as EXPERT_GATEUP; IN_OFF = bf16 act_moe [N, top_k + 1, I_e], "
+    "OUT_OFF = f32 moe_y [N, top_k + 1, H]: moe_y[n, s, ROW0 + r] = acc.", slab=True,
+    matvec="expert_down"))
 MOE_COMBINE = register(OpSpec(
     28, "MOE_COMBINE", "moe", "weighted sum of the routed experts (+ shared) added into h",
     (
@@ -186,7 +232,8 @@ class MoE(LayerKind):
                      table="moe"),
                 Need("f32", "moe_w", (n, e.top_k)), Need("f32", "moe_y", (n, e.slots, h)),
                 Need("bf16", "act_moe", (n, e.slots, e.intermediate_size)),
-                Need("i32", "moe_ids", (n, e.top_k))]
+                Need("i32", "moe_ids", (n, e.top_k)),
+                Need("i32", "moe_work", (e.work_slots(n), 2 + n))]
 
     # ---- program -----------------------------------------------------------------------------
     @classmethod
@@ -196,7 +243,8 @@ class MoE(LayerKind):
                     MOE_N_GROUP=e.n_group, MOE_TOPK_GROUP=e.topk_group,
                     MOE_NORM=int(e.norm_topk_prob), MOE_SHARED=int(e.num_shared_experts > 0),
                     MOE_SCALE_F32_BITS=struct.unpack("<i", struct.pack(
-                        "<f", e.routed_scaling_factor))[0])
+                        "<f", e.routed_scaling_factor))[0],
+                    MOE_X_STRIDE=expert_stride(e, model.hidden_size))
 
     @classmethod
     def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
@@ -209,22 +257,26 @@ class MoE(LayerKind):
                                 ctr(f"L{layer}.xdn"), ctr(f"L{layer}.down"))
         router = f32["router"]
         router_off = router.offset + ctx.buf.row("moe", layer) * router.shape[1]
-        ids = i32["moe_ids"].offset
+        ids, work, slots = i32["moe_ids"].offset, i32["moe_work"].offset, e.work_slots(n)
 
         def mk_router(u0: int, u1: int) -> Instr:
             return Instr(ROUTER, layer, dict(
                 NORM_OFF=norm, IN_OFF=f32["h"].offset, K=hid, ROUTER_OFF=router_off,
-                IDS_OFF=ids, WTS_OFF=f32["moe_w"].offset),
+                IDS_OFF=ids, WTS_OFF=f32["moe_w"].offset, WORK_OFF=work, SLOTS=slots),
                 wait=wait, signal=c_r, w_bytes=(n_exp * hid + n_exp) * 4, l2_bytes=n * hid * 4,
-                store_bytes=n * e.top_k * 8, fp32_flops=2.0 * n * n_exp * hid)
+                store_bytes=n * e.top_k * 8 + slots * (2 + n) * 4,
+                fp32_flops=2.0 * n * n_exp * hid)
 
         out = [Stage(f"L{layer}.router", ROUTER, layer, 1, False, mk_router)]
-        # expected share of a routed expert's slabs that is streamed: P(some token picks it)
-        p_used = 1.0 - (1.0 - e.top_k / n_exp) ** n
-        ie = e.intermediate_size
-
-        def share(x: int) -> float:
-            return 1.0 if x == n_exp else p_used
+        ie, stride = e.intermediate_size, expert_stride(e, hid)
+        x0 = lay[f"{key}.x0.gateup"].offset
+        if any(lay[f"{key}.x{x}.{m}"].offset != x0 + x * stride + (2 * ie * hid if m == "down"
+                                                                   else 0)
+               for x in cls.experts(e) for m in ("gateup", "down")):
+            raise PlanError(f"layer {layer}: the experts' packed matrices are not "
+                            f"{stride} elements apart (MOE_X_STRIDE)")
+        # a slot is bound in expectation to expected_experts / W of the steps (uniform routing)
+        bound = e.expected_experts(n) / slots
 
         def cut(rows: int, base: int) -> tuple[int, int]:
             """(units, rows per unit): an expert matrix is cut into at most EXPERT_SLABS slabs,
@@ -235,31 +287,36 @@ class MoE(LayerKind):
 
         gu_units, gu = cut(2 * ie, 2 * GATEUP_BLOCK)
         dn_units, dn_rows = cut(hid, ROW_ALIGN)
+        # (slot, expert whose matrix the records point at): the work slots at expert 0, then
+        # the shared expert at its own
+        bindings = [(w, 0) for w in range(slots)]
+        if e.num_shared_experts:
+            bindings.append((SHARED, n_exp))
 
-        def mk_gu(x: int):  # noqa: ANN202
+        def mk_gu(w: int, x: int):  # noqa: ANN202
             def mk(u0: int, u1: int) -> Instr:
                 r0, rows = u0 * gu, (u1 - u0) * gu
                 ins = ctx.matvec(EXPERT_GATEUP, layer, lay[f"{key}.x{x}.gateup"].offset, r0, rows,
                                  hid, norm, f32["h"].offset, bf["act_moe"].offset, c_r, c_gu,
-                                 n * rows, EXPERT=x, IDS_OFF=ids)
-                return _weighted(ins, share(x))
+                                 n * rows, SLOT=w, WORK_OFF=work)
+                return _weighted(ins, 1.0 if w == SHARED else bound)
             return mk
 
-        def mk_dn(x: int):  # noqa: ANN202
+        def mk_dn(w: int, x: int):  # noqa: ANN202
             def mk(u0: int, u1: int) -> Instr:
                 r0, rows = u0 * dn_rows, (u1 - u0) * dn_rows
                 ins = ctx.matvec(EXPERT_DOWN, layer, lay[f"{key}.x{x}.down"].offset, r0, rows,
                                  ie, -1, bf["act_moe"].offset, f32["moe_y"].offset, c_gu, c_dn,
-                                 n * rows * 4, EXPERT=x, IDS_OFF=ids)
-                return _weighted(ins, share(x))
+                                 n * rows * 4, SLOT=w, WORK_OFF=work)
+                return _weighted(ins, 1.0 if w == SHARED else bound)
             return mk
 
-        for x in cls.experts(e):
-            out.append(Stage(f"L{layer}.x{x}.gateup", EXPERT_GATEUP, layer, gu_units, True,
-                             mk_gu(x), gu))
-        for x in cls.experts(e):
-            out.append(Stage(f"L{layer}.x{x}.down", EXPERT_DOWN, layer, dn_units, True, mk_dn(x),
-                             dn_rows))
+        for w, x in bindings:
+            out.append(Stage(f"L{layer}.w{w}.gateup", EXPERT_GATEUP, layer, gu_units, True,
+                             mk_gu(w, x), gu))
+        for w, x in bindings:
+            out.append(Stage(f"L{layer}.w{w}.down", EXPERT_DOWN, layer, dn_units, True,
+                             mk_dn(w, x), dn_rows))
 
         def mk_comb(u0: int, u1: int) -> Instr:
             r0, rows = u0 * ROW_ALIGN, (u1 - u0) * ROW_ALIGN
@@ -272,6 +329,37 @@ class MoE(LayerKind):
         out.append(Stage(f"L{layer}.combine", MOE_COMBINE, layer, hid // ROW_ALIGN, True, mk_comb,
                          ROW_ALIGN))
         return out, c_c
+
+    @classmethod
+    def slab_passes(cls, blk, prog) -> dict[str, int]:  # noqa: ANN001
+        """Expert 0's matrices once per work slot (their records are bound at run time), the
+        other routed experts' never through a record's own W."""
+        e = blk.cfg
+        out = {f"x{x}.{m}": 0 for x in range(1, e.num_experts) for m in ("gateup", "down")}
+        return out | {f"x0.{m}": e.work_slots(prog.rows) for m in ("gateup", "down")}
+
+    @classmethod
+    def check_record(cls, d: dict, blk, prog, where: str) -> None:  # noqa: ANN001
+        from megakernel.program.verify import ProgramError
+
+        e, name, rows = blk.cfg, d["OPCODE"].name, prog.rows
+        if name == "MOE_COMBINE":
+            return
+        work = prog.buffers.i32["moe_work"].offset
+        if d["WORK_OFF"] != work:
+            raise ProgramError(f"{where}: WORK_OFF {d['WORK_OFF']} is not the work list ({work})")
+        if name == "ROUTER":
+            if d["SLOTS"] != e.work_slots(rows):
+                raise ProgramError(f"{where}: {d['SLOTS']} work slots, the step has "
+                                   f"{e.work_slots(rows)}")
+            return
+        slot = d["SLOT"]
+        if not (SHARED if e.num_shared_experts else 0) <= slot < e.work_slots(rows):
+            raise ProgramError(f"{where}: slot {slot} outside the work list")
+        x = e.num_experts if slot == SHARED else 0
+        m = prog.layout[f"{blk.key}.x{x}.{'gateup' if name == 'EXPERT_GATEUP' else 'down'}"]
+        if not m.offset <= d["W"] < m.offset + m.numel:
+            raise ProgramError(f"{where}: slot {slot}'s slab is not in expert {x}'s matrix")
 
     @classmethod
     def coverage(cls, blk, prog) -> dict[str, int]:  # noqa: ANN001
@@ -290,8 +378,11 @@ class MoE(LayerKind):
 
 
 def _weighted(ins: Instr, share: float) -> Instr:
-    """An expert slab's cost attributes times the chance it is streamed at all."""
-    ins.w_bytes = int(ins.w_bytes * share)
+    """An expert slab's cost attributes times the chance that its slot is bound (streamed); its
+    bytes rounded on the matrix's byte prefix, so that the slabs of any cut of a matrix sum to
+    int(matrix bytes x share)."""
+    lo = ins.operands["ROW0"] * ins.operands["K"] * 2
+    ins.w_bytes = int((lo + ins.w_bytes) * share) - int(lo * share)
     ins.tensor_flops *= share
     ins.fp32_flops *= share
     return ins

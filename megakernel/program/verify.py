@@ -6,7 +6,8 @@ the compiler's stages.
 - records: every opcode known, nothing after END, each record's own invariants (layer kinds
   `check_record`: e.g. a QKV slab is whole heads of one kv group);
 - coverage: every packed matrix's rows are streamed exactly once per step by the slab records
-  that point into it (the LM head's padded rows included, every expert's), every embedding row
+  that point into it (the LM head's padded rows included), or as often as the kind's
+  `slab_passes` says (records bound at run time: a routed expert's work slots), every embedding row
   gathered once, and every work unit of the other opcodes (layer kinds `coverage` / `cover`: an
   attention (sequence, kv head, split), a recurrent (sequence, unit)...) run once;
 - counters: each counter's per-step total equals the number of instructions that signal it (and
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import heapq
 
 from megakernel import isa
 from megakernel.layers import kind
@@ -133,6 +135,7 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
     # ---- per record: dataflow, invariants, coverage
     cover: dict[tuple, list[tuple[int, int]]] = {}
     want_cover: dict[tuple, int] = {("EMBED",): prog.rows, ("ARGMAX",): 1}
+    times: dict[tuple, int] = {}  # covers per step, when not one
     for i, blk in enumerate(blocks.blocks):
         for op, units in kind(blk.kind).coverage(blk, prog).items():
             want_cover[(op, i)] = units
@@ -163,7 +166,7 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
                 if d["NROWS"] % isa.ROW_ALIGN or d["ROW0"] % isa.ROW_ALIGN:
                     raise ProgramError(f"{where}: slab not aligned to {isa.ROW_ALIGN} rows")
                 j = bisect.bisect_right(starts, d["W"]) - 1
-                key, off, rows, k = entries[j] if j >= 0 else (None, 0, 0, 0)
+                key, off, rows, k, _ = entries[j] if j >= 0 else (None, 0, 0, 0, 1)
                 if key is None or d["K"] != k or (d["W"] - off) != d["ROW0"] * k:
                     raise ProgramError(f"{where}: slab at element {d['W']} is not row {d['ROW0']} "
                                        "of a packed matrix")
@@ -175,34 +178,46 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
             else:
                 lo, hi = kind(blocks.blocks[b].kind).cover(d, blocks.blocks[b], prog)
                 cover.setdefault((spec.name, b), []).append((lo, hi))
-    for key, _, rows, _ in entries:
-        want_cover[(key,)] = rows
+    for key, _, rows, _, t in entries:
+        if t:
+            want_cover[(key,)] = rows
+            times[(key,)] = t
     extra = set(cover) - set(want_cover)
     if extra:
         raise ProgramError(f"instructions for units that should not exist: {sorted(extra)[:5]}")
     for key, n in want_cover.items():
-        pos = 0
-        for lo, hi in sorted(cover.get(key, [])):
-            if lo != pos or hi <= lo:
-                what = "missing" if lo > pos else "repeated"
-                raise ProgramError(f"{key}: units not covered exactly once per step ({what} "
-                                   f"units from {min(lo, pos)})")
-            pos = hi
-        if pos != n:
-            raise ProgramError(f"{key}: units not covered exactly once per step (missing units "
-                               f"{pos}..{n - 1})" if pos < n else f"{key}: units past {n}")
+        _check_cover(key, sorted(cover.get(key, [])), n, times.get(key, 1))
     _check_deadlock(recs, names, totals)
 
 
-def _slab_entries(prog) -> list[tuple[str, int, int, int]]:  # noqa: ANN001
-    """(key, offset, rows, K) of every packed matrix the slab records must cover, by offset."""
+def _check_cover(key: tuple, spans: list[tuple[int, int]], n: int, times: int) -> None:
+    """Sorted spans [lo, hi) cover [0, n) exactly `times` times (a span starts where one of the
+    `times` layers ends)."""
+    ends = [0] * times  # a heap of where the layers of the cover have reached
+    what = "once" if times == 1 else f"{times} times"
+    for lo, hi in spans:
+        if lo != ends[0] or hi <= lo:  # the layer that reached least must go on here
+            why = "missing" if lo > ends[0] else "repeated"
+            raise ProgramError(f"{key}: units not covered exactly {what} per step ({why} "
+                               f"units from {min(lo, ends[0])})")
+        heapq.heapreplace(ends, hi)
+    for pos in ends:
+        if pos != n:
+            raise ProgramError(f"{key}: units not covered exactly {what} per step (missing units "
+                               f"{pos}..{n - 1})" if pos < n else f"{key}: units past {n}")
+
+
+def _slab_entries(prog) -> list[tuple[str, int, int, int, int]]:  # noqa: ANN001
+    """(key, offset, rows, K, covers per step) of every packed matrix the slab records point
+    into, by offset."""
     cfg, lay = prog.cfg, prog.layout
-    keys = ["lm_head" if "lm_head" in lay else "embed"]
+    keys = [("lm_head" if "lm_head" in lay else "embed", 1)]
     for blk in cfg.blocks:
+        passes = kind(blk.kind).slab_passes(blk, prog)
         for item in kind(blk.kind).matrices(blk, cfg):
             if not (len(item) > 2 and item[2]):  # an entry that follows its matrix (a bias)
-                keys.append(f"{blk.key}.{item[0]}")
-    out = [(k, lay[k].offset, lay[k].shape[0], lay[k].shape[1]) for k in keys]
+                keys.append((f"{blk.key}.{item[0]}", passes.get(item[0], 1)))
+    out = [(k, lay[k].offset, lay[k].shape[0], lay[k].shape[1], t) for k, t in keys]
     return sorted(out, key=lambda e: e[1])
 
 

@@ -4,6 +4,8 @@ Routing per token, all fp32 (router weight kept fp32):
     s = sigmoid(W_r x);  choice = s + e_score_correction_bias
     group score = sum of the top-2 choices in each of n_group groups; keep the topk_group best
     experts = top_k of choice within the kept groups;  weight_e = s_e (not the biased choice)
+    ties (equal group scores or choices) go to the lower index, so that every implementation
+    picks the same experts (torch.topk leaves the order of equal values unspecified)
     weights /= sum(weights) + 1e-20 (norm_topk_prob);  weights *= routed_scaling_factor
     out = sum_e weight_e * SwiGLU_e(x) + SharedSwiGLU(x)
 Experts are accumulated in increasing expert index, then the shared experts are added (as HF does).
@@ -25,6 +27,11 @@ if TYPE_CHECKING:
     from megakernel.models.config import Block, ModelConfig
 
 
+def _top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest of each row of x, largest first, equal values by lower index."""
+    return x.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
 def route(cfg: MoEConfig, logits: torch.Tensor, bias: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> (weights [N, top_k] fp32, expert ids [N, top_k])."""
@@ -33,10 +40,10 @@ def route(cfg: MoEConfig, logits: torch.Tensor, bias: torch.Tensor
     choice = scores + bias
     per_group = e // cfg.n_group
     group_scores = choice.reshape(n, cfg.n_group, per_group).topk(2, dim=-1).values.sum(-1)
-    groups = group_scores.topk(cfg.topk_group, dim=-1).indices  # [N, topk_group]
+    groups = _top(group_scores, cfg.topk_group)  # [N, topk_group]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
     keep = keep[:, :, None].expand(n, cfg.n_group, per_group).reshape(n, e)
-    ids = choice.masked_fill(~keep, float("-inf")).topk(cfg.top_k, dim=-1).indices
+    ids = _top(choice.masked_fill(~keep, float("-inf")), cfg.top_k)
     weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -2,10 +2,11 @@
 
 What only the MoE does: packing (expert x: gate/up interleaved in blocks
 of 16 from w1 / w3, down = w2; the shared expert last, as expert E), the header, the stages
-(router, every expert's gate/up, every expert's down, combine; an expert matrix in at most 8
-slabs), and the bytes of its experts (a routed expert's slabs weighted by the chance a row picks
-it). What every kind answers for (the config's refusals, shapes with the router kept fp32,
-the fp32 router row [W_r | bias], buffers, records, executor): test_layers_contract.py.
+(router, every work slot's gate/up and the shared expert's, the same for down, combine; an expert
+matrix in at most 8 slabs), the work list, and the bytes of its experts (the work slots' slabs
+weighted by the expected routed experts). What every kind answers for (the config's refusals,
+shapes with the router kept fp32, the fp32 router row [W_r | bias], buffers, records, executor):
+test_layers_contract.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from megakernel import isa
 from megakernel.isa.records import GATEUP_BLOCK
 from megakernel.layers import kind
-from megakernel.layers.moe import EXPERT_SLABS
+from megakernel.layers.moe import EXPERT_SLABS, work_list
 from megakernel.models import Block, ModelConfig, preset
 from megakernel.program.bytes import step_bytes_by_category
 from tests.layers.helpers import (
@@ -41,7 +42,7 @@ def test_header() -> None:
     assert scale == struct.unpack("<f", struct.pack("<f", e.routed_scaling_factor))[0]
     assert hdr == dict(MOE_E=e.num_experts, MOE_TOPK=e.top_k, MOE_I=e.intermediate_size,
                        MOE_N_GROUP=e.n_group, MOE_TOPK_GROUP=e.topk_group, MOE_NORM=1,
-                       MOE_SHARED=1)
+                       MOE_SHARED=1, MOE_X_STRIDE=3 * e.intermediate_size * cfg.hidden_size)
 
 
 @pytest.mark.parametrize(("cfg", "blk"), cases("moe"))
@@ -64,62 +65,108 @@ def test_pack_experts_then_the_shared_one(cfg: ModelConfig, blk: Block) -> None:
 
 
 @pytest.mark.parametrize(("cfg", "blk"), cases("moe", variants=False))
-def test_stages(cfg: ModelConfig, blk: Block) -> None:
-    """ROUTER, then every expert's gate/up (the shared one last), every expert's down, then the
+@pytest.mark.parametrize("batch", [1, 3])
+def test_stages(cfg: ModelConfig, blk: Block, batch: int) -> None:
+    """ROUTER, then the gate/up of every work slot (min(E, N top_k) of them, at expert 0's
+    matrix) and of the shared expert (slot -1, its own matrix), the same for down, then the
     combine; an expert matrix in at most EXPERT_SLABS slabs of whole block pairs / 16 rows."""
     e, h = blk.cfg, cfg.hidden_size
-    ctx = build_context(cfg, batch=3)
+    ctx = build_context(cfg, batch=batch)
     stages, end = MOE.stages(blk, ctx, wait=-1)
-    xs = list(MOE.experts(e))
-    assert [s.op for s in stages] == ([isa.Op.ROUTER] + [isa.Op.EXPERT_GATEUP] * len(xs)
-                                      + [isa.Op.EXPERT_DOWN] * len(xs) + [isa.Op.MOE_COMBINE])
+    slots = min(e.num_experts, batch * e.top_k)
+    bindings = [(w, 0) for w in range(slots)] + [(-1, e.num_experts)]
+    assert [s.op for s in stages] == ([isa.Op.ROUTER] + [isa.Op.EXPERT_GATEUP] * len(bindings)
+                                      + [isa.Op.EXPERT_DOWN] * len(bindings)
+                                      + [isa.Op.MOE_COMBINE])
     router, comb = stages[0], stages[-1]
     assert router.units == 1 and not router.divisible
     r = router.make(0, 1).operands
     reg = ctx.buf.f32["router"]
     assert r["ROUTER_OFF"] == reg.offset + ctx.buf.row("moe", blk.layer) * reg.shape[1]
     assert r["IDS_OFF"] == ctx.buf.i32["moe_ids"].offset
-    for x, gu, dn in zip(xs, stages[1:1 + len(xs)], stages[1 + len(xs):-1], strict=True):
+    assert (r["WORK_OFF"], r["SLOTS"]) == (ctx.buf.i32["moe_work"].offset, slots)
+    assert ctx.buf.i32["moe_work"].shape == (slots, 2 + batch)
+    n = len(bindings)
+    for (w, x), gu, dn in zip(bindings, stages[1:1 + n], stages[1 + n:-1], strict=True):
         assert gu.units <= EXPERT_SLABS and gu.unit_rows % (2 * GATEUP_BLOCK) == 0
         assert gu.units * gu.unit_rows == 2 * e.intermediate_size
         assert dn.units <= EXPERT_SLABS and dn.unit_rows % 16 == 0
         assert dn.units * dn.unit_rows == h
-        assert gu.make(0, 1).operands["EXPERT"] == dn.make(0, 1).operands["EXPERT"] == x
+        assert gu.make(0, 1).operands["SLOT"] == dn.make(0, 1).operands["SLOT"] == w
         assert gu.make(0, 1).operands["W"] == ctx.lay[f"{blk.key}.x{x}.gateup"].offset
+        assert dn.make(0, 1).operands["W"] == ctx.lay[f"{blk.key}.x{x}.down"].offset
     assert (comb.units, comb.unit_rows) == (h // 16, 16)
     assert end == ctx.ctr.ids[f"L{blk.layer}.down"]
 
 
-def test_expert_matrices_are_cut_into_at_most_8_slabs() -> None:
-    """At the published size (256 experts, I = 1024, H = 2304) an expert's gate/up is 64 block
-    pairs and its down 144 row groups: each is cut into 8 slabs, not one per SM."""
+def test_expert_stride_is_the_packed_layout() -> None:
+    """MOE_X_STRIDE (header) is the distance between consecutive experts' matrices in the arena,
+    the shared expert included: what a bound slot adds to expert 0's slab address."""
+    cfg, blk = blocks_of("moe")[0]
+    lay = build_context(cfg).lay
+    stride = MOE.header(blk, cfg)["MOE_X_STRIDE"]
+    for m in ("gateup", "down"):
+        offs = [lay[f"{blk.key}.x{x}.{m}"].offset for x in MOE.experts(blk.cfg)]
+        assert {b - a for a, b in zip(offs, offs[1:], strict=False)} == {stride}
+
+
+def test_expert_instructions_in_proportion_to_the_routed_experts() -> None:
+    """At the published size (256 experts, top 8, I = 1024, H = 2304) and B = 1 a step has 8
+    work slots plus the shared expert, each matrix cut into 8 slabs (not 257 experts' slabs);
+    at B = 64 the slots are bounded by E."""
     cfg = preset("kimi-linear-48b-a3b")
     blk = next(b for b in cfg.blocks if b.kind == "moe")
-    stages, _ = MOE.stages(blk, build_context(cfg, batch=1, max_seq_len=64), wait=-1)
-    experts = [s for s in stages if s.op in (isa.Op.EXPERT_GATEUP, isa.Op.EXPERT_DOWN)]
-    assert len(experts) == 2 * 257
-    assert {(s.op, s.units, s.unit_rows) for s in experts} == {
-        (isa.Op.EXPERT_GATEUP, 8, 256), (isa.Op.EXPERT_DOWN, 8, 288)}
+    for batch, slots in ((1, 8), (64, 256)):
+        stages, _ = MOE.stages(blk, build_context(cfg, batch=batch, max_seq_len=64), wait=-1)
+        experts = [s for s in stages if s.op in (isa.Op.EXPERT_GATEUP, isa.Op.EXPERT_DOWN)]
+        assert len(experts) == 2 * (slots + 1)
+        assert {(s.op, s.units, s.unit_rows) for s in experts} == {
+            (isa.Op.EXPERT_GATEUP, 8, 256), (isa.Op.EXPERT_DOWN, 8, 288)}
 
 
-def test_router_rows_and_expert_bytes() -> None:
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_router_rows_and_expert_bytes(batch: int) -> None:
     """In the compiled program: each block's router record reads its row of the router table;
-    the shared expert's slabs are streamed in full, a routed expert's weighted by the chance
-    that a row picks it."""
-    prog = tiny_program("kimi-linear-tiny")
+    the shared expert's slabs are streamed in full, the work slots' together the expected
+    routed experts' (E (1 - (1 - top_k / E)^N) of them under uniform routing)."""
+    prog = tiny_program("kimi-linear-tiny", batch=batch)
     router = prog.buffers.f32["router"]
     for row, blk in enumerate(b for b in prog.cfg.blocks if b.kind == "moe"):
         e, h = blk.cfg, prog.cfg.hidden_size
         (r,) = [d for d in block_records(prog, blk) if d["OPCODE"].name == "ROUTER"]
         assert r["ROUTER_OFF"] == router.offset + row * (e.num_experts * h + e.num_experts)
         full = 2 * (2 * e.intermediate_size * h + h * e.intermediate_size)
-        p_used = 1.0 - (1.0 - e.top_k / e.num_experts) ** prog.rows
-        for x in MOE.experts(e):
-            got = sum(i.w_bytes for i in prog.instrs if i.layer == blk.layer
-                      and i.op in (isa.Op.EXPERT_GATEUP, isa.Op.EXPERT_DOWN)
-                      and i.operands["EXPERT"] == x)
-            share = 1.0 if x == e.num_experts else p_used
-            assert got == pytest.approx(full * share, abs=16), x
+        expected = e.num_experts * (1.0 - (1.0 - e.top_k / e.num_experts) ** prog.rows)
+        slots = min(e.num_experts, prog.rows * e.top_k)
+
+        def streamed(routed: bool, layer: int = blk.layer) -> int:
+            return sum(i.w_bytes for i in prog.instrs if i.layer == layer
+                       and i.op in (isa.Op.EXPERT_GATEUP, isa.Op.EXPERT_DOWN)
+                       and (i.operands["SLOT"] >= 0) == routed)
+
+        assert streamed(False) == full
+        assert streamed(True) == pytest.approx(full * expected, abs=16 * slots)
     experts = sum(i.w_bytes for i in prog.instrs if isa.spec(i.op).kind == "moe"
                   and isa.spec(i.op).slab)
     assert step_bytes_by_category(prog)["expert"] == experts > 0
+
+
+def test_work_list() -> None:
+    """The routed experts in increasing id, one slot each, with their (row, top-k slot) pairs
+    p = n top_k + s in increasing p; slots past them [-1, 0, -1 ...]; an expert no row picks has
+    no slot."""
+    ids = torch.tensor([[5, 2, 7], [2, 0, 5]])  # N = 2, top_k = 3; experts 1, 3, 4, 6 unpicked
+    got = work_list(ids, num_experts=8)
+    assert got.dtype == torch.int32 and got.shape == (6, 4)  # min(8, 2 * 3) slots
+    assert got.tolist() == [[0, 1, 4, -1], [2, 2, 1, 3], [5, 2, 0, 5], [7, 1, 2, -1],
+                            [-1, 0, -1, -1], [-1, 0, -1, -1]]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(64, generator=g)[:4] for _ in range(7)])  # N = 7, k = 4
+    w = work_list(ids, 64)
+    used = torch.unique(ids)
+    assert w.shape == (28, 9) and torch.equal(w[: len(used), 0].long(), used)
+    assert bool((w[len(used):, 0] == -1).all())
+    for x, m, *pairs in w[: len(used)].tolist():
+        assert pairs[:m] == sorted(pairs[:m]) and set(pairs[m:]) <= {-1}
+        assert [int(ids.reshape(-1)[p]) for p in pairs[:m]] == [x] * m
+    assert int(w[:, 1].sum()) == ids.numel()  # every (row, top-k slot) pair once

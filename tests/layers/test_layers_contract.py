@@ -222,7 +222,9 @@ def needs_of(blk: Block, model: ModelConfig, shape: StepShape
             ("f32", "moe_w"): ((n, c.top_k), SCRATCH, False, False, None),
             ("f32", "moe_y"): ((n, c.slots, h), SCRATCH, False, False, None),
             ("bf16", "act_moe"): ((n, c.slots, c.intermediate_size), SCRATCH, False, False, None),
-            ("i32", "moe_ids"): ((n, c.top_k), SCRATCH, False, False, None)}
+            ("i32", "moe_ids"): ((n, c.top_k), SCRATCH, False, False, None),
+            ("i32", "moe_work"): ((min(c.num_experts, n * c.top_k), 2 + n), SCRATCH, False,
+                                  False, None)}
 
 
 def coverage_of(blk: Block, prog: Any) -> dict[str, int]:

@@ -94,6 +94,11 @@ def _expert_slab_dropped(rec: torch.Tensor) -> None:
     rec[s, p:-1] = rec[s, p + 1 :].clone()
 
 
+def _expert_slot_past_the_list(rec: torch.Tensor) -> None:
+    s, p = _first(rec, Op.EXPERT_GATEUP)
+    rec[s, p, isa.spec(Op.EXPERT_GATEUP).index("SLOT")] = 1 << 20
+
+
 def _unit_run_twice(rec: torch.Tensor) -> None:
     first_layer = (rec[:, :, 0] == Op.KDA_REPLAY) & (rec[:, :, 5] == 0)
     (s, p), (s2, p2) = first_layer.nonzero()[:2].tolist()
@@ -117,6 +122,7 @@ BUGS: dict[str, tuple[tuple, Callable[[torch.Tensor], None], str]] = {
                                "its input is produced by 'L2.proj'"),
     "expert-slab-dropped": (KIMI, _expert_slab_dropped, "exactly once|increments per step"),
     "recurrent-unit-twice": (KIMI, _unit_run_twice, "exactly once"),
+    "expert-slot-past-the-list": (KIMI, _expert_slot_past_the_list, "outside the work list"),
     "slab-mid-row": (KIMI, _slab_mid_row, "is not row"),
 }
 

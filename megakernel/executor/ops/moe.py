@@ -1,5 +1,6 @@
 """ROUTER, EXPERT_GATEUP, EXPERT_DOWN and MOE_COMBINE (layers/moe.py); the routing is the
-reference's (reference/layers/moe.py)."""
+reference's (reference/layers/moe.py). An expert record is bound at run time to its work slot's
+expert: an unbound slot reads no weights (the executor's `slab_bytes` counts what is read)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from megakernel import isa
 from megakernel.executor.core import Executor, op
+from megakernel.layers.moe import SHARED, MoEConfig, work_list
 from megakernel.reference.layers.moe import route
 
 
@@ -22,22 +24,28 @@ def router(ex: Executor, d: dict, epoch: int) -> None:
     wts, ids = route(e, F.linear(x, wr), bias)
     ex.write("i32", d["IDS_OFF"], (n, e.top_k), slice(None), ids.to(torch.int32))
     ex.write("f32", d["WTS_OFF"], (n, e.top_k), slice(None), wts)
+    ex.write("i32", d["WORK_OFF"], (d["SLOTS"], 2 + n), slice(None), work_list(ids, ne))
 
 
-def _routed(ex: Executor, d: dict, e) -> list[tuple[int, int]]:  # noqa: ANN001
-    """(token, slot) pairs routed to the record's expert (the shared one: every token)."""
+def _bound(ex: Executor, d: dict, e: MoEConfig) -> tuple[dict, list[tuple[int, int]]]:
+    """The record bound to its slot's expert (W moved to that expert's slab) and the (row,
+    top-k slot) pairs routed to it; no pairs for a slot past the routed experts."""
     n = ex.prog.rows
-    if d["EXPERT"] == e.num_experts:
-        return [(i, e.top_k) for i in range(n)]
-    ids = ex.read("i32", d["IDS_OFF"], (n, e.top_k))
-    return [tuple(x) for x in (ids == d["EXPERT"]).nonzero().tolist()]
+    if d["SLOT"] == SHARED:
+        return d, [(t, e.top_k) for t in range(n)]
+    row = ex.read("i32", d["WORK_OFF"], (e.work_slots(n), 2 + n), d["SLOT"])
+    x, m = int(row[0]), int(row[1])
+    if x < 0:
+        return d, []
+    stride = ex.prog.header["MOE_X_STRIDE"]
+    return {**d, "W": d["W"] + x * stride}, [divmod(p, e.top_k) for p in row[2 : 2 + m].tolist()]
 
 
 @op("EXPERT_GATEUP")
 def expert_gateup(ex: Executor, d: dict, epoch: int) -> None:
     e, n = ex.block(d, "moe").cfg, ex.prog.rows
-    pairs = _routed(ex, d, e)
-    if not pairs:  # no token picked this expert: nothing to stream
+    d, pairs = _bound(ex, d, e)
+    if not pairs:  # an unbound slot: nothing to stream
         return
     x = ex.norm_input(d)[[t for t, _ in pairs]]  # [m, H]
     blk = F.linear(x, ex.slab(d).float()).view(len(pairs), -1, 2, isa.GATEUP_BLOCK)
@@ -51,7 +59,7 @@ def expert_gateup(ex: Executor, d: dict, epoch: int) -> None:
 @op("EXPERT_DOWN")
 def expert_down(ex: Executor, d: dict, epoch: int) -> None:
     e, n, hid = ex.block(d, "moe").cfg, ex.prog.rows, ex.cfg.hidden_size
-    pairs = _routed(ex, d, e)
+    d, pairs = _bound(ex, d, e)
     if not pairs:
         return
     x = torch.stack([ex.read("bf16", d["IN_OFF"], (n, e.slots, d["K"]), (t, s))
