@@ -10,6 +10,11 @@ layer's), the state block of that layer before the step, and its outputs after i
 truth: new conv window and states within fp32 rounding, ssm_out within one bf16 ulp. Shapes:
 nemotron-h-tiny (R = 4, N = 16: two rows per warp pass) at B = 2, T = 1 and 4, and two other
 head shapes (SHAPES: N = 128 with four row tiles and a 3-tap conv; N = 8, four rows per pass).
+
+MAMBA_REPLAY (kernel/mamba_replay.py) the same way, step after step with L = 4 from staggered
+ring positions: the ring's B and dt, B . C per (token, entry) as warp reductions, the segment
+sums, the entries spread over a row's lanes, the fold; the whole state block (window, S_c, ring
+x, B, dt), the layer's ring_count and ssm_out against the executor's.
 """
 
 from __future__ import annotations
