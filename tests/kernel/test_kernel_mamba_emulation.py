@@ -30,6 +30,7 @@ from megakernel.executor import Executor, executor_gpu
 from megakernel.kernel.gdn_index import SOFTPLUS_LINEAR
 from megakernel.kernel.mamba_index import LANES, MambaShape, check_mamba
 from megakernel.kernel.spec import NUM_THREADS, SpecError, make_spec
+from megakernel.layers import kind
 from megakernel.layers.mamba2 import Mamba2Config
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
@@ -407,3 +408,57 @@ def test_mamba_shapes_the_handler_refuses():
     cfg = dataclasses.replace(preset("nemotron-h-tiny"), mamba2=Mamba2Config(8, 8, 24, 2, 4))
     with pytest.raises(SpecError, match="state size 24"):
         make_spec(cfg, 1, 1, "sm_90a")
+
+
+class Traffic:
+    """The state arena seen through [] with the elements read (before any write of theirs this
+    step) and written marked: the handler's global traffic, distinct elements."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+        self.read = np.zeros(a.shape, dtype=bool)
+        self.written = np.zeros(a.shape, dtype=bool)
+
+    def __getitem__(self, idx):  # noqa: ANN001, ANN204
+        self.read[idx] |= ~self.written[idx]
+        return self.a[idx]
+
+    def __setitem__(self, idx, v) -> None:  # noqa: ANN001
+        self.written[idx] = True
+        self.a[idx] = v
+
+
+def test_mamba_replay_traffic_is_what_the_cost_model_charges():
+    """Over one window of L steps at T = 1 from an empty ring, the replay emulation's distinct
+    state-arena elements read and written per step, on average, are the bytes layers/recurrent.py
+    charges the layer (S_c read once a step, the committed entries once, T entries appended,
+    S_c written at the fold, the window read and written once)."""
+    window, batch = 4, 2
+    cfg = preset("nemotron-h-tiny")
+    m = make_spec(cfg, batch, 1, "sm_90a", replay_window=window).mamba_shape
+    prog = compile_program(cfg, batch, executor_gpu(8), tokens=1, max_seq_len=32,
+                           replay_window=window)
+    ex = Executor(prog, pack_weights(cfg, random_weights(cfg, seed=3)), check=True)
+    layer = max(b.layer for b in cfg.blocks if b.kind == "mamba2")
+    blk = next(b for b in cfg.blocks if b.layer == layer and b.kind == "mamba2")
+    regs = prog.buffers.state[layer]
+    recs = last_mamba_records(prog, layer, isa.Op.MAMBA_REPLAY)
+    gen = torch.Generator().manual_seed(23)
+    total: dict[str, int] = {}
+    for _ in range(window):
+        S, I32 = Traffic(ex.state.numpy().astype(F).copy()), ex.i32.numpy().copy()
+        ex.step(torch.randint(0, cfg.vocab_size, (batch, 1), generator=gen))
+        out = np.full(ex.bf16.numel(), np.nan, dtype=F)
+        for d in recs:
+            emulate_replay(m, window, d, ex.weights.float().numpy(), ex.f32.numpy(), S, I32,
+                           out, cfg.rms_norm_eps)
+        for name, r in regs.items():
+            part = "ring" if name in ("x", "B", "dt") else name
+            for what, mask in (("read", S.read), ("written", S.written)):
+                key = f"{part}_{what}"
+                total[key] = total.get(key, 0) + 4 * int(mask[r.offset : r.offset + r.numel].sum())
+    charged = kind("mamba2").step_bytes(blk, prog)
+    mine = {k: v / window for k, v in total.items()}
+    for k in ("state_read", "state_written", "ring_read", "ring_written", "conv_read",
+              "conv_written"):
+        assert mine[k] == charged[k], (k, mine[k], charged[k])
