@@ -293,14 +293,19 @@ def check_pages(spec: dict[str, Any], tensors: dict[str, torch.Tensor], slots: i
 
 def check_header(header: dict[str, int], spec: dict[str, Any]) -> None:
     """The program header's constants a build bakes in (KernelSpec): the RMSNorm form, the RoPE
-    dims, the output gate and its buffer's offset, the page pool of a paged build (and no pages
-    for a contiguous one); ArgumentError naming the first mismatch."""
+    dims, the output gate and its buffer's offset, the ReplaySSM window and ring capacity, the
+    page pool of a paged build (and no pages for a contiguous one); ArgumentError naming the
+    first mismatch."""
     rotary = (spec.get("rotary") or spec["head_dim"]) if spec.get("rope", True) else 0
     gated = bool(spec.get("output_gate"))
     want = {"NORM_KIND": int(bool(spec.get("norm_one_plus"))), "ROTARY_DIM": rotary,
             "OUTPUT_GATE": int(gated)}
     if gated:
         want["F32_GATE_OFF"] = spec["gate_off"]
+    window = spec.get("replay_window", 0)
+    want["REPLAY_WINDOW"] = window
+    if window:
+        want["RING_CAP"] = window - 1 + spec["tokens"]  # KernelSpec.ring_cap
     if spec.get("paged"):
         from megakernel.kernel.paged_index import PagedShape
 
@@ -383,7 +388,7 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                     raise ArgumentError(f"{where}: sequence {d['B_IDX']}, key head "
                                         f"{d['K_HEAD']}, state offset {d['STATE']} outside the "
                                         f"build's B={B}, Hk={gdn.hk}")
-            elif op == Op.MAMBA_CORE:
+            elif op in (Op.MAMBA_CORE, Op.MAMBA_REPLAY):
                 if not (0 <= d["B_IDX"] < B and 0 <= d["GROUP"] < mamba.groups
                         and d["STATE"] >= 0):
                     raise ArgumentError(f"{where}: sequence {d['B_IDX']}, group {d['GROUP']}, "

@@ -211,20 +211,21 @@ def _require_gpu() -> None:
 
 
 def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
-               build_dir: str | Path | None, replay: bool = False,
+               build_dir: str | Path | None, replay_window: int = 0,
                paged=None) -> Manifest:  # noqa: ANN001 (program.paged.PagedKV | None)
     """The manifest to launch: `build_dir` / $MEGAKERNEL_BUILD_DIR (AOT; a single build
-    DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache (`replay`: for programs
-    with a ReplaySSM window; `paged`: the paged-KV build for this page pool)."""
+    DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache (`replay_window`: for
+    programs with that ReplaySSM window, 0 = the recurrent update; `paged`: the paged-KV build
+    for this page pool)."""
     from megakernel.kernel.spec import make_spec
 
     # SpecError names what the kernel cannot run
-    need = make_spec(cfg, batch, tokens, arch, replay=replay, paged=paged)
+    need = make_spec(cfg, batch, tokens, arch, replay_window=replay_window, paged=paged)
     build_dir = build_dir or os.environ.get(ENV_BUILD_DIR)
     if build_dir is None:
         from megakernel.kernel.jit import ensure_build
 
-        build_dir = ensure_build(cfg, batch, tokens, arch)
+        build_dir = ensure_build(cfg, batch, tokens, arch, replay_window=replay_window)
     build_dir = Path(build_dir)
     if not (build_dir / arch / "manifest.json").is_file():  # a build set: DIR/<tag>/<arch>/
         tagged = build_dir / need.tag
@@ -357,7 +358,7 @@ class Megakernel:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             dev = device_info(self.device)
             self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir,
-                                       replay=bool(replay_window))
+                                       replay_window=replay_window or 0)
             target = from_device(self.device.index)
         self.prog = compile_program(cfg, batch, target, tokens=tokens, max_seq_len=max_seq_len,
                                     replay_window=replay_window, n_splits=n_splits)

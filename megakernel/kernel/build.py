@@ -143,13 +143,15 @@ def _newest(d: str, pattern: str) -> str:
 def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
                tokens: int = 1, num_threads: int = spec_mod.NUM_THREADS,
                smem_stages: int | None = None, timeline: bool = False,
-               l2_window: int = -1, paged=None) -> dict:  # noqa: ANN001 (PagedKV | None)
+               l2_window: int = -1, replay_window: int = 0,
+               paged=None) -> dict:  # noqa: ANN001 (PagedKV | None)
     """Compile one arch into out_dir/<arch>/ and return its manifest (`smem_stages`: the
     shared-memory weight pipeline's stages, None = the deepest ring that fits, spec.make_spec;
     `timeline`: the variant that records per-instruction times, megakernel/timeline.py;
+    `replay_window`: the ReplaySSM fold window L of the programs it runs, 0 = recurrent;
     `paged`: the paged-KV build for this page pool, program/paged.PagedKV)."""
     spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages, timeline, l2_window,
-                     paged=paged)
+                     replay_window=replay_window, paged=paged)
     dest = Path(out_dir) / arch
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mk-dump-") as dump:
@@ -194,11 +196,13 @@ def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
 
 
 def build(cfg: ModelConfig, archs: list[str], out_dir: str | Path, batch: int = 1,
-          tokens: int = 1, paged=None) -> list[dict]:  # noqa: ANN001 (PagedKV | None)
+          tokens: int = 1, replay_window: int = 0,
+          paged=None) -> list[dict]:  # noqa: ANN001 (PagedKV | None)
     for a in archs:
         if a not in ARCHS:
             raise BuildError(f"unsupported arch {a!r}; supported: {', '.join(ARCHS)}")
-    return [build_arch(cfg, a, out_dir, batch, tokens, paged=paged) for a in archs]
+    return [build_arch(cfg, a, out_dir, batch, tokens, replay_window=replay_window, paged=paged)
+            for a in archs]
 
 
 def report_line(m: dict) -> str:
@@ -217,6 +221,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (DIR/<arch>/...)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step B (default 1)")
     p.add_argument("--tokens", type=int, default=1, help="tokens per sequence per step T")
+    p.add_argument("--replay-window", type=int, default=0, metavar="L",
+                   help="ReplaySSM fold window of the programs it runs (0: recurrent update)")
     p.add_argument("--paged", default=None, metavar="BLOCKS,BLOCK_SIZE,MAX_BLOCKS",
                    help="the paged-KV build for this page pool (program/paged.py)")
     p.add_argument("--json", action="store_true", help="print the manifests as JSON last")
@@ -241,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
             paged = PagedKV(*(int(x) for x in args.paged.split(",")))
         except (TypeError, ValueError) as e:
             raise CliError(f"--paged {args.paged!r}: BLOCKS,BLOCK_SIZE,MAX_BLOCKS ({e})") from None
-    manifests = build(cfg, archs, args.out, args.batch, args.tokens, paged)
+    manifests = build(cfg, archs, args.out, args.batch, args.tokens, args.replay_window, paged)
     for m in manifests:
         print(report_line(m))
     print(f"built {len(manifests)} arch(es) into {args.out} in {time.perf_counter() - t0:.1f} s")

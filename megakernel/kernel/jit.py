@@ -37,8 +37,9 @@ def dsl_version() -> str | None:
 
 
 def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
-                 root: Path | None = None) -> Path:
-    """A build directory for (cfg, batch, tokens, arch): from the cache, or compiled now."""
+                 root: Path | None = None, replay_window: int = 0) -> Path:
+    """A build directory for (cfg, batch, tokens, arch, ReplaySSM window): from the cache, or
+    compiled now."""
     version = dsl_version()
     if version is None:
         from megakernel.runtime import KernelUnavailable
@@ -47,7 +48,7 @@ def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
                                 "(nvidia-cutlass-dsl) is not installed to compile one; build on "
                                 "another machine with `python -m megakernel build` and pass "
                                 "its output directory")
-    spec = make_spec(cfg, batch, tokens, arch)
+    spec = make_spec(cfg, batch, tokens, arch, replay_window=replay_window)
     key = fingerprint(spec, version)
     root = root or cache_root()
     entry = root / key[:32]
@@ -63,7 +64,7 @@ def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
 
             tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
             try:
-                build_arch(cfg, arch, tmp, batch, tokens)
+                build_arch(cfg, arch, tmp, batch, tokens, replay_window=replay_window)
                 entry.mkdir(parents=True, exist_ok=True)
                 os.replace(tmp / arch, entry / arch)
             finally:

@@ -19,6 +19,29 @@ One record runs one (sequence b, group j) with its R = H / G heads h = j R + r, 
 3. output: one warp per token: g = y silu(z) over the group's R P columns, RMSNorm over them,
    times w, to bf16.
 
+MAMBA_REPLAY (ReplaySSM, ring capacity CAP = L - 1 + T, L = KernelSpec.replay_window) runs the
+same conv, gates and output; with n = ring_count[b, j] committed entries (n < L) and the T new
+ones at n .. n + T - 1 (entry e: x_e [R P], B_e [N], dt_e [R]; Lam_h(t, e) = A_h sum dt_h over
+entries (e, t], summed over the segment as reference/layers/common.segsum):
+
+  r1. ring: the committed entries' B and dt come to shared memory (n (N + R) values, read once),
+      the T new entries are appended to the ring (x, B, dt: written once); lam[e][r] = A dt.
+  r2. dots[t][e] = B_e . C_t for e <= n + t: one warp per (t, e).
+  r3. per (token, entry, head) coef[t][e][r] = dt_e e^{Lam(n+t, e)} dots[t][e] (0 after n + t),
+      decay[t][r] = e^{Lam(n+t, c)} (from the committed state), and the fold weights
+      wf[e][r] = dt_e e^{Lam(n+T-1, e)}: one thread each, the decays summed over the segment.
+  r4. the committed state S_c in the row tiles of step 2, read once: per row the lanes of the
+      row share y_t = decay (S_c . C_t) + sum_e coef[t][e] x_e[row] + D x_t (lane l takes the
+      entries e = l mod LPR, so each committed x_e[row] is read from the ring once; the new ones
+      come from shared memory), one segmented reduction per token. When n + T >= L the tile is
+      folded, S <- decay[T-1] S_c + sum_e x_e[row] (wf[e] B_e), written once, and the count is
+      0; otherwise S_c is not written and the count is n + T.
+
+Traffic per record and step: S_c read once and written only at a fold (one step in L / T), the n
+committed entries read once (B and dt to shared memory, x by the state tiles; a fold re-reads x
+from L1/L2), T entries written, the window read and written once: what layers/recurrent.py
+charges (state_read, ring_read, ring_written, state_written = state T / L).
+
 Plain arithmetic on ints here and in the host emulation
 (tests/kernel/test_kernel_mamba_emulation.py), on Int32/Int64 in the kernel: the same functions
 index both.
@@ -36,7 +59,8 @@ REG_VALUES = 16  # state values a thread holds (RPT rows x N / LPR columns)
 
 @dataclass(frozen=True)
 class MambaShape:
-    """A build's Mamba2 constants: KernelSpec.mamba = (H, P, N, G, K), batch, tokens, warps."""
+    """A build's Mamba2 constants: KernelSpec.mamba = (H, P, N, G, K), batch, tokens, warps, and
+    the ReplaySSM ring capacity (0: the recurrent update)."""
 
     heads: int
     head_dim: int
@@ -46,10 +70,12 @@ class MambaShape:
     batch: int
     tokens: int
     num_warps: int
+    cap: int = 0  # ring entries per (sequence, layer): L - 1 + T (KernelSpec.ring_cap)
 
     @classmethod
-    def of(cls, mamba: tuple[int, ...], batch: int, tokens: int, num_warps: int) -> MambaShape:
-        return cls(*mamba, batch, tokens, num_warps)
+    def of(cls, mamba: tuple[int, ...], batch: int, tokens: int, num_warps: int,
+           cap: int = 0) -> MambaShape:
+        return cls(*mamba, batch, tokens, num_warps, cap)
 
     # ---- sizes ---------------------------------------------------------------------------------
     rep = property(lambda self: self.heads // self.groups)  # R: heads per group (per record)
@@ -86,11 +112,15 @@ class MambaShape:
     # ---- shared memory (fp32 words from the start of the scratch span) --------------------------
     def smem(self) -> dict[str, int]:
         """name -> word offset, and "words" the total: x [T][ch] (conv outputs: x | B | C),
-        dt [T][R], da [T][R] (e^{dt A}), bc [T] (B . C), y [T][R P]."""
-        t, r = self.tokens, self.rep
+        dt [T][R], da [T][R] (e^{dt A}), bc [T] (B . C), y [T][R P]; with a ring (cap > 0) also
+        bs [CAP][N] and dtr, lam, wf [CAP][R] (every entry's B, dt, A dt and fold weight),
+        dots [T][CAP], coef [T][CAP][R] and decay [T][R] (steps r1-r3 above)."""
+        t, r, cap = self.tokens, self.rep, self.cap
         out, off = {}, 0
+        ring = (("bs", cap * self.state_size), ("dtr", cap * r), ("lam", cap * r),
+                ("wf", cap * r), ("dots", t * cap), ("coef", t * cap * r), ("decay", t * r))
         for name, n in (("x", t * self.ch), ("dt", t * r), ("da", t * r), ("bc", t),
-                        ("y", t * self.rows)):
+                        ("y", t * self.rows), *(ring if cap else ())):
             out[name] = off
             off += -(-n // 4) * 4  # 16-byte aligned
         out["words"] = off
@@ -116,6 +146,27 @@ class MambaShape:
         after the window); the record's rows are contiguous."""
         conv = self.batch * self.conv_dim * self.win
         return conv + ((b * self.heads + j * self.rep) * self.head_dim + row) * self.state_size + n
+
+    # ---- the ReplaySSM ring (after the state: x [B, CAP, H, P], B [B, CAP, G, N], dt [B, CAP, H])
+    def ring_x(self, b, e, j, row):
+        """Element (b, entry e, head j R + row // P, row % P) of the ring's x."""
+        base = self.state(self.batch, 0, 0, 0)
+        return base + ((b * self.cap + e) * self.heads + j * self.rep) * self.head_dim + row
+
+    def ring_b(self, b, e, j, n):
+        """Element (b, entry e, group j, n) of the ring's B."""
+        base = self.state(self.batch, 0, 0, 0) + self.batch * self.cap * self.d_inner
+        return base + ((b * self.cap + e) * self.groups + j) * self.state_size + n
+
+    def ring_dt(self, b, e, j, r):
+        """Element (b, entry e, head j R + r) of the ring's dt."""
+        base = (self.state(self.batch, 0, 0, 0)
+                + self.batch * self.cap * (self.d_inner + self.gn))
+        return base + (b * self.cap + e) * self.heads + j * self.rep + r
+
+    def count(self, b, j):
+        """ring_count[b, j] of the layer (from the record's COUNT_OFF)."""
+        return b * self.groups + j
 
     def proj(self, b, t, col):
         """Element of proj [N, P'] (from PROJ_OFF): row b T + t, column col."""

@@ -15,7 +15,7 @@ global memory (Matvec.run) and there is no loader warp.
 
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
 merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE) in gdn.py; the
-Mamba2 SSD update (MAMBA_CORE) in mamba2.py.
+Mamba2 SSD update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in mamba_replay.py.
 Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
 ticket opcodes that signal from their merge) come from the ISA registry (fields.py); a record
 whose opcode the build has no handler for traps. The host side `__call__` exists only to give
@@ -39,6 +39,7 @@ from megakernel.kernel.fields import OpTable, common, none_of, one_of, slab_word
 from megakernel.kernel.gdn import GatedDeltaRule
 from megakernel.kernel.lookahead import Lookahead
 from megakernel.kernel.mamba2 import Mamba2
+from megakernel.kernel.mamba_replay import Mamba2Replay
 from megakernel.kernel.matvec import Matvec, warp_argmax
 from megakernel.kernel.memory import (
     elem_ptr,
@@ -65,7 +66,9 @@ class DecodeMegakernel:
         self.matvec = Matvec(spec)
         self.attention = Attention(spec)
         self.gdn = GatedDeltaRule(spec) if spec.gdn else None  # GDN_CORE (gdn.py)
-        self.mamba = Mamba2(spec) if spec.mamba else None  # MAMBA_CORE (mamba2.py)
+        replay = bool(spec.replay_window)  # the recurrent layers' REPLAY ops, not their CORE
+        self.mamba = Mamba2(spec) if spec.mamba and not replay else None  # MAMBA_CORE
+        self.mamba_replay = Mamba2Replay(spec) if spec.mamba and replay else None  # MAMBA_REPLAY
         self.regions = spec.smem_regions()
         self.smem_bytes = spec.smem_bytes
         self.window = spec.prefetch_window
@@ -181,6 +184,9 @@ class DecodeMegakernel:
             if cutlass.const_expr(self.mamba is not None):
                 if op == Op.MAMBA_CORE:
                     self.mamba.prefetch_state(rec, state, tidx)
+            if cutlass.const_expr(self.mamba_replay is not None):
+                if op == Op.MAMBA_REPLAY:
+                    self.mamba_replay.prefetch_replay(rec, i32, state, tidx)
             # the loader warp slides it when piped (pipeline.py); l2_window 0 builds no lookahead
             if cutlass.const_expr(not self.piped and self.window > 0):
                 pf_pc, pf_off, pf_cum = self.lookahead.extend(weights, queue, pc, cum, pf_pc,
@@ -211,6 +217,12 @@ class DecodeMegakernel:
             elif op == Op.MAMBA_CORE:
                 if cutlass.const_expr(self.mamba is not None):
                     self.mamba.core(rec, weights, f32, bf16, state, sSsm, tidx, warp, lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.MAMBA_REPLAY:
+                if cutlass.const_expr(self.mamba_replay is not None):
+                    self.mamba_replay.replay(rec, weights, f32, bf16, i32, state, sSsm, tidx,
+                                             warp, lane)
                 else:
                     cute.arch.inline_ptx("trap;")
             elif one_of(op, self.ops.matvec):

@@ -92,6 +92,8 @@ def test_check_logits_names_rows() -> None:
     (["plan", "--model", "llama-tiny", "--timeline", "/nonexistent-dir/t.png"], "--timeline",
      None),
     (["build", "--model", "llama-tiny", "--arch", "sm_80", "--out", "x"], "--arch 'sm_80'", None),
+    (["build", "--model", "llama-tiny", "--arch", "sm_90a", "--out", "x", "--replay-window", "4"],
+     "replay_window applies to models with recurrent layers", None),
 ])
 def test_flag_errors_name_the_flag(capsys, argv: list[str], want: str, absent: str | None
                                    ) -> None:

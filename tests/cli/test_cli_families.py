@@ -129,7 +129,6 @@ KIMI_MISSING = "EXPERT_DOWN, EXPERT_GATEUP, {}, MLA, MLA_O, MLA_Q, MOE_COMBINE, 
     ("qwen3.5-tiny", True, "GDN_REPLAY"),  # GDN_CORE and PROJ have handlers
     ("kimi-linear-tiny", False, KIMI_MISSING.format("KDA_CORE")),
     ("kimi-linear-tiny", True, KIMI_MISSING.format("KDA_REPLAY")),
-    ("nemotron-h-tiny", True, "MAMBA_REPLAY"),  # MAMBA_CORE, relu^2 and PROJ have handlers
 ])
 def test_kernel_backend_names_the_missing_device_handlers(capsys, model, replay, missing):
     """Refused before any GPU is looked for (the same answer on a CPU and a GPU machine): the
@@ -142,11 +141,15 @@ def test_kernel_backend_names_the_missing_device_handlers(capsys, model, replay,
     assert "the CPU executor runs its program" in err
 
 
-@pytest.mark.parametrize("model", ["qwen3.5-tiny", "nemotron-h-tiny"])
-def test_kernel_backend_takes_recurrent_models_to_the_gpu(capsys, model):
-    """Qwen3.5 (GDN + gated attention) and Nemotron-H (Mamba2 + attention + relu^2) run on the
-    kernel: without a GPU the refusal is the GPU's, not a missing handler's."""
-    rc, _, err = _run(capsys, "generate", "--model", model, "--backend", "kernel")
+@pytest.mark.parametrize("model, extra", [
+    ("qwen3.5-tiny", ()), ("nemotron-h-tiny", ()),
+    ("nemotron-h-tiny", ("--replay-window", "3")),  # MAMBA_REPLAY (kernel/mamba_replay.py)
+])
+def test_kernel_backend_takes_recurrent_models_to_the_gpu(capsys, model, extra):
+    """Qwen3.5 (GDN + gated attention) and Nemotron-H (Mamba2 + attention + relu^2, recurrent
+    and by ReplaySSM) run on the kernel: without a GPU the refusal is the GPU's, not a missing
+    handler's."""
+    rc, _, err = _run(capsys, "generate", "--model", model, "--backend", "kernel", *extra)
     assert rc == 2 and "Traceback" not in err
     assert "no device handlers" not in err and "CUDA GPU" in err
 

@@ -12,9 +12,10 @@ from megakernel.models import preset
 VARIANT_BUILDS = [(1, None), (4, 0)]
 
 
-def variant_builds(kernel_build: Callable, name: str) -> dict:
-    """(arch, batch, smem_stages) -> (arch dir, manifest) of preset `name` (session cache)."""
-    return {(arch, b, st): kernel_build(preset(name), arch, b, 1, smem_stages=st)
+def variant_builds(kernel_build: Callable, name: str, **variant) -> dict:  # noqa: ANN003
+    """(arch, batch, smem_stages) -> (arch dir, manifest) of preset `name` (session cache;
+    `variant`: other make_spec switches, e.g. replay_window)."""
+    return {(arch, b, st): kernel_build(preset(name), arch, b, 1, smem_stages=st, **variant)
             for arch in spec_mod.ARCHS for b, st in VARIANT_BUILDS}
 
 

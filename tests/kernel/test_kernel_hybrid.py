@@ -18,6 +18,9 @@ from megakernel.kernel import spec as spec_mod
 from megakernel.kernel.fields import OpTable
 from megakernel.kernel.spec import ARCHS, SpecError, check_kernel_support, make_spec, program_ops
 from megakernel.models import preset
+from megakernel.program.compiler import compile_program
+from megakernel.program.gpus import gpu
+from megakernel.runtime import ArgumentError, check_header
 from tests.kernel.helpers import specs_within_budgets, variant_builds
 
 HYBRID = "nemotron-h-attn-tiny"  # hybrid_override_pattern "*-*-"
@@ -131,3 +134,48 @@ def test_only_mamba_builds_carry_the_state_prefetch(mamba_builds, hybrid_builds)
         theirs = (hybrid_builds[key][0] / "megakernel.ptx").read_text().count(
             "cp.async.bulk.prefetch.L2.global")
         assert mine > theirs, key
+
+
+# ---- Mamba2 by ReplaySSM (MAMBA_REPLAY, kernel/mamba_replay.py) --------------------------------
+WINDOW = 4
+
+
+def test_replay_spec_and_the_program_header():
+    """replay_window is a constant of the build: its op set and ring capacity follow from it,
+    the program header's REPLAY_WINDOW and RING_CAP must match it (runtime.check_header), a
+    dense model or a ReplaySSM op set without a window is refused."""
+    cfg = preset("nemotron-h-tiny")
+    s = make_spec(cfg, 2, 2, "sm_90a", replay_window=WINDOW)
+    assert s.replay_window == WINDOW and s.ring_cap == s.mamba_shape.cap == WINDOW - 1 + 2
+    assert isa.Op.MAMBA_REPLAY in s.handled_ops and isa.Op.MAMBA_CORE not in s.handled_ops
+    assert spec_mod.KernelSpec.from_dict(s.to_dict()) == s
+    assert s.tag != make_spec(cfg, 2, 2, "sm_90a").tag
+    with pytest.raises(SpecError, match="recurrent layers"):
+        make_spec(preset("llama-tiny"), 1, 1, "sm_90a", replay_window=WINDOW)
+    with pytest.raises(SpecError, match="replay_window >= 1"):
+        make_spec(cfg, 1, 1, "sm_90a", replay=True)
+    h200 = gpu("h200")
+    replayed = compile_program(cfg, 2, h200, tokens=2, max_seq_len=32, replay_window=WINDOW)
+    recurrent = compile_program(cfg, 2, h200, tokens=2, max_seq_len=32)
+    check_header(replayed.header, s.to_dict())
+    check_header(recurrent.header, make_spec(cfg, 2, 2, "sm_90a").to_dict())
+    other = compile_program(cfg, 2, h200, tokens=2, max_seq_len=32, replay_window=WINDOW + 1)
+    for header, spec, field in (
+            (recurrent.header, s, "REPLAY_WINDOW"),
+            (replayed.header, make_spec(cfg, 2, 2, "sm_90a"), "REPLAY_WINDOW"),
+            (other.header, s, "REPLAY_WINDOW"),
+            ({**replayed.header, "RING_CAP": WINDOW}, s, "RING_CAP")):
+        with pytest.raises(ArgumentError, match=field):
+            check_header(header, spec.to_dict())
+
+
+def test_mamba_replay_builds_within_budgets(kernel_build):
+    """nemotron-h-tiny by ReplaySSM (L = 4) on both archs and weight paths, and at T = 4,
+    without spills or local memory within the register budget; the replay builds compile
+    MAMBA_REPLAY in place of MAMBA_CORE."""
+    builds = variant_builds(kernel_build, "nemotron-h-tiny", replay_window=WINDOW)
+    builds.update({(arch, 2, 4): kernel_build(preset("nemotron-h-tiny"), arch, 2, 4,
+                                              replay_window=WINDOW) for arch in ARCHS})
+    for s in specs_within_budgets(builds).values():
+        assert s.replay_window == WINDOW and s.mamba_shape.cap == WINDOW - 1 + s.tokens
+        assert isa.Op.MAMBA_REPLAY in s.handled_ops and isa.Op.MAMBA_CORE not in s.handled_ops

@@ -10,6 +10,11 @@ layer's), the state block of that layer before the step, and its outputs after i
 truth: new conv window and states within fp32 rounding, ssm_out within one bf16 ulp. Shapes:
 nemotron-h-tiny (R = 4, N = 16: two rows per warp pass) at B = 2, T = 1 and 4, and two other
 head shapes (SHAPES: N = 128 with four row tiles and a 3-tap conv; N = 8, four rows per pass).
+
+MAMBA_REPLAY (kernel/mamba_replay.py) the same way, step after step with L = 4 from staggered
+ring positions: the ring's B and dt, B . C per (token, entry) as warp reductions, the segment
+sums, the entries spread over a row's lanes, the fold; the whole state block (window, S_c, ring
+x, B, dt), the layer's ring_count and ssm_out against the executor's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from megakernel.executor import Executor, executor_gpu
 from megakernel.kernel.gdn_index import SOFTPLUS_LINEAR
 from megakernel.kernel.mamba_index import LANES, MambaShape, check_mamba
 from megakernel.kernel.spec import NUM_THREADS, SpecError, make_spec
+from megakernel.layers import kind
 from megakernel.layers.mamba2 import Mamba2Config
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
@@ -49,10 +55,10 @@ def butterfly(v: np.ndarray, group: int) -> np.ndarray:
     return v
 
 
-def emulate_core(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.ndarray,
-                 out: np.ndarray, eps: float) -> None:
-    """One MAMBA_CORE record, as kernel/mamba2.py runs it: W bf16 weights (as fp32), F32 the
-    fp32 arena, S the state arena (updated), out the bf16 arena as fp32 (written)."""
+def emulate_conv_gates(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray,
+                       S: np.ndarray) -> np.ndarray:
+    """Mamba2.conv and .gates of one record: the scratch span (x, dt, da written; the rest NaN),
+    the window in S updated."""
     b, j, proj, prm = d["B_IDX"], d["GROUP"], d["PROJ_OFF"], d["PARAM_OFF"]
     st0, T, sm, cw = d["STATE"], m.tokens, m.smem(), d["CONV_W"]
     sS = np.full(sm["words"], np.nan, dtype=F)  # the scratch span
@@ -77,43 +83,15 @@ def emulate_core(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.n
         sp = aa if aa > SOFTPLUS_LINEAR else F(np.log1p(np.exp(aa, dtype=F), dtype=F))
         sS[sm["dt"] + idx] = sp
         sS[sm["da"] + idx] = np.exp(F(-np.exp(F32[prm + h], dtype=F) * sp), dtype=F)
-    # B . C: a warp per token, lanes strided over n
-    for t in range(T):
-        base = sm["x"] + t * m.ch + m.rows
-        part = np.zeros(LANES, dtype=F)
-        for n in range(m.state_size):
-            part[n % LANES] = F(part[n % LANES] + F(sS[base + n] * sS[base + m.state_size + n]))
-        sS[sm["bc"] + t] = butterfly(part, LANES)[0]
-    # phase 2: states, per row tile; registers [warp][lane][RPT][CPL]
-    warp, lane = np.arange(NW)[:, None], LANE[None, :]
-    cols = np.stack([m.col(lane, c) for c in range(m.cpl)], -1)  # [1, 32, CPL]
-    D = F32[prm + m.heads + j * m.rep : prm + m.heads + (j + 1) * m.rep]
-    for it in range(m.tiles):
-        rows = np.stack([np.broadcast_to(m.row(it, warp, lane, k), (NW, LANES))
-                         for k in range(m.rpt)], -1)  # [NW, 32, RPT]
-        addr = st0 + m.state(b, j, rows[..., None], cols[:, :, None, :])  # [NW, 32, RPT, CPL]
-        regs = S[addr].astype(F)
-        head = rows // m.head_dim
-        for t in range(T):
-            xt = sm["x"] + t * m.ch
-            cc = sS[xt + m.rows + m.state_size + cols][:, :, None, :]  # C of the columns
-            bb = sS[xt + m.rows + cols][:, :, None, :]
-            sc = F(0.0)
-            for c in range(m.cpl):  # the lane's columns in order
-                sc = (sc + regs[..., c] * cc[..., c]).astype(F)
-            sc = butterfly(np.moveaxis(sc, 1, -1), m.lpr)  # [NW, RPT, 32]
-            sc = np.moveaxis(sc, -1, 1)
-            xv = sS[xt + rows]
-            dt, da = sS[sm["dt"] + t * m.rep + head], sS[sm["da"] + t * m.rep + head]
-            y = F(da * sc) + F(F(dt * sS[sm["bc"] + t]) * xv)
-            y = F(y + F(D[head] * xv))
-            lead = (lane % m.lpr == 0)[..., None] & np.ones_like(rows, dtype=bool)
-            sS[sm["y"] + t * m.rows + rows[lead]] = y[lead]
-            regs = F(da[..., None] * regs) + F(xv[..., None] * F(dt[..., None] * bb))
-        S[addr] = regs
-    # phase 3: a warp per token
-    for t in range(T):
-        y = sS[sm["y"] + t * m.rows : sm["y"] + (t + 1) * m.rows]
+    return sS
+
+
+def emulate_output(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, sS: np.ndarray,
+                   out: np.ndarray, eps: float) -> None:
+    """Mamba2.output: a warp per token, the gated group RMSNorm of y into out (bf16 as fp32)."""
+    b, j, proj = d["B_IDX"], d["GROUP"], d["PROJ_OFF"]
+    for t in range(m.tokens):
+        y = sS[m.smem()["y"] + t * m.rows : m.smem()["y"] + (t + 1) * m.rows]
         assert np.isfinite(y).all(), "a row of y was never written"
         z = np.array([F32[proj + m.proj(b, t, m.z_col(j, c))] for c in range(m.rows)], dtype=F)
         g = F(y * silu(z))
@@ -125,6 +103,166 @@ def emulate_core(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.n
         for c in range(m.rows):
             out[d["OUT_OFF"] + m.out(b, t, j, c)] = F(F(g[c] * rstd)
                                                        * W[d["NORM_W"] + j * m.rows + c])
+
+
+def tile_regs(m: MambaShape, it: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [NW, 32, RPT], columns [1, 32, CPL]) of the state values the threads hold in row
+    tile `it` (registers [warp][lane][RPT][CPL])."""
+    warp, lane = np.arange(NW)[:, None], LANE[None, :]
+    rows = np.stack([np.broadcast_to(m.row(it, warp, lane, k), (NW, LANES))
+                     for k in range(m.rpt)], -1)
+    return rows, np.stack([m.col(lane, c) for c in range(m.cpl)], -1)
+
+
+def lpr_reduce(m: MambaShape, v: np.ndarray) -> np.ndarray:
+    """warp_reduction_sum over a row's LPR lanes of v [NW, 32, RPT]."""
+    return np.moveaxis(butterfly(np.moveaxis(v, 1, -1), m.lpr), -1, 1)
+
+
+def emulate_core(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.ndarray,
+                 out: np.ndarray, eps: float) -> None:
+    """One MAMBA_CORE record, as kernel/mamba2.py runs it: W bf16 weights (as fp32), F32 the
+    fp32 arena, S the state arena (updated), out the bf16 arena as fp32 (written)."""
+    b, j, prm, st0, T, sm = d["B_IDX"], d["GROUP"], d["PARAM_OFF"], d["STATE"], m.tokens, m.smem()
+    sS = emulate_conv_gates(m, d, W, F32, S)
+    # B . C: a warp per token, lanes strided over n
+    for t in range(T):
+        base = sm["x"] + t * m.ch + m.rows
+        part = np.zeros(LANES, dtype=F)
+        for n in range(m.state_size):
+            part[n % LANES] = F(part[n % LANES] + F(sS[base + n] * sS[base + m.state_size + n]))
+        sS[sm["bc"] + t] = butterfly(part, LANES)[0]
+    # phase 2: states, per row tile; registers [warp][lane][RPT][CPL]
+    lane = LANE[None, :]
+    D = F32[prm + m.heads + j * m.rep : prm + m.heads + (j + 1) * m.rep]
+    for it in range(m.tiles):
+        rows, cols = tile_regs(m, it)
+        addr = st0 + m.state(b, j, rows[..., None], cols[:, :, None, :])  # [NW, 32, RPT, CPL]
+        regs = S[addr].astype(F)
+        head = rows // m.head_dim
+        for t in range(T):
+            xt = sm["x"] + t * m.ch
+            cc = sS[xt + m.rows + m.state_size + cols][:, :, None, :]  # C of the columns
+            bb = sS[xt + m.rows + cols][:, :, None, :]
+            sc = F(0.0)
+            for c in range(m.cpl):  # the lane's columns in order
+                sc = (sc + regs[..., c] * cc[..., c]).astype(F)
+            sc = lpr_reduce(m, sc)
+            xv = sS[xt + rows]
+            dt, da = sS[sm["dt"] + t * m.rep + head], sS[sm["da"] + t * m.rep + head]
+            y = F(da * sc) + F(F(dt * sS[sm["bc"] + t]) * xv)
+            y = F(y + F(D[head] * xv))
+            lead = (lane % m.lpr == 0)[..., None] & np.ones_like(rows, dtype=bool)
+            sS[sm["y"] + t * m.rows + rows[lead]] = y[lead]
+            regs = F(da[..., None] * regs) + F(xv[..., None] * F(dt[..., None] * bb))
+        S[addr] = regs
+    emulate_output(m, d, W, F32, sS, out, eps)
+
+
+def emulate_replay(m: MambaShape, window: int, d: dict, W: np.ndarray, F32: np.ndarray,
+                   S: np.ndarray, I32: np.ndarray, out: np.ndarray, eps: float) -> None:
+    """One MAMBA_REPLAY record, as kernel/mamba_replay.py runs it (S: the state arena with the
+    ring, I32: the i32 arena with ring_count; both updated)."""
+    b, j, prm, st0, T, sm = d["B_IDX"], d["GROUP"], d["PARAM_OFF"], d["STATE"], m.tokens, m.smem()
+    N, R, cap, cnt = m.state_size, m.rep, m.cap, d["COUNT_OFF"] + m.count(b, j)
+    n = int(I32[cnt])
+    assert 0 <= n < window and n + T <= cap
+    sS = emulate_conv_gates(m, d, W, F32, S)
+    ne = n + T
+    # r1: the committed entries' B, dt from the ring, the new ones appended
+    for idx in range(ne * N):
+        e, c = divmod(idx, N)
+        if e < n:
+            v = S[st0 + m.ring_b(b, e, j, c)]
+        else:
+            v = sS[sm["x"] + (e - n) * m.ch + m.rows + c]
+            S[st0 + m.ring_b(b, e, j, c)] = v
+        sS[sm["bs"] + idx] = v
+    for idx in range(ne * R):
+        e, r = divmod(idx, R)
+        if e < n:
+            v = S[st0 + m.ring_dt(b, e, j, r)]
+        else:
+            v = sS[sm["dt"] + idx - n * R]
+            S[st0 + m.ring_dt(b, e, j, r)] = v
+        sS[sm["dtr"] + idx] = v
+        sS[sm["lam"] + idx] = F(-np.exp(F32[prm + j * R + r], dtype=F) * v)
+    for idx in range(T * m.rows):
+        t, row = divmod(idx, m.rows)
+        S[st0 + m.ring_x(b, n + t, j, row)] = sS[sm["x"] + t * m.ch + row]
+    # r2: a warp per (t, e), lanes strided over n
+    for t in range(T):
+        cc = sm["x"] + t * m.ch + m.rows + N
+        for e in range(ne):
+            part = np.zeros(LANES, dtype=F)
+            for c in range(N):
+                part[c % LANES] = F(part[c % LANES] + F(sS[sm["bs"] + e * N + c] * sS[cc + c]))
+            sS[sm["dots"] + t * cap + e] = butterfly(part, LANES)[0]
+
+    # r3: the segment sums in entry order
+    def lam_sum(first: int, last: int, r: int) -> np.float32:
+        s = F(0.0)
+        for q in range(first, last + 1):
+            s = F(s + sS[sm["lam"] + q * R + r])
+        return s
+
+    for t in range(T):
+        for e in range(ne):
+            for r in range(R):
+                cf = F(0.0)
+                if e <= n + t:
+                    cf = F(sS[sm["dtr"] + e * R + r] * np.exp(lam_sum(e + 1, n + t, r), dtype=F))
+                    cf = F(cf * sS[sm["dots"] + t * cap + e])
+                sS[sm["coef"] + (t * cap + e) * R + r] = cf
+        for r in range(R):
+            sS[sm["decay"] + t * R + r] = np.exp(lam_sum(0, n + t, r), dtype=F)
+    for e in range(ne):
+        for r in range(R):
+            sS[sm["wf"] + e * R + r] = F(sS[sm["dtr"] + e * R + r]
+                                         * np.exp(lam_sum(e + 1, ne - 1, r), dtype=F))
+    # r4: the committed state in row tiles; lane l of a row takes the entries e = l mod LPR
+    fold = ne >= window
+    lane = LANE[None, :, None]
+    D = F32[prm + m.heads + j * R : prm + m.heads + (j + 1) * R]
+    for it in range(m.tiles):
+        rows, cols = tile_regs(m, it)
+        addr = st0 + m.state(b, j, rows[..., None], cols[:, :, None, :])
+        regs = S[addr].astype(F)
+        head = rows // m.head_dim
+
+        def x_of(e: int, rows: np.ndarray = rows) -> np.ndarray:
+            """x_e of the rows: a committed entry from the ring, a new one from the conv."""
+            if e < n:
+                return S[st0 + m.ring_x(b, e, j, rows)]
+            return sS[sm["x"] + (e - n) * m.ch + rows]
+
+        part = []
+        for t in range(T):
+            cc = sS[sm["x"] + t * m.ch + m.rows + N + cols][:, :, None, :]
+            sc = F(0.0)
+            for c in range(m.cpl):
+                sc = (sc + regs[..., c] * cc[..., c]).astype(F)
+            part.append(F(sS[sm["decay"] + t * R + head] * sc))
+        for e in range(ne):
+            mine = np.broadcast_to(lane % m.lpr == e % m.lpr, rows.shape)
+            xv = x_of(e)
+            for t in range(T):
+                add = F(part[t] + F(sS[sm["coef"] + (t * cap + e) * R + head] * xv))
+                part[t] = np.where(mine, add, part[t])
+        for t in range(T):
+            y = lpr_reduce(m, part[t])
+            y = F(y + F(D[head] * sS[sm["x"] + t * m.ch + rows]))
+            lead = np.broadcast_to(lane % m.lpr == 0, rows.shape)
+            sS[sm["y"] + t * m.rows + rows[lead]] = y[lead]
+        if fold:
+            regs = F(sS[sm["decay"] + (T - 1) * R + head][..., None] * regs)
+            for e in range(ne):
+                w = sS[sm["wf"] + e * R + head][..., None]
+                bb = sS[sm["bs"] + e * N + cols][:, :, None, :]
+                regs = F(regs + F(x_of(e)[..., None] * F(w * bb)))
+            S[addr] = regs
+    I32[cnt] = 0 if fold else ne
+    emulate_output(m, d, W, F32, sS, out, eps)
 
 
 SHAPES = {  # nemotron-h-tiny with other Mamba2 heads
@@ -142,9 +280,19 @@ def model_config(model: str):  # noqa: ANN201 (ModelConfig)
     return preset(model)
 
 
-def last_mamba_records(prog, layer: int) -> list[dict]:
+def last_mamba_records(prog, layer: int, op: int = isa.Op.MAMBA_CORE) -> list[dict]:
     recs = [isa.decode(r) for q in prog.records().tolist() for r in q if r[0] != isa.Op.END]
-    return [d for d in recs if d["OPCODE"] == isa.Op.MAMBA_CORE and d["LAYER"] == layer]
+    return [d for d in recs if d["OPCODE"] == op and d["LAYER"] == layer]
+
+
+def assert_ssm_out(prog, ex: Executor, out: np.ndarray) -> None:
+    """The emulated ssm_out within one bf16 ulp of the executor's."""
+    r = prog.buffers.bf16["ssm_out"]
+    got = torch.from_numpy(out[r.offset : r.offset + r.numel]).to(torch.bfloat16).float()
+    want = ex.bf16[r.offset : r.offset + r.numel].float()
+    assert torch.isfinite(got).all() and want.abs().max() > 0.01
+    ulp = 2.0 ** -7 * want.abs().clamp_min(1e-30)  # one bf16 ulp (8 significant bits)
+    assert bool(((got - want).abs() <= ulp).all()), float((got - want).abs().max())
 
 
 @pytest.mark.parametrize("model,batch,tokens", [
@@ -177,12 +325,78 @@ def test_mamba_core_emulation_matches_the_executor(model, batch, tokens):
     mine, theirs = S[lo:hi], ex.state.numpy()[lo:hi]
     assert np.abs(theirs).max() > 0.05 and not np.array_equal(mine, before.numpy()[lo:hi])
     np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
-    r = prog.buffers.bf16["ssm_out"]
-    got = torch.from_numpy(out[r.offset : r.offset + r.numel]).to(torch.bfloat16).float()
-    want = ex.bf16[r.offset : r.offset + r.numel].float()
-    assert torch.isfinite(got).all() and want.abs().max() > 0.01
-    ulp = 2.0 ** -7 * want.abs().clamp_min(1e-30)  # one bf16 ulp (8 significant bits)
-    assert bool(((got - want).abs() <= ulp).all()), float((got - want).abs().max())
+    assert_ssm_out(prog, ex, out)
+
+
+def stagger_ring(prog, ex: Executor, layer: int, units: int, window: int) -> None:
+    """Start the layer's sequences at different ring positions n = (2 b + 1) mod L (its groups
+    alike, as the executor's write counts expect) with random committed entries and a random
+    committed state, set through the program's region shapes (not the kernel's index helpers);
+    entries past the count are NaN, so a read beyond the committed ones cannot pass."""
+    gen = torch.Generator().manual_seed(5)
+    regs = {name: ex.state[r.offset : r.offset + r.numel].view(r.shape)
+            for name, r in prog.buffers.state[layer].items()}
+    for name in ("x", "B", "dt"):
+        regs[name].fill_(float("nan"))
+    regs["state"].copy_(0.5 * torch.randn(regs["state"].shape, generator=gen))
+    cnt = prog.buffers.i32["ring_count"]
+    counts = ex.i32[cnt.offset : cnt.offset + cnt.numel].view(cnt.shape)[
+        prog.buffers.row("rec", layer)]  # [B, units]
+    heads = regs["x"].shape[2] // units  # R
+    for b in range(counts.shape[0]):
+        for j in range(units):
+            n = (2 * b + 1) % window
+            counts[b, j] = n
+            hs = slice(j * heads, (j + 1) * heads)
+            regs["x"][b, :n, hs] = torch.randn(regs["x"][b, :n, hs].shape, generator=gen)
+            regs["B"][b, :n, j] = torch.randn(regs["B"][b, :n, j].shape, generator=gen)
+            regs["dt"][b, :n, hs] = 0.05 + 0.5 * torch.rand(regs["dt"][b, :n, hs].shape,
+                                                            generator=gen)
+
+
+@pytest.mark.parametrize("batch,tokens", [(2, 1), (2, 2), (2, 4)])
+def test_mamba_replay_emulation_matches_the_executor(batch, tokens):
+    """nemotron-h-tiny by ReplaySSM with L = 4, step after step from staggered ring positions
+    (stagger_ring; T = 1: rings fill, fold at the 4th entry and restart; T = 2: steps on 0 to
+    3 committed entries, folds from 2; T = 4: a fold every step): the last Mamba2 layer's state
+    block (window, S_c, ring), ring_count and ssm_out against the executor's."""
+    window = 4
+    cfg = preset("nemotron-h-tiny")
+    spec = make_spec(cfg, batch, tokens, "sm_90a", replay_window=window)
+    m = spec.mamba_shape
+    assert m.cap == window - 1 + tokens and spec.replay_window == window
+    w = random_weights(cfg, seed=11)
+    prog = compile_program(cfg, batch, executor_gpu(8), tokens=tokens, max_seq_len=64,
+                           replay_window=window)
+    assert prog.header["REPLAY_WINDOW"] == window and prog.header["RING_CAP"] == m.cap
+    ex = Executor(prog, pack_weights(cfg, w), check=True)
+    layer = max(b.layer for b in cfg.blocks if b.kind == "mamba2")
+    blk = prog.buffers.state[layer]
+    lo, hi = blk["conv"].offset, max(r.offset + r.numel for r in blk.values())
+    stagger_ring(prog, ex, layer, m.groups, window)
+    recs = last_mamba_records(prog, layer, isa.Op.MAMBA_REPLAY)
+    assert len(recs) == batch * m.groups
+    cnt = slice(recs[0]["COUNT_OFF"], recs[0]["COUNT_OFF"] + batch * m.groups)  # the layer's
+    gen = torch.Generator().manual_seed(17)
+    seen = set()
+    for _ in range(7 if tokens == 1 else 4):
+        S = ex.state.numpy().astype(F).copy()
+        I32 = ex.i32.numpy().copy()
+        seen |= {(int(n), int(n) + tokens >= window) for n in I32[cnt]}
+        ex.step(torch.randint(0, cfg.vocab_size, (batch, tokens), generator=gen))
+        F32 = ex.f32.numpy().astype(F)  # proj of this step (the last Mamba2 layer's)
+        out = np.full(ex.bf16.numel(), np.nan, dtype=F)
+        for d in recs:
+            emulate_replay(m, window, d, ex.weights.float().numpy(), F32, S, I32, out,
+                           cfg.rms_norm_eps)
+        theirs = ex.state.numpy()[lo:hi]
+        np.testing.assert_allclose(S[lo:hi], theirs, rtol=1e-5,
+                                   atol=1e-5 * np.nanmax(np.abs(theirs)))
+        np.testing.assert_array_equal(I32[cnt], ex.i32.numpy()[cnt])
+        assert_ssm_out(prog, ex, out)
+    # ring positions 0 (a restart), 1 and 3 at least; steps with and without a fold
+    assert {0, 1, 3} <= {n for n, _ in seen}, seen
+    assert {f for _, f in seen} == ({True} if tokens >= window else {False, True}), seen
 
 
 def test_mamba_shapes_the_handler_refuses():
@@ -194,3 +408,57 @@ def test_mamba_shapes_the_handler_refuses():
     cfg = dataclasses.replace(preset("nemotron-h-tiny"), mamba2=Mamba2Config(8, 8, 24, 2, 4))
     with pytest.raises(SpecError, match="state size 24"):
         make_spec(cfg, 1, 1, "sm_90a")
+
+
+class Traffic:
+    """The state arena seen through [] with the elements read (before any write of theirs this
+    step) and written marked: the handler's global traffic, distinct elements."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+        self.read = np.zeros(a.shape, dtype=bool)
+        self.written = np.zeros(a.shape, dtype=bool)
+
+    def __getitem__(self, idx):  # noqa: ANN001, ANN204
+        self.read[idx] |= ~self.written[idx]
+        return self.a[idx]
+
+    def __setitem__(self, idx, v) -> None:  # noqa: ANN001
+        self.written[idx] = True
+        self.a[idx] = v
+
+
+def test_mamba_replay_traffic_is_what_the_cost_model_charges():
+    """Over one window of L steps at T = 1 from an empty ring, the replay emulation's distinct
+    state-arena elements read and written per step, on average, are the bytes layers/recurrent.py
+    charges the layer (S_c read once a step, the committed entries once, T entries appended,
+    S_c written at the fold, the window read and written once)."""
+    window, batch = 4, 2
+    cfg = preset("nemotron-h-tiny")
+    m = make_spec(cfg, batch, 1, "sm_90a", replay_window=window).mamba_shape
+    prog = compile_program(cfg, batch, executor_gpu(8), tokens=1, max_seq_len=32,
+                           replay_window=window)
+    ex = Executor(prog, pack_weights(cfg, random_weights(cfg, seed=3)), check=True)
+    layer = max(b.layer for b in cfg.blocks if b.kind == "mamba2")
+    blk = next(b for b in cfg.blocks if b.layer == layer and b.kind == "mamba2")
+    regs = prog.buffers.state[layer]
+    recs = last_mamba_records(prog, layer, isa.Op.MAMBA_REPLAY)
+    gen = torch.Generator().manual_seed(23)
+    total: dict[str, int] = {}
+    for _ in range(window):
+        S, I32 = Traffic(ex.state.numpy().astype(F).copy()), ex.i32.numpy().copy()
+        ex.step(torch.randint(0, cfg.vocab_size, (batch, 1), generator=gen))
+        out = np.full(ex.bf16.numel(), np.nan, dtype=F)
+        for d in recs:
+            emulate_replay(m, window, d, ex.weights.float().numpy(), ex.f32.numpy(), S, I32,
+                           out, cfg.rms_norm_eps)
+        for name, r in regs.items():
+            part = "ring" if name in ("x", "B", "dt") else name
+            for what, mask in (("read", S.read), ("written", S.written)):
+                key = f"{part}_{what}"
+                total[key] = total.get(key, 0) + 4 * int(mask[r.offset : r.offset + r.numel].sum())
+    charged = kind("mamba2").step_bytes(blk, prog)
+    mine = {k: v / window for k, v in total.items()}
+    for k in ("state_read", "state_written", "ring_read", "ring_written", "conv_read",
+              "conv_written"):
+        assert mine[k] == charged[k], (k, mine[k], charged[k])

@@ -1,0 +1,225 @@
+"""MAMBA_REPLAY: Mamba2 by ReplaySSM for one (sequence, group) on one CTA (layers/mamba2.py).
+
+MAMBA_CORE's conv, gates and gated RMSNorm (kernel/mamba2.py, inherited), and in place of its
+state update: the committed entries' B and dt to shared memory and the T new entries appended to
+the ring (r1), B . C of every (token, entry) pair (r2), the decays and weights per (token, entry,
+head) (r3), then the committed state S_c through registers in MAMBA_CORE's row tiles: the T
+outputs from S_c plus the ring, and at a fold (n + T >= L) the state with every entry folded in
+(r4). Phases, traffic and indices: kernel/mamba_index.py; all math in fp32 in the executor's
+order of operations (reference/layers/replay.py ssd_replay, ssd_fold).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from megakernel.isa import Op
+from megakernel.kernel.fields import word
+from megakernel.kernel.mamba2 import Mamba2
+from megakernel.kernel.mamba_index import LANES
+from megakernel.kernel.memory import join64, ld, prefetch_l2, st
+from megakernel.kernel.spec import KernelSpec
+from megakernel.kernel.sync import cta_sync
+
+
+class Mamba2Replay(Mamba2):
+    """The MAMBA_REPLAY handler of a build (KernelSpec.replay_window L, ring of L - 1 + T)."""
+
+    def __init__(self, spec: KernelSpec):
+        super().__init__(spec)
+        self.L, self.cap = spec.replay_window, spec.ring_cap
+
+    @cute.jit
+    def replay(self, rec: cute.Tensor, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,
+               pI: cute.Pointer, pS: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32,
+               lane: Int32):
+        b, j = rec[word(Op.MAMBA_REPLAY, "B_IDX")], rec[word(Op.MAMBA_REPLAY, "GROUP")]
+        proj, prm = rec[word(Op.MAMBA_REPLAY, "PROJ_OFF")], rec[word(Op.MAMBA_REPLAY, "PARAM_OFF")]
+        st0 = join64(rec[word(Op.MAMBA_REPLAY, "STATE_LO")],
+                     rec[word(Op.MAMBA_REPLAY, "STATE_HI")])
+        cnt = rec[word(Op.MAMBA_REPLAY, "COUNT_OFF")] + self.m.count(b, j)
+        n = ld(pI, cnt)  # committed entries (< L: the last step folded at L)
+        cta_sync(self.named)  # the scratch span is free: the previous record is done with it
+        conv_w, norm_w = rec[word(Op.MAMBA_REPLAY, "CONV_W")], rec[word(Op.MAMBA_REPLAY, "NORM_W")]
+        self.conv(b, j, proj, Int64(conv_w), st0, pW, pF, pS, sS, tidx)
+        self.gates(b, j, proj, prm, pF, sS, tidx)
+        cta_sync(self.named)
+        self.ring_in(b, j, prm, n, st0, pF, pS, sS, tidx)
+        cta_sync(self.named)
+        self.dots(n, sS, warp, lane)
+        cta_sync(self.named)
+        self.weights(n, sS, tidx)
+        cta_sync(self.named)
+        fold = n + self.T >= self.L
+        self.replay_states(b, j, prm, n, fold, st0, pF, pS, sS, warp, lane)
+        if tidx == 0:
+            count = n + self.T
+            if fold:
+                count = Int32(0)
+            st(pI, cnt, count)
+        cta_sync(self.named)
+        self.output(b, j, proj, Int64(norm_w), rec[word(Op.MAMBA_REPLAY, "OUT_OFF")], pW, pF,
+                    pB, sS, warp, lane)
+
+    # ---- r1-r3: the ring's B and dt, B . C, decays and weights in shared memory ---------------
+    @cute.jit
+    def ring_in(self, b: Int32, j: Int32, prm: Int32, n: Int32, st0: Int64, pF: cute.Pointer,
+                pS: cute.Pointer, sS: cute.Tensor, tidx: Int32):
+        """bs[e] = B_e, dtr[e][r] = dt_e, lam[e][r] = A dt_e for the n committed entries (from
+        the ring) and the T new ones (from the conv and gates, appended to the ring with x)."""
+        m, T, sm, N, R = self.m, self.T, self.sm, self.m.state_size, self.m.rep
+        for idx in cutlass.range(tidx, (n + T) * N, self.NT, unroll=1):
+            e = idx // N
+            c = idx - e * N
+            v = Float32(0.0)
+            if e < n:
+                v = ld(pS, st0 + Int64(m.ring_b(b, e, j, c)))
+            else:
+                v = sS[sm["x"] + (e - n) * m.ch + m.rows + c]
+                st(pS, st0 + Int64(m.ring_b(b, e, j, c)), v)
+            sS[sm["bs"] + idx] = v
+        for idx in cutlass.range(tidx, (n + T) * R, self.NT, unroll=1):
+            e = idx // R
+            r = idx - e * R
+            v = Float32(0.0)
+            if e < n:
+                v = ld(pS, st0 + Int64(m.ring_dt(b, e, j, r)))
+            else:
+                v = sS[sm["dt"] + idx - n * R]
+                st(pS, st0 + Int64(m.ring_dt(b, e, j, r)), v)
+            sS[sm["dtr"] + idx] = v
+            sS[sm["lam"] + idx] = -cute.math.exp(ld(pF, prm + j * R + r)) * v
+        for idx in cutlass.range(tidx, T * m.rows, self.NT, unroll=1):
+            t = idx // m.rows
+            row = idx - t * m.rows
+            st(pS, st0 + Int64(m.ring_x(b, n + t, j, row)), sS[sm["x"] + t * m.ch + row])
+
+    @cute.jit
+    def dots(self, n: Int32, sS: cute.Tensor, warp: Int32, lane: Int32):
+        """dots[t][e] = B_e . C_t for every entry e < n + T: one warp per (t, e)."""
+        m, sm, N, ne = self.m, self.sm, self.m.state_size, n + self.T
+        for idx in cutlass.range(warp, self.T * ne, self.NW, unroll=1):
+            t = idx // ne
+            e = idx - t * ne
+            cc = sm["x"] + t * m.ch + m.rows + N
+            d = Float32(0.0)
+            for c in cutlass.range(lane, N, LANES, unroll=1):
+                d = d + sS[sm["bs"] + e * N + c] * sS[cc + c]
+            d = cute.arch.warp_reduction_sum(d)
+            if lane == 0:
+                sS[sm["dots"] + t * self.cap + e] = d
+
+    @cute.jit
+    def weights(self, n: Int32, sS: cute.Tensor, tidx: Int32):
+        """coef[t][e][r] = dt_e e^{Lam(n+t, e)} dots[t][e] (0 for e > n + t), decay[t][r] =
+        e^{Lam(n+t, c)}, wf[e][r] = dt_e e^{Lam(n+T-1, e)}; Lam(t, e) summed over entries
+        (e, t] in order (segsum's order), a thread each."""
+        sm, R, T, cap, ne = self.sm, self.m.rep, self.T, self.cap, n + self.T
+        for idx in cutlass.range(tidx, T * ne * R, self.NT, unroll=1):
+            t = idx // (ne * R)
+            e = (idx - t * ne * R) // R
+            r = idx - (t * ne + e) * R
+            cf = Float32(0.0)
+            if e <= n + t:
+                cf = sS[sm["dtr"] + e * R + r] * cute.math.exp(self.lam_sum(e + 1, n + t, r, sS))
+                cf = cf * sS[sm["dots"] + t * cap + e]
+            sS[sm["coef"] + (t * cap + e) * R + r] = cf
+        for idx in cutlass.range(tidx, T * R, self.NT, unroll=1):
+            t = idx // R
+            r = idx - t * R
+            sS[sm["decay"] + idx] = cute.math.exp(self.lam_sum(Int32(0), n + t, r, sS))
+        for idx in cutlass.range(tidx, ne * R, self.NT, unroll=1):
+            e = idx // R
+            r = idx - e * R
+            sS[sm["wf"] + idx] = sS[sm["dtr"] + idx] * cute.math.exp(
+                self.lam_sum(e + 1, ne - 1, r, sS))
+
+    @cute.jit
+    def lam_sum(self, first: Int32, last: Int32, r: Int32, sS: cute.Tensor) -> Float32:
+        """sum of lam[q][r] for q in [first, last] (0 when empty)."""
+        s = Float32(0.0)
+        for q in cutlass.range(first, last + 1, unroll=1):
+            s = s + sS[self.sm["lam"] + q * self.m.rep + r]
+        return s
+
+    # ---- r4: the committed state through registers ----------------------------------------------
+    @cute.jit
+    def entry_x(self, b: Int32, j: Int32, n: Int32, e: Int32, row: Int32, st0: Int64,
+                pS: cute.Pointer, sS: cute.Tensor) -> Float32:
+        """x_e[row]: a committed entry from the ring, a new one from the conv outputs."""
+        xv = Float32(0.0)
+        if e < n:
+            xv = ld(pS, st0 + Int64(self.m.ring_x(b, e, j, row)))
+        else:
+            xv = sS[self.sm["x"] + (e - n) * self.m.ch + row]
+        return xv
+
+    @cute.jit
+    def replay_states(self, b: Int32, j: Int32, prm: Int32, n: Int32, fold, st0: Int64,
+                      pF: cute.Pointer, pS: cute.Pointer, sS: cute.Tensor, warp: Int32,
+                      lane: Int32):
+        """Per row tile: S_c [RPT rows][CPL columns] in registers; y_t[row] = the row's lanes'
+        sum of decay[t] S_c . C_t and coef[t][e] x_e[row] over the lane's entries
+        (e = lane mod LPR), + D x_t; at a fold S <- decay[T-1] S_c + sum_e x_e (wf[e] B_e),
+        stored once."""
+        m, T, RPT, CPL, sm, R = self.m, self.T, self.m.rpt, self.m.cpl, self.sm, self.m.rep
+        ne = n + T
+        s_reg = cute.make_rmem_tensor((RPT * CPL,), Float32)
+        part = cute.make_rmem_tensor((T,), Float32)
+        for it in cutlass.range(m.tiles, unroll=1):
+            for k in cutlass.range_constexpr(RPT):
+                row = m.row(it, warp, lane, k)
+                for c in cutlass.range_constexpr(CPL):
+                    s_reg[k * CPL + c] = ld(pS, st0 + Int64(m.state(b, j, row, m.col(lane, c))))
+            for k in cutlass.range_constexpr(RPT):
+                row = m.row(it, warp, lane, k)
+                r = row // m.head_dim
+                for t in cutlass.range_constexpr(T):
+                    sc = Float32(0.0)
+                    for c in cutlass.range_constexpr(CPL):
+                        sc = sc + s_reg[k * CPL + c] * sS[sm["x"] + t * m.ch + m.rows
+                                                          + m.state_size + m.col(lane, c)]
+                    part[t] = sS[sm["decay"] + t * R + r] * sc
+                for e in cutlass.range(lane % m.lpr, ne, m.lpr, unroll=1):
+                    xv = self.entry_x(b, j, n, e, row, st0, pS, sS)
+                    for t in cutlass.range_constexpr(T):
+                        part[t] = part[t] + sS[sm["coef"] + (t * self.cap + e) * R + r] * xv
+                for t in cutlass.range_constexpr(T):
+                    y = cute.arch.warp_reduction_sum(part[t], threads_in_group=m.lpr)
+                    y = y + ld(pF, prm + m.heads + j * R + r) * sS[sm["x"] + t * m.ch + row]
+                    if lane % m.lpr == 0:
+                        sS[sm["y"] + t * m.rows + row] = y
+            if fold:
+                for k in cutlass.range_constexpr(RPT):
+                    row = m.row(it, warp, lane, k)
+                    r = row // m.head_dim
+                    dec = sS[sm["decay"] + (T - 1) * R + r]
+                    for c in cutlass.range_constexpr(CPL):
+                        s_reg[k * CPL + c] = dec * s_reg[k * CPL + c]
+                    for e in cutlass.range(ne, unroll=1):
+                        xv = self.entry_x(b, j, n, e, row, st0, pS, sS)
+                        w = sS[sm["wf"] + e * R + r]
+                        for c in cutlass.range_constexpr(CPL):
+                            s_reg[k * CPL + c] = s_reg[k * CPL + c] + xv * (
+                                w * sS[sm["bs"] + e * m.state_size + m.col(lane, c)])
+                    for c in cutlass.range_constexpr(CPL):
+                        st(pS, st0 + Int64(m.state(b, j, row, m.col(lane, c))),
+                           s_reg[k * CPL + c])
+
+    # ---- L2 prefetch of S_c and the committed x entries (before the dependency wait) ---------
+    @cute.jit
+    def prefetch_replay(self, rec: cute.Tensor, pI: cute.Pointer, pS: cute.Pointer,
+                        tidx: Int32):
+        """The record's committed state and the x of its n committed entries predate this step:
+        ask L2 for them while the CTA waits for the projection."""
+        m = self.m
+        st0 = join64(rec[word(Op.MAMBA_REPLAY, "STATE_LO")],
+                     rec[word(Op.MAMBA_REPLAY, "STATE_HI")])
+        b, j = rec[word(Op.MAMBA_REPLAY, "B_IDX")], rec[word(Op.MAMBA_REPLAY, "GROUP")]
+        prefetch_l2(pS, st0 + Int64(m.state(b, j, 0, 0)), m.rows * m.state_size * 4, tidx)
+        if tidx == 0:
+            n = ld(pI, rec[word(Op.MAMBA_REPLAY, "COUNT_OFF")] + m.count(b, j))
+            for e in cutlass.range(n, unroll=1):
+                prefetch_l2(pS, st0 + Int64(m.ring_x(b, e, j, 0)), m.rows * 4, tidx)
