@@ -279,11 +279,12 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
 
 def check_header(header: dict[str, int], spec: dict[str, Any]) -> None:
     """The program header's constants a build bakes in (KernelSpec): the RMSNorm form, the RoPE
-    dims, the output gate and its buffer's offset; ArgumentError naming the first mismatch."""
+    dims, the output gate and its buffer's offset, the ReplaySSM fold window (the ring's capacity
+    follows from it); ArgumentError naming the first mismatch."""
     rotary = (spec.get("rotary") or spec["head_dim"]) if spec.get("rope", True) else 0
     gated = bool(spec.get("output_gate"))
     want = {"NORM_KIND": int(bool(spec.get("norm_one_plus"))), "ROTARY_DIM": rotary,
-            "OUTPUT_GATE": int(gated)}
+            "OUTPUT_GATE": int(gated), "REPLAY_WINDOW": spec.get("replay_window", 0)}
     if gated:
         want["F32_GATE_OFF"] = spec["gate_off"]
     for k, v in want.items():
@@ -356,7 +357,7 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                     raise ArgumentError(f"{where}: a GATEUP slab of {d['NROWS']} rows at row "
                                         f"{d['ROW0']} is not whole {GATEUP_BLOCK}-row gate/up "
                                         f"block pairs")
-            elif op == Op.GDN_CORE:
+            elif op in (Op.GDN_CORE, Op.GDN_REPLAY):
                 if not (0 <= d["B_IDX"] < B and 0 <= d["K_HEAD"] < gdn.hk and d["STATE"] >= 0):
                     raise ArgumentError(f"{where}: sequence {d['B_IDX']}, key head "
                                         f"{d['K_HEAD']}, state offset {d['STATE']} outside the "

@@ -143,11 +143,13 @@ def _newest(d: str, pattern: str) -> str:
 def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
                tokens: int = 1, num_threads: int = spec_mod.NUM_THREADS,
                smem_stages: int | None = None, timeline: bool = False,
-               l2_window: int = -1) -> dict:
+               l2_window: int = -1, replay_window: int = 0) -> dict:
     """Compile one arch into out_dir/<arch>/ and return its manifest (`smem_stages`: the
     shared-memory weight pipeline's stages, None = the deepest ring that fits, spec.make_spec;
-    `timeline`: the variant that records per-instruction times, megakernel/timeline.py)."""
-    spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages, timeline, l2_window)
+    `timeline`: the variant that records per-instruction times, megakernel/timeline.py;
+    `replay_window`: L >= 1 for programs with that ReplaySSM window)."""
+    spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages, timeline, l2_window,
+                     replay_window=replay_window)
     dest = Path(out_dir) / arch
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mk-dump-") as dump:

@@ -476,6 +476,10 @@ class KernelSpec:
     # Mamba2's (num_heads, head_dim, state_size, n_groups, conv_kernel) when the model has Mamba2
     # layers (kernel/mamba_index.py); () = none
     mamba: tuple[int, ...] = ()
+    # ReplaySSM fold window L (program header REPLAY_WINDOW, checked by runtime.check_header):
+    # the recurrent layers run their kinds' REPLAY ops with rings of L - 1 + T entries; 0 = the
+    # recurrent update
+    replay_window: int = 0
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
     smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (above)
     timeline: bool = False  # the variant that stamps per-instruction times (TIMELINE_FIELDS)
@@ -630,7 +634,7 @@ class KernelSpec:
 
         if not self.gdn:
             return None
-        return GDNShape.of(self.gdn, self.batch, self.tokens, self.num_warps)
+        return GDNShape.of(self.gdn, self.batch, self.tokens, self.num_warps, self.ring_cap)
 
     @property
     def mamba_shape(self):  # noqa: ANN201 (mamba_index.MambaShape | None)
@@ -640,6 +644,12 @@ class KernelSpec:
         if not self.mamba:
             return None
         return MambaShape.of(self.mamba, self.batch, self.tokens, self.num_warps)
+
+    @property
+    def ring_cap(self) -> int:
+        """ReplaySSM ring entries per (layer, sequence) (header RING_CAP): L - 1 + T; 0 without
+        a window (compiler.compile_program's ring_cap)."""
+        return self.replay_window - 1 + self.tokens if self.replay_window else 0
 
     @property
     def recurrent_smem_bytes(self) -> int:
@@ -736,6 +746,9 @@ class KernelSpec:
 
             if check_gdn(self.gdn_shape):
                 raise SpecError(check_gdn(self.gdn_shape))
+            if isa.Op.GDN_REPLAY in self.ops and self.replay_window < 1:
+                raise SpecError("GDN_REPLAY folds its ring every replay_window tokens: a "
+                                "ReplaySSM build needs replay_window >= 1")
         if self.mamba:
             from megakernel.kernel.mamba_index import check_mamba
 
@@ -858,26 +871,36 @@ def gate_offset(cfg, batch: int, tokens: int) -> int:  # noqa: ANN001 (ModelConf
 
 def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelConfig)
               num_threads: int = NUM_THREADS, smem_stages: int | None = None,
-              timeline: bool = False, l2_window: int = -1, replay: bool = False) -> KernelSpec:
-    """The build's static config for a model, batch and tokens per step (`replay`: programs with
-    a ReplaySSM window, whose recurrent layers run the kinds' ReplaySSM core ops). `smem_stages`
+              timeline: bool = False, l2_window: int = -1, replay: bool = False,
+              replay_window: int = 0) -> KernelSpec:
+    """The build's static config for a model, batch and tokens per step (`replay_window` L >= 1:
+    programs with that ReplaySSM window, whose recurrent layers run the kinds' ReplaySSM core
+    ops; `replay` without a window: the op set only, for support checks). `smem_stages`
     None: the deepest ring (PIPELINE_STAGES down to MIN_PIPELINE_STAGES) whose spec is valid, else 0
     (the global-memory weight path); an int is taken as given (SpecError when it cannot serve
     the model/batch). `timeline`: the variant that records per-instruction times; `l2_window`:
     the L2 lookahead in bytes per SM (-1: the arch's, 0: none, for an A/B of the lookahead)."""
     if batch < 1 or tokens < 1:
         raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
+    if replay_window < 0:
+        raise SpecError(f"replay_window must be >= 0 (0: the recurrent update), got "
+                        f"{replay_window}")
+    replay = replay or replay_window > 0
     if smem_stages is None:
         for stages in range(PIPELINE_STAGES, MIN_PIPELINE_STAGES - 1, -1):
             try:
                 return make_spec(cfg, batch, tokens, arch, num_threads, stages, timeline,
-                                 l2_window, replay)
+                                 l2_window, replay, replay_window)
             except SpecError:
                 pass
-        return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window, replay)
+        return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window, replay,
+                         replay_window)
     from megakernel.models import validate
 
     validate(cfg)
+    if replay_window and not cfg.recurrent_layers():
+        raise SpecError(f"replay_window applies to models with recurrent layers; "
+                        f"{cfg.name or cfg.family} has none")
     check_kernel_support(cfg, replay)
     att = cfg.kind_config("attention")
     mlp = cfg.kind_config(next(k for k in mlp_kinds() if cfg.has_kind(k)))
@@ -892,6 +915,7 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         gate_off=gate_offset(cfg, batch, tokens),
         ops=tuple(sorted(program_ops(cfg, replay))),
         gdn=recurrent_constants(cfg, "gdn"), mamba=recurrent_constants(cfg, "mamba2"),
+        replay_window=replay_window,
         attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
         eps=float(cfg.rms_norm_eps), batch=batch, tokens=tokens,
         num_threads=num_threads, smem_stages=smem_stages, timeline=timeline,

@@ -18,7 +18,7 @@ Build = tuple[Path, dict]  # (the arch's output directory, its manifest)
 def kernel_build(tmp_path_factory) -> Callable[..., Build]:  # noqa: ANN001
     """build_arch(cfg, arch, batch, tokens, smem_stages, **variant) -> (out_dir / arch, manifest),
     cached by the kernel spec (the static config the compiled code depends on); `variant`: the
-    other make_spec switches (timeline, l2_window)."""
+    other make_spec switches (timeline, l2_window, replay_window)."""
     # without the DSL the session fails at start (tests/conftest.py) unless
     # MEGAKERNEL_TEST_WITHOUT_DSL=1 waives it: then the builds skip
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
