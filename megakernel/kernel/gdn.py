@@ -62,8 +62,7 @@ class GatedDeltaRule:
         self.l2_norms(sS, warp, lane)
         cta_sync(self.named)
         if cutlass.const_expr(self.replay):
-            count = rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh)
-            n = ld(pI, count)  # committed entries (< L)
+            n = ld(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh))  # (< L)
             self.ring(b, kh, n, st0, pS, sS, tidx)
             cta_sync(self.named)
             self.dots(n, sS, warp, lane)
@@ -74,7 +73,7 @@ class GatedDeltaRule:
                 new = n + self.T
                 if fold:
                     new = Int32(0)
-                st(pI, count, new)
+                st(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh), new)
         else:
             self.kq(sS, warp, lane)
             cta_sync(self.named)
@@ -232,18 +231,20 @@ class GatedDeltaRule:
 
     @cute.jit
     def dots(self, n: Int32, sS: cute.Tensor, warp: Int32, lane: Int32):
-        """r2: dots[t][0 | 1][e] = k_e . k_t | k_e . q_t: one warp per entry e < n + T."""
-        g, sm = self.g, self.sm
-        for e in cutlass.range(warp, n + self.T, self.NW, unroll=1):
-            for t in cutlass.range_constexpr(self.T):
-                for which in cutlass.range_constexpr(2):
-                    base = sm["x"] + t * g.ch + (1 - which) * g.dk  # k of token t, or its q
-                    d = Float32(0.0)
-                    for i in cutlass.range(lane, g.dk, LANES, unroll=1):
-                        d = d + sS[sm["keys"] + g.key(e, i)] * sS[base + i]
-                    d = cute.arch.warp_reduction_sum(d)
-                    if lane == 0:
-                        sS[sm["dots"] + g.dot(t, which, e)] = d
+        """r2: dots[t][0 | 1][e] = k_e . k_t | k_e . q_t for every entry e < n + T: one warp per
+        (entry, token, k or q), one reduction at a time (register pressure)."""
+        g, sm, per = self.g, self.sm, 2 * self.T
+        for p in cutlass.range(warp, (n + self.T) * per, self.NW, unroll=1):
+            e = p // per
+            t = (p - e * per) // 2
+            which = p - e * per - 2 * t
+            base = sm["x"] + t * g.ch + (1 - which) * g.dk  # k of token t, or its q
+            d = Float32(0.0)
+            for i in cutlass.range(lane, g.dk, LANES, unroll=1):
+                d = d + sS[sm["keys"] + g.key(e, i)] * sS[base + i]
+            d = cute.arch.warp_reduction_sum(d)
+            if lane == 0:
+                sS[sm["dots"] + g.dot(t, which, e)] = d
 
     @cute.jit
     def replay_states(self, b: Int32, kh: Int32, n: Int32, fold, st0: Int64, pS: cute.Pointer,

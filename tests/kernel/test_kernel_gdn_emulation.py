@@ -185,7 +185,7 @@ def emulate_replay(g: GDNShape, d: dict, W: np.ndarray, F32: np.ndarray, I32: np
         if e >= n:
             S[at] = sS[sm["g"] + (e - n) * g.rep + r]
         sS[sm["gs"] + g.gs(r, e)] = S[at]
-    # r2: a warp per entry
+    # r2: a warp per (entry, token, k or q)
     for e in range(n + T):
         key = sS[sm["keys"] + g.key(e, 0) : sm["keys"] + g.key(e, g.dk)]
         for t in range(T):
