@@ -211,14 +211,15 @@ def _require_gpu() -> None:
 
 
 def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
-               build_dir: str | Path | None, replay: bool = False) -> Manifest:
+               build_dir: str | Path | None, replay: bool = False,
+               replay_window: int = 0) -> Manifest:
     """The manifest to launch: `build_dir` / $MEGAKERNEL_BUILD_DIR (AOT; a single build
-    DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache (`replay`: for programs
-    with a ReplaySSM window)."""
+    DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache (`replay_window` L: for
+    programs with that ReplaySSM window, a build constant)."""
     from megakernel.kernel.spec import make_spec
 
     # SpecError names what the kernel cannot run
-    need = make_spec(cfg, batch, tokens, arch, replay=replay)
+    need = make_spec(cfg, batch, tokens, arch, replay=replay, replay_window=replay_window)
     build_dir = build_dir or os.environ.get(ENV_BUILD_DIR)
     if build_dir is None:
         from megakernel.kernel.jit import ensure_build
@@ -356,7 +357,7 @@ class Megakernel:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             dev = device_info(self.device)
             self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir,
-                                       replay=bool(replay_window))
+                                       replay_window=replay_window or 0)
             target = from_device(self.device.index)
         self.prog = compile_program(cfg, batch, target, tokens=tokens, max_seq_len=max_seq_len,
                                     replay_window=replay_window, n_splits=n_splits)
