@@ -383,7 +383,7 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                     raise ArgumentError(f"{where}: a GATEUP slab of {d['NROWS']} rows at row "
                                         f"{d['ROW0']} is not whole {GATEUP_BLOCK}-row gate/up "
                                         f"block pairs")
-            elif op == Op.GDN_CORE:
+            elif op in (Op.GDN_CORE, Op.GDN_REPLAY):
                 if not (0 <= d["B_IDX"] < B and 0 <= d["K_HEAD"] < gdn.hk and d["STATE"] >= 0):
                     raise ArgumentError(f"{where}: sequence {d['B_IDX']}, key head "
                                         f"{d['K_HEAD']}, state offset {d['STATE']} outside the "

@@ -1,9 +1,13 @@
-"""GDN_CORE: the gated delta rule of one (sequence, key head) on one CTA (layers/gdn.py).
+"""GDN_CORE / GDN_REPLAY: the gated delta rule of one (sequence, key head) on one CTA
+(layers/gdn.py), recurrent or by ReplaySSM (a build runs one of the two: KernelSpec.replay_window).
 
 conv over the fp32 window -> gates and l2 norms in shared memory -> the value heads' states
 through registers in column tiles (read once, written once, all T tokens applied in between) ->
-gated RMSNorm -> bf16 ssm_out. The phases, the thread mapping and every index are in
-gdn_index.py (plain arithmetic, emulated on the host by the tests). Shared memory: a span of
+gated RMSNorm -> bf16 ssm_out. GDN_REPLAY shares the conv, gates, norms and output and replaces
+the state phase by the ring (committed k, g and the new entries in shared memory), the dots of
+the entries' keys with the tokens' k and q, and the committed state's column tiles (read once,
+written only at a fold). The phases, the thread mapping and every index are in gdn_index.py
+(plain arithmetic, emulated on the host by the tests). Shared memory: a span of
 `GDNShape.smem()["words"]` fp32 from the start of the carve-up (KernelSpec.recurrent_smem_bytes),
 over the consumers' per-record regions. All math in fp32, as the executor's (the reference's).
 """
@@ -14,8 +18,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from megakernel import isa
 from megakernel.isa import Op
-from megakernel.kernel.fields import word
+from megakernel.kernel.fields import shared_word, word
 from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
 from megakernel.kernel.memory import join64, ld, prefetch_l2, st
 from megakernel.kernel.spec import KernelSpec
@@ -35,10 +40,16 @@ class GatedDeltaRule:
         self.NT, self.NW, self.T = spec.num_threads, spec.num_warps, spec.tokens
         self.eps = spec.eps
         self.sm = self.g.smem()  # word offsets in the scratch span
+        self.replay = spec.replay_window > 0  # GDN_REPLAY (ReplaySSM) instead of GDN_CORE
+        self.op = Op.GDN_REPLAY if self.replay else Op.GDN_CORE
+        # both read their common operands by GDN_CORE's words (FieldError if they ever differ)
+        for name in isa.spec(Op.GDN_CORE).names:
+            shared_word((Op.GDN_CORE, Op.GDN_REPLAY), name)
 
     @cute.jit
     def core(self, rec: cute.Tensor, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,
-             pS: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+             pI: cute.Pointer, pS: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32,
+             lane: Int32):
         b, kh = rec[word(Op.GDN_CORE, "B_IDX")], rec[word(Op.GDN_CORE, "K_HEAD")]
         proj, prm = rec[word(Op.GDN_CORE, "PROJ_OFF")], rec[word(Op.GDN_CORE, "PARAM_OFF")]
         # the layer's block
@@ -50,9 +61,23 @@ class GatedDeltaRule:
         cta_sync(self.named)
         self.l2_norms(sS, warp, lane)
         cta_sync(self.named)
-        self.kq(sS, warp, lane)
-        cta_sync(self.named)
-        self.states(b, kh, st0, pS, sS, warp, lane)
+        if cutlass.const_expr(self.replay):
+            n = ld(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh))  # (< L)
+            self.ring(b, kh, n, st0, pS, sS, tidx)
+            cta_sync(self.named)
+            self.dots(n, sS, warp, lane)
+            cta_sync(self.named)
+            fold = n + self.T >= self.g.replay_window
+            self.replay_states(b, kh, n, fold, st0, pS, sS, warp, lane)
+            if tidx == 0:  # read by this record only, at the next step
+                new = n + self.T
+                if fold:
+                    new = Int32(0)
+                st(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh), new)
+        else:
+            self.kq(sS, warp, lane)
+            cta_sync(self.named)
+            self.states(b, kh, st0, pS, sS, warp, lane)
         cta_sync(self.named)
         self.output(b, kh, proj, Int64(norm_w), rec[word(Op.GDN_CORE, "OUT_OFF")], pW, pF, pB,
                     sS, warp, lane)
@@ -173,6 +198,133 @@ class GatedDeltaRule:
             if live:
                 for rr in cutlass.range_constexpr(RPW):
                     st(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)), s_reg[rr])
+
+    # ---- ReplaySSM (GDN_REPLAY): r1-r3 of gdn_index.py ----------------------------------------
+    @cute.jit
+    def ring(self, b: Int32, kh: Int32, n: Int32, st0: Int64, pS: cute.Pointer, sS: cute.Tensor,
+             tidx: Int32):
+        """r1: keys [e] and gs [r][e] for the n + T entries: the committed ones from the ring
+        (read once), the new normalised k and g from shared memory (appended to the ring)."""
+        g, sm = self.g, self.sm
+        for idx in cutlass.range(tidx, (n + self.T) * g.dk, self.NT, unroll=1):
+            e = idx // g.dk
+            i = idx - e * g.dk
+            at = st0 + Int64(g.ring_k(b, e, kh, i))
+            v = Float32(0.0)
+            if e < n:
+                v = ld(pS, at)
+            else:
+                v = sS[sm["x"] + (e - n) * g.ch + g.dk + i]
+                st(pS, at, v)
+            sS[sm["keys"] + g.key(e, i)] = v
+        for idx in cutlass.range(tidx, (n + self.T) * g.rep, self.NT, unroll=1):
+            e = idx // g.rep
+            r = idx - e * g.rep
+            at = st0 + Int64(g.ring_g(b, e, kh * g.rep + r))
+            v = Float32(0.0)
+            if e < n:
+                v = ld(pS, at)
+            else:
+                v = sS[sm["g"] + (e - n) * g.rep + r]
+                st(pS, at, v)
+            sS[sm["gs"] + g.gs(r, e)] = v
+
+    @cute.jit
+    def dots(self, n: Int32, sS: cute.Tensor, warp: Int32, lane: Int32):
+        """r2: dots[t][0 | 1][e] = k_e . k_t | k_e . q_t for every entry e < n + T: one warp per
+        (entry, token, k or q), one reduction at a time (register pressure)."""
+        g, sm, per = self.g, self.sm, 2 * self.T
+        for p in cutlass.range(warp, (n + self.T) * per, self.NW, unroll=1):
+            e = p // per
+            t = (p - e * per) // 2
+            which = p - e * per - 2 * t
+            base = sm["x"] + t * g.ch + (1 - which) * g.dk  # k of token t, or its q
+            d = Float32(0.0)
+            for i in cutlass.range(lane, g.dk, LANES, unroll=1):
+                d = d + sS[sm["keys"] + g.key(e, i)] * sS[base + i]
+            d = cute.arch.warp_reduction_sum(d)
+            if lane == 0:
+                sS[sm["dots"] + g.dot(t, which, e)] = d
+
+    @cute.jit
+    def replay_states(self, b: Int32, kh: Int32, n: Int32, fold, st0: Int64, pS: cute.Pointer,
+                      sS: cute.Tensor, warp: Int32, lane: Int32):
+        """r3: per column tile, S_c [rows of this warp, column of this lane] in registers; the
+        partial S_c^T k, S_c^T q of all T tokens; warp 0 solves u and o of its column; at a fold
+        every warp folds its rows over the n + T entries and writes them."""
+        g, T, RPW, sm = self.g, self.T, self.g.rpw, self.sm
+        live = lane < g.cw  # lanes past a narrow head (dv < 32) run on lane CW - 1's column
+        col = cutlass.min(lane, Int32(g.cw - 1))
+        s_reg = cute.make_rmem_tensor((RPW,), Float32)
+        for it in cutlass.range(g.rep * g.tiles, unroll=1):
+            r, j = g.tile_column(it, col)
+            h = kh * g.rep + r
+            for rr in cutlass.range_constexpr(RPW):
+                s_reg[rr] = ld(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)))
+            for t in cutlass.range_constexpr(T):
+                xt = sm["x"] + t * g.ch
+                pk = Float32(0.0)
+                pq = Float32(0.0)
+                for rr in cutlass.range_constexpr(RPW):
+                    pk = pk + s_reg[rr] * sS[xt + g.dk + warp * RPW + rr]
+                    pq = pq + s_reg[rr] * sS[xt + warp * RPW + rr]
+                sS[sm["part"] + g.part(t, warp, 0, col)] = pk
+                sS[sm["part"] + g.part(t, warp, 1, col)] = pq
+            cta_sync(self.named)  # every warp's partials of every token
+            if warp == 0:
+                self.solve(b, h, r, j, col, live, n, st0, pS, sS)
+            cta_sync(self.named)  # ut complete
+            if fold:
+                tot = Float32(0.0)  # log-decay over every entry: the committed state's
+                for e in cutlass.range(n + T, unroll=1):
+                    tot = tot + sS[sm["gs"] + g.gs(r, e)]
+                a = cute.math.exp(tot)
+                for rr in cutlass.range_constexpr(RPW):
+                    s_reg[rr] = a * s_reg[rr]
+                seg = Float32(0.0)  # log-decay over the entries after e
+                for jj in cutlass.range(n + T, unroll=1):
+                    e = n + T - 1 - jj
+                    c = cute.math.exp(seg) * sS[sm["ut"] + g.ut(e, col)]
+                    for rr in cutlass.range_constexpr(RPW):
+                        s_reg[rr] = s_reg[rr] + sS[sm["keys"] + g.key(e, warp * RPW + rr)] * c
+                    seg = seg + sS[sm["gs"] + g.gs(r, e)]
+                if live:
+                    for rr in cutlass.range_constexpr(RPW):
+                        st(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)), s_reg[rr])
+
+    @cute.jit
+    def solve(self, b: Int32, h: Int32, r: Int32, j: Int32, col: Int32, live, n: Int32,
+              st0: Int64, pS: cute.Pointer, sS: cute.Tensor):
+        """Warp 0, lane = column j of value head h: the committed u_e[j] into ut; per token (in
+        order, position p = n + t) u = beta (v - e^G S_c^T k - sum_{e<p} e^{G(p,e)} (k_e . k)
+        u_e) and o = e^G S_c^T q + sum_{e<=p} e^{G(p,e)} (k_e . q) u_e; u into ut and the ring."""
+        g, sm = self.g, self.sm
+        for e in cutlass.range(n, unroll=1):
+            sS[sm["ut"] + g.ut(e, col)] = ld(pS, st0 + Int64(g.ring_u(b, e, h, j)))
+        for t in cutlass.range_constexpr(self.T):
+            tk = Float32(0.0)
+            tq = Float32(0.0)
+            for w in cutlass.range_constexpr(self.NW):
+                tk = tk + sS[sm["part"] + g.part(t, w, 0, col)]
+                tq = tq + sS[sm["part"] + g.part(t, w, 1, col)]
+            p = n + t
+            seg = Float32(0.0)  # log-decay over the entries (e, p]
+            au = Float32(0.0)
+            ao = Float32(0.0)
+            for jj in cutlass.range(p, unroll=1):
+                e = p - 1 - jj
+                seg = seg + sS[sm["gs"] + g.gs(r, e + 1)]
+                c = cute.math.exp(seg) * sS[sm["ut"] + g.ut(e, col)]
+                au = au + c * sS[sm["dots"] + g.dot(t, 0, e)]
+                ao = ao + c * sS[sm["dots"] + g.dot(t, 1, e)]
+            a = cute.math.exp(seg + sS[sm["gs"] + g.gs(r, 0)])  # from the committed state
+            xt = sm["x"] + t * g.ch
+            u = sS[sm["beta"] + t * g.rep + r] * (sS[xt + 2 * g.dk + r * g.dv + j] - (a * tk + au))
+            sS[sm["ut"] + g.ut(p, col)] = u  # idle lanes store their twin's value
+            if live:
+                sS[sm["o"] + (t * g.rep + r) * g.dv + j] = (
+                    a * tq + ao + sS[sm["dots"] + g.dot(t, 1, p)] * u)
+                st(pS, st0 + Int64(g.ring_u(b, p, h, j)), u)
 
     # ---- phase 4: gated RMSNorm -> bf16 --------------------------------------------------------
     @cute.jit

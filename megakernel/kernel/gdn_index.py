@@ -15,6 +15,31 @@ One record runs one (sequence b, key head kh) with its R = Hv / Hk value heads, 
    its values. Each state element is read once and written once per step.
 4. output: per (token, value head) one warp: RMSNorm over dv, times w and silu(z), to bf16.
 
+GDN_REPLAY (ReplaySSM, ring capacity CAP = L - 1 + T, L = KernelSpec.replay_window) runs the same
+conv, gates, norms and output; with n = ring_count[b, kh] committed entries (n < L) and the T new
+ones at positions n .. n + T - 1 (entry e: k_e [dk] of the key head, u_e [R, dv], g_e [R]; the
+decay from entry e to position t is e^{sum of g over entries (e, t]}, summed over the segment as
+reference/layers/common.segsum):
+
+  r1. ring: the committed entries' k and g come to shared memory (keys [CAP][dk], gs [R][CAP]:
+      n (dk + R) values, read once); the T new k (normalised) and g join them at n .. n + T - 1
+      and are appended to the ring (written once).
+  r2. dots[t][0 | 1][e] = k_e . k_t | k_e . q_t for every entry e < n + T: one warp per entry,
+      all T tokens' k and q against it.
+  r3. the committed state S_c through registers in the column tiles of step 3 (read once): the
+      partial S_c^T k_t, S_c^T q_t of all T tokens go to shared memory at once (S_c does not
+      change: one barrier a tile, not a token). A column of u and o depends on that column of
+      S_c only, so warp 0 (lane = column) solves the tokens in order: it brings the committed
+      u_e[col] from the ring to the tile's `ut` [CAP][CW] (read once), forms u_t = beta (v - e^G
+      S_c^T k - sum_{e<t} decay dots u_e) and o_t = e^G S_c^T q + sum_{e<=t} decay dots u_e, and
+      appends u_t to `ut` and to the ring (written once). When n + T >= L every warp then folds
+      its rows, S <- e^{G} S_c + sum_e decay(e) k_e u_e^T over all n + T entries, and writes the
+      tile once; otherwise S_c is not written. The count becomes 0 (fold) or n + T.
+
+Traffic per record and step: the window read and written once, S_c read once and written only at
+a fold (one step in ceil(L / T)), the n committed entries read once, T entries written: what
+layers/recurrent.py charges (stages() `pre`, `st_store`; step_bytes).
+
 Plain arithmetic on ints here and in the host emulation (tests/kernel/test_kernel_gdn_emulation.py),
 on Int32/Int64 in the kernel: the same functions index both.
 """
@@ -32,7 +57,8 @@ SOFTPLUS_LINEAR = 20.0  # softplus(x) = x above this (torch's threshold)
 
 @dataclass(frozen=True)
 class GDNShape:
-    """A build's GDN constants: KernelSpec.gdn = (Hk, Hv, dk, dv, K), batch, tokens, warps."""
+    """A build's GDN constants: KernelSpec.gdn = (Hk, Hv, dk, dv, K), batch, tokens, warps, and
+    the ReplaySSM ring capacity (0: the recurrent update)."""
 
     hk: int
     hv: int
@@ -42,10 +68,12 @@ class GDNShape:
     batch: int
     tokens: int
     num_warps: int
+    cap: int = 0  # ring entries per (sequence, layer): L - 1 + T (KernelSpec.ring_cap)
 
     @classmethod
-    def of(cls, gdn: tuple[int, ...], batch: int, tokens: int, num_warps: int) -> GDNShape:
-        return cls(*gdn, batch, tokens, num_warps)
+    def of(cls, gdn: tuple[int, ...], batch: int, tokens: int, num_warps: int,
+           cap: int = 0) -> GDNShape:
+        return cls(*gdn, batch, tokens, num_warps, cap)
 
     # ---- sizes ---------------------------------------------------------------------------------
     rep = property(lambda self: self.hv // self.hk)  # R: value heads per key head (per record)
@@ -64,15 +92,23 @@ class GDNShape:
     cw = property(lambda self: min(LANES, self.dv))  # state columns per tile (lanes used)
     tiles = property(lambda self: -(-self.dv // self.cw))  # column tiles per value head
     rpw = property(lambda self: self.dk // self.num_warps)  # state rows per warp (per thread)
+    replay_window = property(lambda self: self.cap - self.tokens + 1 if self.cap else 0)  # L
+    # partial buffers: two alternate per token (recurrent); replay has one per token
+    part_bufs = property(lambda self: self.tokens if self.cap else 2)
 
     # ---- shared memory (fp32 words from the start of the scratch span) --------------------------
     def smem(self) -> dict[str, int]:
         """name -> word offset, and "words" the total: x [T][ch] (conv outputs: q | k | v),
-        beta [T][R], g [T][R], kq [T], part [2][NW][2][CW] (per-warp S^T k, S^T q), o [T][R][dv]."""
-        t, r = self.tokens, self.rep
+        beta [T][R], g [T][R], kq [T], part [bufs][NW][2][CW] (per-warp S^T k, S^T q), o [T][R][dv];
+        with a ring (cap > 0) also keys [CAP][dk], gs [R][CAP], dots [T][2][CAP], ut [CAP][CW]
+        (steps r1-r3 above)."""
+        t, r, cap = self.tokens, self.rep, self.cap
         out, off = {}, 0
+        ring = (("keys", cap * self.dk), ("gs", r * cap), ("dots", t * 2 * cap),
+                ("ut", cap * self.cw))
         for name, n in (("x", t * self.ch), ("beta", t * r), ("g", t * r), ("kq", t),
-                        ("part", 2 * self.num_warps * 2 * self.cw), ("o", t * r * self.dv)):
+                        ("part", self.part_bufs * self.num_warps * 2 * self.cw),
+                        ("o", t * r * self.dv), *(ring if cap else ())):
             out[name] = off
             off += -(-n // 4) * 4  # 16-byte aligned
         out["words"] = off
@@ -97,6 +133,44 @@ class GDNShape:
         """Element (b, h, i, j) of the state [B, Hv, dk, dv] (from STATE: after the window)."""
         conv = self.batch * self.conv_dim * self.win
         return conv + ((b * self.hv + h) * self.dk + i) * self.dv + j
+
+    # ---- the ReplaySSM ring (after the state: k [B, CAP, Hk, dk], u [B, CAP, Hv, dv], g [B, CAP,
+    # Hv]) and its count
+    def ring_k(self, b, e, kh, i):
+        """Element (b, entry e, key head kh, i) of the ring's k."""
+        base = self.state(self.batch, 0, 0, 0)
+        return base + ((b * self.cap + e) * self.hk + kh) * self.dk + i
+
+    def ring_u(self, b, e, h, j):
+        """Element (b, entry e, value head h, j) of the ring's u."""
+        base = self.state(self.batch, 0, 0, 0) + self.batch * self.cap * self.key_dim
+        return base + ((b * self.cap + e) * self.hv + h) * self.dv + j
+
+    def ring_g(self, b, e, h):
+        """Element (b, entry e, value head h) of the ring's g."""
+        base = (self.state(self.batch, 0, 0, 0)
+                + self.batch * self.cap * (self.key_dim + self.value_dim))
+        return base + (b * self.cap + e) * self.hv + h
+
+    def count(self, b, kh):
+        """ring_count[b, kh] of the layer (from the record's COUNT_OFF)."""
+        return b * self.hk + kh
+
+    def dot(self, t, which, e):
+        """Word of dots [T][2][CAP]: k_e . k_t (which 0) or k_e . q_t (1)."""
+        return (t * 2 + which) * self.cap + e
+
+    def key(self, e, i):
+        """Word of keys [CAP][dk]: element i of entry e's k."""
+        return e * self.dk + i
+
+    def gs(self, r, e):
+        """Word of gs [R][CAP]: entry e's g of the record's value head r."""
+        return r * self.cap + e
+
+    def ut(self, e, lane):
+        """Word of ut [CAP][CW]: entry e's u of the tile's column `lane`."""
+        return e * self.cw + lane
 
     def proj(self, b, t, col):
         """Element of proj [N, P] (from PROJ_OFF): row b T + t, column col."""

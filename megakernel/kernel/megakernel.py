@@ -14,8 +14,9 @@ and synchronise on named barrier 1. With smem_stages = 0 the consumers read the 
 global memory (Matvec.run) and there is no loader warp.
 
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
-merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE) in gdn.py; the
-Mamba2 SSD update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in mamba_replay.py.
+merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE, GDN_REPLAY) in
+gdn.py; the Mamba2 SSD update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in
+mamba_replay.py.
 Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
 ticket opcodes that signal from their merge) come from the ISA registry (fields.py); a record
 whose opcode the build has no handler for traps. The host side `__call__` exists only to give
@@ -65,7 +66,7 @@ class DecodeMegakernel:
         self.N, self.T, self.B, self.H = spec.rows, spec.tokens, spec.batch, spec.hidden
         self.matvec = Matvec(spec)
         self.attention = Attention(spec)
-        self.gdn = GatedDeltaRule(spec) if spec.gdn else None  # GDN_CORE (gdn.py)
+        self.gdn = GatedDeltaRule(spec) if spec.gdn else None  # GDN_CORE / _REPLAY (gdn.py)
         replay = bool(spec.replay_window)  # the recurrent layers' REPLAY ops, not their CORE
         self.mamba = Mamba2(spec) if spec.mamba and not replay else None  # MAMBA_CORE
         self.mamba_replay = Mamba2Replay(spec) if spec.mamba and replay else None  # MAMBA_REPLAY
@@ -179,7 +180,7 @@ class DecodeMegakernel:
             if op == Op.ATTN_PARTIAL:
                 self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
             if cutlass.const_expr(self.gdn is not None):
-                if op == Op.GDN_CORE:
+                if op == self.gdn.op:
                     self.gdn.prefetch_state(rec, state, tidx)
             if cutlass.const_expr(self.mamba is not None):
                 if op == Op.MAMBA_CORE:
@@ -209,9 +210,12 @@ class DecodeMegakernel:
                 self.attention.ticket(rec, epoch, counters, sFlag, f32, bf16, tidx, warp, lane)
             elif op == Op.ARGMAX:
                 self.argmax(rec, f32, i32, tidx, warp, lane)
-            elif op == Op.GDN_CORE:
+            elif op == Op.GDN_CORE or op == Op.GDN_REPLAY:  # the build's one of them
                 if cutlass.const_expr(self.gdn is not None):
-                    self.gdn.core(rec, weights, f32, bf16, state, sSsm, tidx, warp, lane)
+                    if op == self.gdn.op:
+                        self.gdn.core(rec, weights, f32, bf16, i32, state, sSsm, tidx, warp, lane)
+                    else:
+                        cute.arch.inline_ptx("trap;")
                 else:
                     cute.arch.inline_ptx("trap;")
             elif op == Op.MAMBA_CORE:

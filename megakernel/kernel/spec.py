@@ -637,7 +637,7 @@ class KernelSpec:
 
         if not self.gdn:
             return None
-        return GDNShape.of(self.gdn, self.batch, self.tokens, self.num_warps)
+        return GDNShape.of(self.gdn, self.batch, self.tokens, self.num_warps, self.ring_cap)
 
     @property
     def mamba_shape(self):  # noqa: ANN201 (mamba_index.MambaShape | None)
@@ -761,9 +761,13 @@ class KernelSpec:
 
             if check_mamba(self.mamba_shape):
                 raise SpecError(check_mamba(self.mamba_shape))
-            if isa.Op.MAMBA_REPLAY in self.ops and self.replay_window < 1:
-                raise SpecError("MAMBA_REPLAY folds its ring every replay_window tokens: a "
-                                "ReplaySSM build needs replay_window >= 1")
+        from megakernel.layers import all_kinds
+
+        replay_codes = {k.replay_op for k in all_kinds().values() if k.recurrent}
+        replay_ops = [isa.spec(op).name for op in self.ops if op in replay_codes]
+        if replay_ops and self.replay_window < 1:
+            raise SpecError(f"{', '.join(replay_ops)} fold their rings every replay_window "
+                            "tokens: a ReplaySSM build needs replay_window >= 1")
         if self.paged:
             from megakernel.kernel.paged_index import PAGED_FIELDS, check_paged
 

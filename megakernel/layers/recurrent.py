@@ -70,6 +70,14 @@ class Sizes(NamedTuple):
     unit_gates: int  # per-token gate inputs one core instruction reads
 
 
+def replay_cycle(window: int, tokens: int) -> tuple[float, float]:
+    """(committed ring entries a core record reads on average, fraction of steps that fold and
+    write the state) of ReplaySSM with fold window L and T tokens a step: the count runs 0, T,
+    .., (m - 1) T and folds at the m = ceil(L / T)-th step (T = 1: (L - 1) / 2 and 1 / L)."""
+    m = -(-window // tokens)
+    return tokens * (m - 1) / 2, 1 / m
+
+
 def _size(field: str) -> classmethod:
     return classmethod(lambda cls, cfg: getattr(cls.sizes(cfg), field))
 
@@ -161,10 +169,11 @@ class RecurrentKind(LayerKind):
                   "STATE": buf.state[layer]["conv"].offset, "OUT_OFF": bf["ssm_out"].offset}
         if window:
             common["COUNT_OFF"] = counts.offset + row * counts.shape[1] * counts.shape[2]
-            # committed state + on average (L - 1) / 2 ring entries are read before the wait;
-            # T entries are appended; the state is written at one step in L / T
-            pre = st_bytes + (window - 1) * entry // 2
-            st_store = tokens * entry + st_bytes * min(1.0, tokens / window)
+            # committed state + the committed ring entries (replay_cycle) are read before the
+            # wait; T entries are appended; the state is written at a fold only
+            held, folds = replay_cycle(window, tokens)
+            pre = st_bytes + int(held * entry)
+            st_store = tokens * entry + st_bytes * folds
         else:
             pre, st_store = st_bytes, st_bytes
 
@@ -204,9 +213,10 @@ class RecurrentKind(LayerKind):
         out = {"weights": b * units * cls.unit_weight_bytes(c), "state_read": state,
                "conv_read": conv, "conv_written": conv}
         if window:
-            out.update(ring_read=b * units * ((window - 1) * entry // 2),
+            held, folds = replay_cycle(window, prog.tokens)
+            out.update(ring_read=b * units * int(held * entry),
                        ring_written=prog.rows * units * entry,
-                       state_written=int(state * min(1.0, prog.tokens / window)))
+                       state_written=int(state * folds))
         else:
             out["state_written"] = state
         return out

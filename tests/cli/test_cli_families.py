@@ -126,7 +126,6 @@ KIMI_MISSING = "EXPERT_DOWN, EXPERT_GATEUP, {}, MLA, MLA_O, MLA_Q, MOE_COMBINE, 
 
 
 @pytest.mark.parametrize("model, replay, missing", [
-    ("qwen3.5-tiny", True, "GDN_REPLAY"),  # GDN_CORE and PROJ have handlers
     ("kimi-linear-tiny", False, KIMI_MISSING.format("KDA_CORE")),
     ("kimi-linear-tiny", True, KIMI_MISSING.format("KDA_REPLAY")),
 ])
@@ -144,6 +143,7 @@ def test_kernel_backend_names_the_missing_device_handlers(capsys, model, replay,
 @pytest.mark.parametrize("model, extra", [
     ("qwen3.5-tiny", ()), ("nemotron-h-tiny", ()),
     ("nemotron-h-tiny", ("--replay-window", "3")),  # MAMBA_REPLAY (kernel/mamba_replay.py)
+    ("qwen3.5-tiny", ("--replay-window", "3")),  # GDN_REPLAY (kernel/gdn.py)
 ])
 def test_kernel_backend_takes_recurrent_models_to_the_gpu(capsys, model, extra):
     """Qwen3.5 (GDN + gated attention) and Nemotron-H (Mamba2 + attention + relu^2, recurrent
