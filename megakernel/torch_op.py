@@ -399,7 +399,8 @@ class Megakernel:
         if len(prompts) != self.batch:
             raise ArgumentError(f"{len(prompts)} prompts for a kernel built for batch "
                                 f"{self.batch}")
-        ref = ReferenceModel(self.cfg, self._weights_hf, mode="bf16", device=self.device)
+        ref = ReferenceModel(self.cfg, self._weights_hf, mode="bf16", device=self.device,
+                             replay_window=self.prog.replay_window or None)
         cache = ref.new_cache(self.batch, self.max_seq_len)
         logits = ref.prefill(cache, prompts)  # [B, V] fp32
         self.args.load_cache(cache)

@@ -94,10 +94,11 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     prompts = [[int(t) for t in torch.randint(0, cfg.vocab_size, (n,), generator=g)]
                for n in lens]
     s_max = max(lens) + steps * c.tokens + 8
+    window = c.replay_window or None
     mk = Megakernel(cfg, w, batch=c.batch, tokens=c.tokens, max_seq_len=s_max,
-                    build_dir=build_dir, device=dev, n_splits=c.n_splits)
-    ref16 = ReferenceModel(cfg, w, mode="bf16", device=dev)
-    ref32 = ReferenceModel(cfg, w, mode="fp32", device=dev)
+                    build_dir=build_dir, device=dev, n_splits=c.n_splits, replay_window=window)
+    ref16 = ReferenceModel(cfg, w, mode="bf16", device=dev, replay_window=window)
+    ref32 = ReferenceModel(cfg, w, mode="fp32", device=dev, replay_window=window)
     cache16, cache32 = ref16.new_cache(c.batch, s_max), ref32.new_cache(c.batch, s_max)
     first = mk.prefill(prompts)
     ref16.prefill(cache16, prompts)

@@ -28,12 +28,14 @@ class Case:
     n_splits: int | None = None  # attention splits (None: the compiler's choice)
     cap_s: float = 60.0  # the longest it may take (weights, program, reference and all steps)
     paged: int = 0  # block size: also run the paged build next to the contiguous one (0: not)
+    replay_window: int = 0  # ReplaySSM fold window L of the recurrent layers (0: recurrent)
 
     @property
     def name(self) -> str:
         s = f" S={self.n_splits}" if self.n_splits is not None else ""
         return f"{self.model} B={self.batch} T={self.tokens}{s}" + (
-            f" paged/{self.paged}" if self.paged else "")
+            f" paged/{self.paged}" if self.paged else "") + (
+            f" L={self.replay_window}" if self.replay_window else "")
 
     def pool(self):  # noqa: ANN201 (program.paged.PagedKV | None)
         """The page pool of a paged case (the paged build bakes it in, so it depends on the case
@@ -111,6 +113,11 @@ TINY = (
     # recurrent state arena (conv windows, states) the kernel's must equal after each step
     *(Case(m, b, t, 24, 2, cap_s=30) for m in ("qwen3.5-tiny", "nemotron-h-tiny")
       for b, t in ((1, 1), (4, 1), (1, 4), (4, 4))),
+    # ReplaySSM (GDN_REPLAY, MAMBA_REPLAY) with L = 4: 24 steps fill, fold and restart the ring
+    # several times; the state arena (committed states, rings) and ring counts against the
+    # executor's
+    *(Case(m, b, t, 24, 2, replay_window=4, cap_s=30) for m in ("qwen3.5-tiny", "nemotron-h-tiny")
+      for b, t in ((1, 1), (4, 1), (2, 4))),
     # the paged build (vLLM's pages, block table, slot mapping; the last sequence padding)
     # against the contiguous one and the references, in the same run
     Case("llama-tiny", 4, 1, 16, 1, paged=16, cap_s=30),

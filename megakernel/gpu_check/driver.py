@@ -77,8 +77,11 @@ def have_build(build_dir: Path, it: dict[str, Any], arch: str | None) -> bool:
 
     c = Case.from_dict(it["case"])
     try:
-        make_spec(preset(c.model), c.batch, c.tokens, arch, **VARIANTS[it["variant"]])
-        tag = make_spec(preset(c.model), c.batch, c.tokens, arch).tag  # as prepare names it
+        make_spec(preset(c.model), c.batch, c.tokens, arch, **VARIANTS[it["variant"]],
+                  replay_window=c.replay_window)
+        # as prepare names it
+        tag = make_spec(preset(c.model), c.batch, c.tokens, arch,
+                        replay_window=c.replay_window).tag
     except Exception:  # the variant cannot serve the case: not built either
         return False
     return (variant_dir(build_dir, it["variant"]) / tag / arch / "manifest.json").is_file()

@@ -36,13 +36,16 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
                 t0 = time.perf_counter()
                 try:
                     # can the variant serve it? and the tag find_build looks for
-                    make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[v], paged=pool)
-                    tag = make_spec(cfg, c.batch, c.tokens, arch, paged=pool).tag
+                    make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[v], paged=pool,
+                              replay_window=c.replay_window)
+                    tag = make_spec(cfg, c.batch, c.tokens, arch, paged=pool,
+                                    replay_window=c.replay_window).tag
                     if (tag, arch, v) in done:
                         continue
                     done.add((tag, arch, v))
                     m = build_arch(cfg, arch, variant_dir(build_dir, v) / tag, c.batch,
-                                   c.tokens, **VARIANTS[v], paged=pool)
+                                   c.tokens, **VARIANTS[v], paged=pool,
+                                   replay_window=c.replay_window)
                 except Exception as e:  # SpecError (the variant cannot serve it), BuildError
                     failed.append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
                     print(f"FAILED {failed[-1]}", flush=True)
