@@ -26,9 +26,10 @@ Checks (on by default, `check=False` turns the expensive ones off):
 
 from __future__ import annotations
 
+import functools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,8 @@ from megakernel.layers.base import STREAM
 from megakernel.layers.frame import needs as frame_needs
 from megakernel.registry import Registry
 
-__all__ = ["Executor", "ExecutorError", "DeadlockError", "RaceError", "WriteCountError", "op"]
+__all__ = ["BLOCKED", "Executor", "ExecutorError", "DeadlockError", "RaceError",
+           "WriteCountError", "op"]
 
 
 class ExecutorError(RuntimeError):
@@ -64,7 +66,9 @@ class WriteCountError(ExecutorError):
     pass
 
 
-OpFn = Callable[["Executor", dict, int], None]
+OpFn = Callable[["Executor", dict, int], object]
+Stall = Callable[[], str] | None  # what `Executor.stepper` yields: None, or a stall's report
+BLOCKED = object()  # an op's return value: it waits on another executor, retry it later
 _OPS: Registry[OpFn] = Registry("megakernel.executor.ops", "op function")
 
 
@@ -121,6 +125,7 @@ class Executor:
             raise ExecutorError(f"the executor has no op function for {', '.join(missing)}")
         self.prog, self.cfg, self.check = prog, prog.cfg, check
         self.eps = self.cfg.rms_norm_eps
+        self.vocab_size = self.cfg.vocab_size  # token ids accepted (a TP rank: the whole vocab)
         self.one_plus = prog.header["NORM_KIND"] == 1  # (1 + w) RMSNorm
         b = prog.buffers
         self.records = prog.records()  # [n_sm, Q, 16] int32: what the kernel reads
@@ -307,6 +312,20 @@ class Executor:
 
         Returns tokens_out [B, T] (int64); logits stay in `self.logits`.
         """
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # slab-sized ops: threading costs more than it saves
+        try:
+            for stall in self.stepper(tokens, seed):
+                if stall is not None:
+                    raise DeadlockError(stall())
+        finally:
+            torch.set_num_threads(threads)
+        return self.tokens_out.view(self.prog.batch, self.prog.tokens).to(torch.int64)
+
+    def stepper(self, tokens: torch.Tensor | None = None, seed: int = 0) -> Iterator[Stall]:
+        """One step as a generator (what `step` runs): yields None after each instruction and,
+        when no SM can run, a callable that describes the stall; a group of executors that wait
+        on each other (executor/tp.py) interleaves these."""
         p = self.prog
         lengths = self.lengths.tolist()
         self._step_lengths = lengths  # named by a non-finite error
@@ -317,8 +336,8 @@ class Executor:
                                     f"got {tuple(tokens.shape)}")
             self.region("i32", "tokens_in").copy_(tokens.reshape(-1).to(torch.int32))
         toks = self.region("i32", "tokens_in")
-        if bool(((toks < 0) | (toks >= self.cfg.vocab_size)).any()):
-            raise ExecutorError(f"token ids outside [0, {self.cfg.vocab_size}): {toks.tolist()}")
+        if bool(((toks < 0) | (toks >= self.vocab_size)).any()):
+            raise ExecutorError(f"token ids outside [0, {self.vocab_size}): {toks.tolist()}")
         for b, n in enumerate(lengths):
             if n + p.tokens > p.max_seq_len:
                 raise ExecutorError(f"sequence {b}: {n} cached + {p.tokens} new tokens exceed "
@@ -330,17 +349,11 @@ class Executor:
         if self.check:
             for tr in self.tracks.values():
                 tr.reset()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # slab-sized ops: threading costs more than it saves
-        try:
-            self._run(seed)
-        finally:
-            torch.set_num_threads(threads)
+        yield from self._run(seed)
         if self.check:
             self._check_counts(lengths, ring_before)
-        return self.tokens_out.view(p.batch, p.tokens).to(torch.int64)
 
-    def _run(self, seed: int) -> None:
+    def _run(self, seed: int) -> Iterator[Stall]:
         rng = random.Random(seed)
         n = self.n_sm
         epoch = self.counters[isa.EPOCH]
@@ -349,10 +362,12 @@ class Executor:
         self.vc = [torch.zeros(n, dtype=torch.int32) for _ in range(n)]
         self.cvc: dict[int, torch.Tensor] = {}  # counter -> vector clock of its releases
         recs = self.records.tolist()
+        spinning: set[int] = set()  # SMs whose op waits on another executor (BLOCKED)
+        retried = True  # every spinning SM tried since the last instruction or stall
         while True:
             runnable = []
             for s in range(n):
-                if done[s]:
+                if done[s] or s in spinning:
                     continue
                 rec = recs[s][pcs[s]]
                 if rec[0] == isa.Op.END:
@@ -366,7 +381,13 @@ class Executor:
             if not runnable:
                 if all(done):
                     return
-                raise DeadlockError(self._deadlock_report(recs, pcs, done, epoch))
+                if not retried:  # try the spinning SMs once more before stalling
+                    spinning.clear()
+                    retried = True
+                    continue
+                yield functools.partial(self._deadlock_report, recs, pcs, done, epoch)
+                spinning.clear()  # resumed: the others may have moved on
+                continue
             s = rng.choice(runnable)
             rec = recs[s][pcs[s]]
             self.cur = (s, pcs[s])
@@ -377,10 +398,14 @@ class Executor:
                 torch.maximum(vc, self.cvc[rec[1]], out=vc)
             d = isa.decode(rec)
             spec = isa.spec(d["OPCODE"])
-            self.ops[spec.name](self, d, epoch)
+            if self.ops[spec.name](self, d, epoch) is BLOCKED:
+                spinning.add(s)  # retried when this executor is resumed after a stall
+                continue
             if d["SIGNAL_CID"] != isa.NO_COUNTER and not spec.ticket:
                 self.release(d["SIGNAL_CID"])
             pcs[s] += 1
+            retried = not spinning
+            yield None
 
     def release(self, cid: int, acquire: bool = False) -> int:
         """Counter add with release semantics (acq_rel when `acquire`); returns the old value."""

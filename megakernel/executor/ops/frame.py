@@ -52,15 +52,25 @@ def lmhead(ex: Executor, d: dict, epoch: int) -> None:
              torch.stack((best, (idx + r0).float()), dim=-1))
 
 
+def best_of(parts: torch.Tensor) -> torch.Tensor:
+    """[P, N, 2] partial (max, vocab index) -> [N, 2] the largest; equal maxima go to the lowest
+    index, whatever the order of the partials."""
+    vals, idxs = parts[..., 0], parts[..., 1]
+    best = vals.amax(dim=0)
+    cand = torch.where(vals == best, idxs, torch.full_like(idxs, float("inf")))
+    return torch.stack((best, cand.amin(dim=0)), dim=-1)
+
+
 @op("ARGMAX")
 def argmax(ex: Executor, d: dict, epoch: int) -> None:
     p = ex.prog
-    n, nt = p.rows, d["N_TILES"]
-    parg = ex.read("f32", d["PARG_OFF"], (p.num_sms, n, 2), slice(0, nt))  # [nt, N, 2]
-    vals, idxs = parg[..., 0], parg[..., 1]
-    best = vals.amax(dim=0)
-    cand = torch.where(vals == best, idxs, torch.full_like(idxs, float("inf")))
-    tok = cand.amin(dim=0).to(torch.int32)  # lowest index among equal maxima
+    parg = ex.read("f32", d["PARG_OFF"], (p.num_sms, p.rows, 2), slice(0, d["N_TILES"]))
+    store_tokens(ex, d, best_of(parg)[:, 1].to(torch.int32))
+
+
+def store_tokens(ex: Executor, d: dict, tok: torch.Tensor) -> None:
+    """ARGMAX's stores: tokens_out [N] = tok; lengths advanced, tokens fed back (FLAGS)."""
+    p, n = ex.prog, ex.prog.rows
     ex.write("i32", d["OUT_OFF"], (n,), slice(None), tok)
     if d["FLAGS"] & isa.FLAG_ADVANCE:
         ln = ex.read("i32", d["LEN_OFF"], (p.batch,), slice(None), scratch=False)
