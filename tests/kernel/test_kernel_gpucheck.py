@@ -345,7 +345,7 @@ def test_stage_tables_cover_what_the_issue_asks():
     for m in ("qwen3.5-tiny", "nemotron-h-tiny"):
         shapes = {(c.batch, c.tokens) for c in STAGES[1].groups[0].cases
                   if c.model == m and c.executor_steps > 0 and not c.replay_window}
-        assert shapes >= {(1, 1), (4, 1), (1, 4), (4, 4)}, m
+        assert shapes == {(1, 1), (4, 1), (1, 4), (4, 4)}, m
         replay = {(c.batch, c.tokens) for c in STAGES[1].groups[0].cases
                   if c.model == m and c.executor_steps > 0 and c.replay_window == 4}
         assert replay >= {(1, 1), (4, 1)} and any(t > 1 for _, t in replay), m
