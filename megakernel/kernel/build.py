@@ -152,6 +152,14 @@ def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
     `paged`: the paged-KV build for this page pool, program/paged.PagedKV)."""
     spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages, timeline, l2_window,
                      replay_window=replay_window, paged=paged)
+    return build_spec(spec, cfg, out_dir)
+
+
+def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path) -> dict:
+    """Compile `spec` (for model `cfg`) into out_dir/<spec.arch>/, check its resources, write and
+    return its manifest (build_arch's second half; a handler under development builds a
+    make_spec(..., unhandled="trap") spec with it)."""
+    arch, batch, tokens = spec.arch, spec.batch, spec.tokens
     dest = Path(out_dir) / arch
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mk-dump-") as dump:

@@ -65,7 +65,8 @@ class DecodeMegakernel:
         self.NT, self.NW = spec.num_threads, spec.num_warps
         self.N, self.T, self.B, self.H = spec.rows, spec.tokens, spec.batch, spec.hidden
         self.matvec = Matvec(spec)
-        self.attention = Attention(spec)
+        self.attn = int(Op.ATTN_PARTIAL) in self.ops.handled  # compiled in only when used
+        self.attention = Attention(spec) if self.attn else None
         self.gdn = GatedDeltaRule(spec) if spec.gdn else None  # GDN_CORE / _REPLAY (gdn.py)
         replay = bool(spec.replay_window)  # the recurrent layers' REPLAY ops, not their CORE
         self.mamba = Mamba2(spec) if spec.mamba and not replay else None  # MAMBA_CORE
@@ -177,8 +178,9 @@ class DecodeMegakernel:
                                     cute.make_layout(isa.RECORD_WORDS))
             cute.autovec_copy(gRec, rec)
             layer = rec[common("LAYER")]
-            if op == Op.ATTN_PARTIAL:
-                self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
+            if cutlass.const_expr(self.attn):
+                if op == Op.ATTN_PARTIAL:
+                        self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
             if cutlass.const_expr(self.gdn is not None):
                 if op == self.gdn.op:
                     self.gdn.prefetch_state(rec, state, tidx)
@@ -205,9 +207,13 @@ class DecodeMegakernel:
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
             elif op == Op.ATTN_PARTIAL:
-                self.attention.partial(rec, layer, f32, bf16, i32, k_cache, v_cache, s_max, sQ,
-                                       sO, sML, warp, lane)
-                self.attention.ticket(rec, epoch, counters, sFlag, f32, bf16, tidx, warp, lane)
+                if cutlass.const_expr(self.attn):
+                    self.attention.partial(rec, layer, f32, bf16, i32, k_cache, v_cache, s_max,
+                                           sQ, sO, sML, warp, lane)
+                    self.attention.ticket(rec, epoch, counters, sFlag, f32, bf16, tidx, warp,
+                                          lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
             elif op == Op.ARGMAX:
                 self.argmax(rec, f32, i32, tidx, warp, lane)
             elif op == Op.GDN_CORE or op == Op.GDN_REPLAY:  # the build's one of them
@@ -239,7 +245,10 @@ class DecodeMegakernel:
                                     s_max, len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
             else:  # an opcode this build has no handler for: fail the launch, run nothing
                 cute.arch.inline_ptx("trap;")
-            if none_of(op, self.ops.ticket):  # a ticket opcode signals from its merge
+            if cutlass.const_expr(len(self.ops.ticket) > 0):
+                if none_of(op, self.ops.ticket):  # a ticket opcode signals from its merge
+                    sync.signal_counter(counters, rec[common("SIGNAL_CID")], tidx, named)
+            else:
                 sync.signal_counter(counters, rec[common("SIGNAL_CID")], tidx, named)
             if cutlass.const_expr(self.spec.timeline):
                 if tidx == 0:

@@ -476,6 +476,14 @@ class KernelSpec:
     # Mamba2's (num_heads, head_dim, state_size, n_groups, conv_kernel) when the model has Mamba2
     # layers (kernel/mamba_index.py); () = none
     mamba: tuple[int, ...] = ()
+    # KDA's (num_heads, head_dim, conv_kernel) (layers/kda.py); () = none
+    kda: tuple[int, ...] = ()
+    # MLA's (num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+    # (layers/mla.py); () = none
+    mla: tuple[int, ...] = ()
+    # MoE's (num_experts, top_k, intermediate_size, n_group, topk_group, shared expert 0/1)
+    # (layers/moe.py); () = none
+    moe: tuple[int, ...] = ()
     # ReplaySSM fold window L (program header REPLAY_WINDOW, checked by runtime.check_header):
     # the recurrent layers run their kinds' REPLAY ops with rings of L - 1 + T entries; 0 = the
     # recurrent update
@@ -593,7 +601,10 @@ class KernelSpec:
         ks = (self.hidden, self.heads * self.head_dim, self.inter)
         g, m = self.gdn_shape, self.mamba_shape
         return (ks + ((g.value_dim,) if g is not None else ())
-                + ((m.d_inner,) if m is not None else ()))
+                + ((m.d_inner,) if m is not None else ())
+                + ((self.kda[0] * self.kda[1],) if self.kda else ())  # KDA out_proj: H d
+                + ((self.mla[0] * self.mla[4],) if self.mla else ())  # MLA o_proj: H dv
+                + ((self.moe[2],) if self.moe else ()))  # an expert's down: I_e
 
     @property
     def k_max(self) -> int:
@@ -794,7 +805,7 @@ class KernelSpec:
         it (a build set keeps them apart)."""
         rest = {k: v for k, v in self.to_dict().items()
                 if k not in ("arch", "num_threads", "smem_stages", "timeline", "l2_window")
-                and (k != "paged" or v)}  # the contiguous builds' tags as before the field
+                and (k not in _TAG_IF_SET or v)}  # the tags of builds without them as before
         digest = hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
         return (f"{self.family}-h{self.hidden}-i{self.inter}-v{self.vocab}-l{self.layers}"
                 f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}"
@@ -813,6 +824,10 @@ def rope_layout_error(rotary: int, head_dim: int) -> str:
 
 # the layer kinds of a dense stack: what a spec without `ops` handles
 DENSE_KINDS = ("attention", "swiglu")
+# spec fields that enter a build's tag only when set (the tags of the builds before them hold)
+_TAG_IF_SET = ("paged", "kda", "mla", "moe")
+# the kinds' KernelSpec fields (LayerKind.spec_field), filled by make_spec
+KIND_FIELDS = ("gdn", "mamba", "kda", "mla", "moe")
 FRAME_OPS = ("END", "EMBED", "LMHEAD", "ARGMAX")
 
 
@@ -845,11 +860,13 @@ def program_ops(cfg, replay: bool = False) -> set[int]:  # noqa: ANN001 (ModelCo
     return kinds_ops({blk.kind for blk in cfg.blocks}, replay)
 
 
-def check_kernel_support(cfg, replay: bool = False) -> None:  # noqa: ANN001 (ModelConfig)
-    """SpecError naming what of `cfg` the kernel does not run yet (validate() has accepted it)."""
+def check_kernel_support(cfg, replay: bool = False,  # noqa: ANN001 (ModelConfig)
+                         unhandled: str = "refuse") -> None:
+    """SpecError naming what of `cfg` the kernel does not run yet (validate() has accepted it);
+    `unhandled="trap"` lets opcodes without a device handler through (make_spec)."""
     missing = sorted(isa.spec(op).name for op in program_ops(cfg, replay)
                      if not isa.spec(op).device)
-    if missing:
+    if missing and unhandled != "trap":
         kinds = sorted({isa.spec(getattr(isa.Op, n)).kind for n in missing})
         raise SpecError(f"the kernel has no device handlers for {', '.join(missing)} yet (layer "
                         f"kinds {', '.join(kinds)} of {cfg.name or cfg.family}); the CPU "
@@ -862,11 +879,16 @@ def check_kernel_support(cfg, replay: bool = False) -> None:  # noqa: ANN001 (Mo
         if len(mlps) != 1:
             raise ConfigError(f"{cfg.name or cfg.family} has feed-forward kinds {mlps}; "
                               f"expected exactly one of {', '.join(ffn)}")
-        att = cfg.kind_config("attention")
         cfg.kind_config(mlps[0])
+        for k in ("attention", *kind_fields(cfg, names=True)):
+            if cfg.has_kind(k):
+                cfg.kind_config(k)
     except ConfigError as e:
-        raise SpecError(f"the kernel serves stacks of attention and feed-forward "
-                        f"({'/'.join(ffn)}) layers of one shape: {e}") from None
+        raise SpecError(f"the kernel serves stacks whose layers of each kind have one shape "
+                        f"(and one feed-forward kind of {'/'.join(ffn)}): {e}") from None
+    if not cfg.has_kind("attention"):
+        return
+    att = cfg.kind_config("attention")
     why = rope_layout_error(att.rotary_dim, att.head_dim)
     if why:
         raise SpecError(f"the kernel does not support {why} yet ({cfg.name or cfg.family})")
@@ -878,7 +900,7 @@ def gate_offset(cfg, batch: int, tokens: int) -> int:  # noqa: ANN001 (ModelConf
     partials (layers/attention.py), so its offset does not depend on the split count or the
     cache length: a compile-time constant of the build, checked against the program header's
     F32_GATE_OFF when a program meets the build (runtime.check_header)."""
-    if not cfg.kind_config("attention").output_gate:
+    if not cfg.has_kind("attention") or not cfg.kind_config("attention").output_gate:
         return -1
     from megakernel.layers.base import StepShape
     from megakernel.program.buffers import plan_buffers
@@ -894,8 +916,8 @@ def gate_offset(cfg, batch: int, tokens: int) -> int:  # noqa: ANN001 (ModelConf
 def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelConfig)
               num_threads: int = NUM_THREADS, smem_stages: int | None = None,
               timeline: bool = False, l2_window: int = -1, replay: bool = False,
-              replay_window: int = 0,
-              paged=None) -> KernelSpec:  # noqa: ANN001 (program.paged.PagedKV | None)
+              replay_window: int = 0, paged=None,  # noqa: ANN001 (program.paged.PagedKV | None)
+              unhandled: str = "refuse") -> KernelSpec:
     """The build's static config for a model, batch and tokens per step (`replay_window` L >= 1:
     programs with that ReplaySSM window, whose recurrent layers run the kinds' ReplaySSM core
     ops; `replay` without a window: the op set only, for support checks). `smem_stages`
@@ -903,7 +925,9 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
     (the global-memory weight path); an int is taken as given (SpecError when it cannot serve
     the model/batch). `timeline`: the variant that records per-instruction times; `l2_window`:
     the L2 lookahead in bytes per SM (-1: the arch's, 0: none, for an A/B of the lookahead);
-    `paged`: a program/paged.PagedKV page pool (the paged build, kernel/paged_index.py)."""
+    `paged`: a program/paged.PagedKV page pool (the paged build, kernel/paged_index.py);
+    `unhandled`: "refuse" (SpecError) a model with opcodes that have no device handler yet, or
+    "trap": build without them (a record of one fails the launch), for developing a handler."""
     if batch < 1 or tokens < 1:
         raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
     if replay_window < 0:
@@ -914,31 +938,30 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         for stages in range(PIPELINE_STAGES, MIN_PIPELINE_STAGES - 1, -1):
             try:
                 return make_spec(cfg, batch, tokens, arch, num_threads, stages, timeline,
-                                 l2_window, replay, replay_window, paged)
+                                 l2_window, replay, replay_window, paged, unhandled)
             except SpecError:
                 pass
         return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window, replay,
-                         replay_window, paged)
+                         replay_window, paged, unhandled)
     from megakernel.models import validate
 
     validate(cfg)
     if replay_window and not cfg.recurrent_layers():
         raise SpecError(f"replay_window applies to models with recurrent layers; "
                         f"{cfg.name or cfg.family} has none")
-    check_kernel_support(cfg, replay)
-    att = cfg.kind_config("attention")
+    if unhandled not in ("refuse", "trap"):
+        raise SpecError(f"unhandled must be 'refuse' or 'trap', got {unhandled!r}")
+    check_kernel_support(cfg, replay, unhandled)
     mlp = cfg.kind_config(next(k for k in mlp_kinds() if cfg.has_kind(k)))
-    attn = tuple(b.layer for b in cfg.blocks if b.kind == "attention")
+    # the layers with a KV (or latent) cache slot, in order (kv_slot)
+    attn = tuple(b.layer for b in cfg.blocks if kind_of(b.kind).kv_cache)
+    ops = tuple(sorted(op for op in program_ops(cfg, replay)
+                       if unhandled == "refuse" or isa.spec(op).device))
     spec = KernelSpec(
         arch=arch, family=cfg.family, hidden=cfg.hidden_size, inter=mlp.intermediate_size,
-        vocab=cfg.vocab_size, layers=cfg.num_layers, heads=att.num_heads,
-        kv_heads=att.num_kv_heads, head_dim=att.head_dim, qk_norm=att.qk_norm,
-        qkv_bias=att.qkv_bias, rope=att.rotary_dim > 0,
-        rotary=att.rotary_dim if att.rotary_dim < att.head_dim else 0,
-        norm_one_plus=cfg.norm_kind == "rms_1p", output_gate=att.output_gate,
-        gate_off=gate_offset(cfg, batch, tokens),
-        ops=tuple(sorted(program_ops(cfg, replay))),
-        gdn=recurrent_constants(cfg, "gdn"), mamba=recurrent_constants(cfg, "mamba2"),
+        vocab=cfg.vocab_size, layers=cfg.num_layers, **attention_constants(cfg),
+        norm_one_plus=cfg.norm_kind == "rms_1p",
+        gate_off=gate_offset(cfg, batch, tokens), ops=ops, **kind_fields(cfg),
         replay_window=replay_window,
         attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
         paged=paged_constants(cfg, batch, tokens, paged),
@@ -966,16 +989,44 @@ def paged_constants(cfg, batch: int, tokens: int, paged) -> tuple[int, ...]:  # 
             i32["slot_mapping"].offset)
 
 
-def recurrent_constants(cfg, kind_name: str) -> tuple[int, ...]:  # noqa: ANN001 (ModelConfig)
-    """A recurrent kind's shapes the build bakes in (KernelSpec.gdn, .mamba); () without one."""
-    if not cfg.has_kind(kind_name):
-        return ()
-    c = cfg.kind_config(kind_name)
-    if kind_name == "gdn":
-        return (c.num_k_heads, c.num_v_heads, c.k_head_dim, c.v_head_dim, c.conv_kernel)
-    if kind_name == "mamba2":
-        return (c.num_heads, c.head_dim, c.state_size, c.n_groups, c.conv_kernel)
-    raise SpecError(f"no kernel constants for recurrent kind {kind_name!r}")
+def kind_of(name: str):  # noqa: ANN201 (layers.base.LayerKind)
+    from megakernel.layers import kind
+
+    return kind(name)
+
+
+def kind_fields(cfg, names: bool = False) -> dict:  # noqa: ANN001 (ModelConfig)
+    """The KernelSpec fields of the model's layer kinds (LayerKind.spec_field, filled from
+    `kernel_constants` of the kind's one config): {"gdn": (...), "mla": (...), ...}; `names`:
+    {kind name: spec field} only (no config is read)."""
+    from megakernel.layers import all_kinds
+
+    out = {}
+    for name, kd in all_kinds().items():
+        if kd.spec_field and cfg.has_kind(name):
+            if kd.spec_field not in KIND_FIELDS:
+                raise SpecError(f"layer kind {name}: spec field {kd.spec_field!r} is not one of "
+                                f"{KIND_FIELDS}")
+            out[name if names else kd.spec_field] = (
+                kd.spec_field if names else kd.kernel_constants(cfg.kind_config(name)))
+    return out
+
+
+# attention fields of a build whose model has no attention layers: no handler reads them (the
+# QKV and ATTN_PARTIAL handlers are not compiled in), they only keep the derived sizes defined
+NO_ATTENTION = dict(heads=0, kv_heads=1, head_dim=64, qk_norm=False, qkv_bias=False, rope=False,
+                    rotary=0, output_gate=False)
+
+
+def attention_constants(cfg) -> dict:  # noqa: ANN001 (ModelConfig)
+    """The KernelSpec attention fields of `cfg` (NO_ATTENTION without attention layers)."""
+    if not cfg.has_kind("attention"):
+        return dict(NO_ATTENTION)
+    att = cfg.kind_config("attention")
+    return dict(heads=att.num_heads, kv_heads=att.num_kv_heads, head_dim=att.head_dim,
+                qk_norm=att.qk_norm, qkv_bias=att.qkv_bias, rope=att.rotary_dim > 0,
+                rotary=att.rotary_dim if att.rotary_dim < att.head_dim else 0,
+                output_gate=att.output_gate)
 
 
 # ---- fingerprint --------------------------------------------------------------------------------

@@ -97,6 +97,9 @@ class LayerKind:
     # opcode name -> the opcode(s) of the same block it waits on (None: the block's input)
     flow: ClassVar[dict[str, object]] = {}
     out_op: ClassVar[str] = ""  # the opcode whose counter ends the block: derived from `flow`
+    # the KernelSpec field that holds the shapes a kernel build bakes in for this kind (with
+    # `kernel_constants`); "" = none (its handlers read everything from the records)
+    spec_field: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -107,6 +110,12 @@ class LayerKind:
             if len(ends) != 1:
                 raise ValueError(f"layer kind {cls.name}: flow {cls.flow} must end in one opcode")
             cls.out_op = ends[0]
+
+    @classmethod
+    def kernel_constants(cls, cfg: Any) -> tuple[int, ...]:
+        """The shapes of this kind's config (`cls.config`) a kernel build bakes in (KernelSpec
+        field `spec_field`)."""
+        return ()
 
     # ---- checkpoint ------------------------------------------------------------------------------
     @classmethod

@@ -74,6 +74,11 @@ class GatedDeltaNet(RecurrentKind):
     name = "gdn"
     config = GDNConfig
     core_op, replay_op = GDN_CORE, GDN_REPLAY
+    spec_field = "gdn"
+
+    @classmethod
+    def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001
+        return (c.num_k_heads, c.num_v_heads, c.k_head_dim, c.v_head_dim, c.conv_kernel)
 
     @classmethod
     def sizes(cls, c: GDNConfig) -> Sizes:

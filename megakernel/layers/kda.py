@@ -58,6 +58,11 @@ class KimiDeltaAttention(RecurrentKind):
     name = "kda"
     config = KDAConfig
     core_op, replay_op = KDA_CORE, KDA_REPLAY
+    spec_field = "kda"
+
+    @classmethod
+    def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001
+        return (c.num_heads, c.head_dim, c.conv_kernel)
 
     @classmethod
     def sizes(cls, k: KDAConfig) -> Sizes:

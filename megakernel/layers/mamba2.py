@@ -78,6 +78,11 @@ class Mamba2(RecurrentKind):
     name = "mamba2"
     config = Mamba2Config
     core_op, replay_op = MAMBA_CORE, MAMBA_REPLAY
+    spec_field = "mamba"
+
+    @classmethod
+    def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001
+        return (c.num_heads, c.head_dim, c.state_size, c.n_groups, c.conv_kernel)
 
     @classmethod
     def sizes(cls, m: Mamba2Config) -> Sizes:

@@ -129,6 +129,12 @@ class MultiLatentAttention(LayerKind):
     config = MLAConfig
     kv_cache = True
     flow = {"PROJ": None, "MLA_Q": "PROJ", "MLA": "MLA_Q", "MLA_O": "MLA", "OPROJ": "MLA_O"}
+    spec_field = "mla"
+
+    @classmethod
+    def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001
+        return (c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                c.v_head_dim)
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001

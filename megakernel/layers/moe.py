@@ -157,6 +157,12 @@ class MoE(LayerKind):
     fp32_params = ("gate.weight", "gate.e_score_correction_bias")
     flow = {"ROUTER": None, "EXPERT_GATEUP": "ROUTER", "EXPERT_DOWN": "EXPERT_GATEUP",
             "MOE_COMBINE": "EXPERT_DOWN"}
+    spec_field = "moe"
+
+    @classmethod
+    def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001
+        return (c.num_experts, c.top_k, c.intermediate_size, c.n_group, c.topk_group,
+                int(c.num_shared_experts > 0))
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001

@@ -43,7 +43,8 @@ SUPPORT = [
     (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE (kernel/gdn.py)
     (lambda: preset("kimi-linear-tiny"), ("MLA", "moe")),
     (lambda: _nemotron("**"), ("feed-forward", "[]")),
-    (lambda: _nemotron("--"), ("attention", "0 distinct")),
+    (lambda: _nemotron("--"), None),  # no attention layers: no attention handler is built
+    (lambda: preset("qwen3.5-tiny").replace(layer_types=("gdn", "attention", "gdn")), None),
     (lambda: preset("qwen3.5-tiny").replace(layer_types=("attention",)), None),  # attention only
 ]
 
@@ -58,6 +59,20 @@ def test_kernel_support_table(make, refusal):
         check_kernel_support(cfg)
     for word in refusal:
         assert word in str(e.value), (word, str(e.value))
+
+
+def test_kimi_spec_carries_its_kinds_and_traps_what_has_no_handler():
+    """make_spec(unhandled="trap") builds without the opcodes that have no handler (their records
+    trap); the kinds' constants come from LayerKind.kernel_constants; MLA layers hold the KV
+    slots; the attention fields are the NO_ATTENTION placeholders."""
+    cfg = preset("kimi-linear-tiny")
+    s = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap")
+    assert set(s.ops) == {op for op in program_ops(cfg) if isa.spec(op).device}
+    assert s.kda == (2, 16, 4) and s.mla == (4, 32, 16, 8, 16) and s.moe == (8, 3, 32, 4, 2, 1)
+    assert s.attn_layers == (1,) and s.heads == 0 and isa.Op.ATTN_PARTIAL not in s.ops
+    assert {16 * 2, 4 * 16, 32} <= set(s.matvec_ks)  # KDA H d, MLA H dv, an expert's I
+    with pytest.raises(SpecError, match="unhandled"):
+        make_spec(cfg, 1, 1, "sm_90a", unhandled="skip")
 
 
 def test_spec_carries_the_models_opcodes_attention_layers_and_rope():
