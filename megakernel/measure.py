@@ -394,6 +394,9 @@ TARGETS = (
            "recurrent step / fastest ReplaySSM step at the same B (no slower)"),
     Target("nemotron-h-8b", 64, "replay_speedup", 1.3, None,
            "recurrent step / fastest ReplaySSM step at the same B"),
+    # Kimi Linear (issue 13): the routed experts' bytes, weights made on the GPU
+    Target("kimi-linear-48b-a3b", 1, "bw_fraction", 0.70, None,
+           "bytes/step / kernel time vs the measured achievable bandwidth"),
 )
 
 

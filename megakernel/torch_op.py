@@ -300,7 +300,7 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor] | None, pr
     from megakernel.program.pack import pack_weights
 
     buf, hdr, d = prog.buffers, prog.header, torch.device(device)
-    packed = packed if packed is not None else pack_weights(cfg, weights)
+    packed = packed if packed is not None else pack_weights(cfg, weights, device=d)
     k_cache, v_cache = caches if caches is not None else (
         torch.zeros(buf.kv_shape, dtype=torch.bfloat16, device=d),
         torch.zeros(buf.v_shape, dtype=torch.bfloat16, device=d))
@@ -429,6 +429,25 @@ class Megakernel:
         graph captures): the tensors in TENSORS order, the kernel id, the offsets."""
         return (*(getattr(self, n) for n in TENSORS), self.kernel_id, self.offsets,
                 return_logits)
+
+    def fill_context(self, context: int, seed: int = 0) -> None:
+        """Stand in for a prefill of `context` tokens per sequence without the reference (a
+        benchmark of a model too large to hold twice, `weights` drawn on the device): every
+        sequence's length is `context`, its KV (or latent) cache positions below it random
+        N(0, 1) bf16 values, its recurrent state, conv windows and rings zero. Step times do not
+        depend on the values; logits of such steps are checked only for being finite."""
+        if not 0 <= context <= self.max_seq_len - self.tokens:
+            raise ArgumentError(f"context {context} leaves no room for a step of {self.tokens} "
+                                f"token(s) in max_seq_len {self.max_seq_len}")
+        self.reset()
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for cache in (self.k_cache, self.v_cache):
+            if cache.dim() == 5 and not self.prog.buffers.paged:  # [slots, B, heads, S_max, D]
+                cache[:, :, :, :context].normal_(generator=g)
+            else:
+                cache.normal_(generator=g)
+        self._region("i32", "lengths").fill_(context)
+        self.lengths = [context] * self.batch
 
     def reset(self) -> None:
         """Empty every sequence: lengths, ring counts and recurrent state to zero (KV slots past

@@ -74,6 +74,7 @@ from megakernel.models.weights import WeightError, check_weights, expected_shape
 
 from .layers import ReferenceLayer, layer_class
 from .layers.attention import KVLayerCache
+from .layers.mla import MLACache
 from .layers.common import MODES, ReferenceError, linear, model_norm, store
 from .layers.replay import (
     DEFAULT_WINDOW,
@@ -124,6 +125,23 @@ class Cache:
         if not kv:
             raise ReferenceError("the cache holds no attention layers")
         return torch.stack([c.k for c in kv]), torch.stack([c.v for c in kv])
+
+    def kv_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [slots, B, heads, S_max, dims] of every layer with a KV or latent cache, in layer
+        order (layer_kv): the layout of the kernel's KV arena, MLA layers included."""
+        kv = [layer_kv(c) for _, c in sorted(self.layers.items())
+              if isinstance(c, (KVLayerCache, MLACache))]
+        if not kv:
+            raise ReferenceError("the cache holds no attention or MLA layers")
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
+
+def layer_kv(c: KVLayerCache | MLACache) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, heads, S_max, dims] of one layer's cache as the kernel's KV arena holds it:
+    attention (k, v); MLA (the latent c [B, S, r] and k_rope [B, S, dr], as one head)."""
+    if isinstance(c, MLACache):
+        return c.c[:, None], c.k_rope[:, None]
+    return c.k, c.v
 
 
 class ReferenceModel:

@@ -540,6 +540,8 @@ def load_cache(prog, cache, k: torch.Tensor, v: torch.Tensor, state: torch.Tenso
     the KV caches of the attention and MLA layers, the conv windows, (committed) states,
     ReplaySSM rings and counts, and the lengths. What the first step after a prefill by the
     reference reads (the executor's and the kernel's)."""
+    from megakernel.reference.model import layer_kv
+
     p, b = prog, prog.buffers
     if b.paged is not None:
         raise ExecutorError("a paged program's KV cache is the caller's pages; load_cache "
@@ -559,7 +561,7 @@ def load_cache(prog, cache, k: torch.Tensor, v: torch.Tensor, state: torch.Tenso
         return t[r.offset : r.offset + r.numel].view(r.shape)
 
     for layer, slot in b.kv_slot.items():
-        ck, cv = _kv_of(cache.layers[layer])  # [B, heads, S, dims] each
+        ck, cv = layer_kv(cache.layers[layer])  # [B, heads, S, dims] each
         s = ck.shape[2]
         k[slot, :, :, :s] = ck.to(torch.bfloat16)
         v[slot, :, :, :s] = cv.to(torch.bfloat16)
@@ -579,9 +581,3 @@ def load_cache(prog, cache, k: torch.Tensor, v: torch.Tensor, state: torch.Tenso
             cnt.copy_(c.count[:, None].expand_as(cnt).to(torch.int32))
     region(i32, b.i32["lengths"]).copy_(cache.lengths.to(torch.int32))
 
-def _kv_of(c) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001 (a reference layer cache)
-    """K and V [B, heads, S, dims] of a reference layer cache: attention (k, v) or MLA (the
-    latent c [B, S, r] and k_rope [B, S, dr], one head)."""
-    if hasattr(c, "k_rope"):
-        return c.c[:, None], c.k_rope[:, None]
-    return c.k, c.v

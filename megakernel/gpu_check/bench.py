@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megakernel.gpu_check.cases import Case, variant_dir
+from megakernel.models.weights import LazyRandomWeights
 
 
 def measure_bandwidth(build_dir: Path, simulate: bool) -> dict[str, Any]:
@@ -38,12 +39,17 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
     cfg = config(c.model, simulate)
     dev = "cpu" if simulate else "cuda"
     replays, context = (1, 16) if simulate else (replays, context)
-    mk = Megakernel(cfg, weights.get(cfg), batch=c.batch, tokens=1,
-                    max_seq_len=context + 2 * replays + 64,
+    w = LazyRandomWeights(cfg, 0, dev) if c.synthetic else weights.get(cfg)
+    mk = Megakernel(cfg, w, batch=c.batch, tokens=1, max_seq_len=context + 2 * replays + 64,
                     build_dir=variant_dir(build_dir, variant), device=dev)
-    mk.prefill([[1] * context for _ in range(c.batch)])
+    if c.synthetic:  # no reference to prefill with: a random cache of `context` positions
+        mk.fill_context(context)
+    else:
+        mk.prefill([[1] * context for _ in range(c.batch)])
     tok = torch.ones(c.batch, 1, dtype=torch.int64, device=mk.device)
-    mk.step(tok)
+    out, logits = mk.step(tok, return_logits=True)
+    finite = bool(torch.isfinite(logits).all())
+    own = bool((logits.view(c.batch, -1).argmax(-1) == out.view(-1)).all()) if finite else False
     args = mk.op_args()
 
     def launch() -> None:
@@ -63,7 +69,9 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
     res: dict[str, Any] = {"case": c.name, "model": c.model, "batch": c.batch, "tokens": 1,
                            "variant": variant, "context": context, "timed": how,
                            "max_seq_len": mk.max_seq_len,
-                           "simulated": simulate}
+                           "simulated": simulate, "synthetic": c.synthetic,
+                           # the first step's logits finite and its tokens their argmax
+                           "logits_finite": finite, "own_argmax": own}
     if simulate:
         t0 = time.perf_counter()
         for _ in range(replays):

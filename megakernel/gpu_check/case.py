@@ -159,7 +159,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
         res["steps"] += 1
     if not simulate:
         torch.cuda.synchronize()
-    kv16, kv32 = cache16.attention_kv(), cache32.attention_kv()
+    kv16, kv32 = cache16.kv_slots(), cache32.kv_slots()
     lengths = [int(n) for n in cache16.lengths.tolist()]
     kb = [compare.kv_band(mine, r16, r32, lengths)
           for mine, r16, r32 in zip((mk.k_cache, mk.v_cache), kv16, kv32, strict=True)]

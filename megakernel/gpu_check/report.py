@@ -109,6 +109,14 @@ class Report:
             (self.out / "gpu_check.md").write_text(markdown(self.data))
 
 
+def _bench_check(b: dict[str, Any]) -> str:
+    """What the benchmark's first step showed wrong (its logits not finite, its tokens not their
+    argmax), for the timed cell; '' when nothing (or nothing recorded)."""
+    bad = [w for k, w in (("logits_finite", "logits not finite"),
+                          ("own_argmax", "tokens not the argmax")) if b.get(k) is False]
+    return f" (FIRST STEP: {', '.join(bad)})" if bad else ""
+
+
 def _ok_by(rows: list[dict[str, Any]], key: str) -> dict[str, bool]:
     return {str(k): all(r.get("ok") for r in rows if r.get(key) == k)
             for k in sorted({r.get(key) for r in rows}, key=str)}
@@ -217,7 +225,8 @@ def markdown(d: dict[str, Any]) -> str:
             lines.append(f"| {b.get('case', b['item'])} | {b.get('variant')} | "
                          f"{_f(b.get('step_us'), '.1f')} | {_f(b.get('tokens_per_s'), '.0f')} | "
                          f"{'-' if frac is None else f'{100 * frac:.1f}%'} | "
-                         f"{_f(b.get('predicted_us'), '.1f')} | {b.get('timed', '-')} |")
+                         f"{_f(b.get('predicted_us'), '.1f')} | {b.get('timed', '-')}"
+                         f"{_bench_check(b)} |")
         lines.append("")
     ab = d.get("lookahead_ab")
     if ab:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -264,10 +264,12 @@ def save_checkpoint(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: st
 
 
 # ---- random weights ----------------------------------------------------------------------------
-def _generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator seeded from (seed, tensor name): each tensor is independent of the others."""
+def _generator(seed: int, name: str, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator on `device` seeded from (seed, tensor name): each tensor is independent of the
+    others (a CUDA generator draws other values than the CPU one of the same seed)."""
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.Generator(device=device).manual_seed(
+        int.from_bytes(digest, "little") & (2**63 - 1))
 
 
 def init_stats(cfg: ModelConfig, role: str, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -312,16 +314,19 @@ def init_stats(cfg: ModelConfig, role: str, shape: tuple[int, ...]) -> tuple[flo
 
 def random_tensor(cfg: ModelConfig, role: str, shape: tuple[int, ...], gen: torch.Generator
                   ) -> torch.Tensor:
-    """One bf16 tensor of the random init. Decays are drawn as trained models are initialised:
-    A_log = log U(1, 16), dt_bias = softplus^-1 of a log-uniform dt in [1e-3, 1e-1]."""
+    """One bf16 tensor of the random init, on the generator's device. Decays are drawn as trained
+    models are initialised: A_log = log U(1, 16), dt_bias = softplus^-1 of a log-uniform dt in
+    [1e-3, 1e-1]."""
+    dev = gen.device
     if role == "A_log":
-        return torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen)).to(torch.bfloat16)
+        return torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen, device=dev)).to(
+            torch.bfloat16)
     if role == "dt_bias":
-        u = torch.rand(shape, generator=gen)
+        u = torch.rand(shape, generator=gen, device=dev)
         dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp_min(1e-4)
         return (dt + torch.log(-torch.expm1(-dt))).to(torch.bfloat16)
     mean, std = init_stats(cfg, role, shape)
-    t = torch.empty(shape, dtype=torch.bfloat16)
+    t = torch.empty(shape, dtype=torch.bfloat16, device=dev)
     return t.normal_(mean, std, generator=gen)  # one pass, in bf16
 
 
@@ -340,6 +345,29 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.b
         t = random_tensor(cfg, roles[name], shape, _generator(seed, name))
         out[name] = t if dtype == torch.bfloat16 else t.to(dtype)
     return out
+
+
+class LazyRandomWeights(Mapping):
+    """The random weights of `random_weights`, each tensor drawn on `device` when it is read and
+    not kept: packing a real preset from it holds one tensor at a time next to the arena (a
+    48B-parameter model packs on the GPU that serves it, with no host copy). On the CPU it holds
+    exactly random_weights(cfg, seed)'s values; on a GPU other values of the same init."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu"):
+        self.cfg, self.seed, self.device = cfg, seed, torch.device(device)
+        self.shapes, self.roles = expected_shapes(cfg), tensor_roles(cfg)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return random_tensor(self.cfg, self.roles[name], self.shapes[name],
+                             _generator(self.seed, name, self.device))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def load_model(spec: str, seed: int = 0, dtype: torch.dtype | None = torch.bfloat16

@@ -23,6 +23,7 @@ fp32 constants that come with the checkpoint (SSM parameters, routers) are not i
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -132,10 +133,12 @@ class PackedWeights:
         return self.arena[e.offset : e.offset + e.numel].view(e.shape)
 
 
-def pack_weights(cfg, weights: dict[str, torch.Tensor]) -> PackedWeights:  # noqa: ANN001
-    """Repack Hugging Face-named weights into the arena (bf16; padding is zero)."""
+def pack_weights(cfg, weights: Mapping[str, torch.Tensor],  # noqa: ANN001
+                 device: str | torch.device = "cpu") -> PackedWeights:
+    """Repack Hugging Face-named weights (any mapping: models.weights.LazyRandomWeights draws
+    each on read) into an arena on `device` (bf16; padding is zero)."""
     lay = weight_layout(cfg)
-    packed = PackedWeights(lay, torch.zeros(lay.numel, dtype=torch.bfloat16))
+    packed = PackedWeights(lay, torch.zeros(lay.numel, dtype=torch.bfloat16, device=device))
 
     def get(name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if name not in weights:

@@ -351,6 +351,15 @@ def test_stage_tables_cover_what_the_issue_asks():
         assert replay >= {(1, 1), (4, 1)} and any(t > 1 for _, t in replay), m
     assert {"qwen3.5-0.8b", "nemotron-h-8b"} <= {c.model for g in STAGES[2].groups
                                                  for c in g.cases if c.bench}
+    # Kimi Linear: B in {1, 4}, recurrent and L = 4, against the executor; the real preset a
+    # synthetic benchmark (weights made on the GPU)
+    kimi = {(c.batch, c.tokens, c.replay_window) for c in STAGES[1].groups[0].cases
+            if c.model == "kimi-linear-tiny" and c.executor_steps > 0}
+    assert {(b, 1, w) for b in (1, 4) for w in (0, 4)} <= kimi
+    from megakernel.gpu_check.cases import BENCH_CASES
+
+    assert any(c.model == "kimi-linear-48b-a3b" and c.synthetic and c.batch == 1
+               for c in BENCH_CASES)
 
 
 def test_a_gpu_report_renders_and_judges_the_targets(tmp_path):
@@ -387,3 +396,56 @@ def test_a_gpu_report_renders_and_judges_the_targets(tmp_path):
     assert "| llama-3.2-1b B=1 T=1 | default | 660.0 | 1515 | 94.7% | 700.0 | cuda graph |" in md
     assert "read (stream kernel): 4000 GB/s" in md and "(met)" in md
     assert "L2 lookahead A/B, llama-3.2-1b B=1 T=1: 660.0 us with, 726.0 us without" in md
+
+
+def test_a_synthetic_bench_case_runs_without_a_reference(tmp_path, monkeypatch):
+    """A synthetic case (a model too large to hold twice) packs weights drawn where the kernel
+    runs and fills a random cache in place of a prefill; its row says whether the first step's
+    logits were finite and its tokens their argmax. Planted: logits that turn NaN are reported
+    and shown in the report's decode-step table."""
+    from megakernel import torch_op
+    from megakernel.gpu_check import bench
+    from megakernel.gpu_check.case import Weights
+    from megakernel.gpu_check.report import markdown
+
+    def no_reference(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a synthetic case must not build the reference")
+    monkeypatch.setattr(torch_op.Megakernel, "prefill", no_reference)
+    c = Case("kimi-linear-tiny", 2, 1, 4, bench=True, synthetic=True)
+    res = bench.bench_case(c, tmp_path, Weights(), "default", None, simulate=True)
+    assert res["synthetic"] and res["logits_finite"] and res["own_argmax"], res
+    assert res["step_us"] > 0 and res["bytes_per_step"] > 0
+
+    real = torch_op._outputs
+
+    def nan(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        tok, logits = real(*a, **k)
+        return tok, logits * float("nan")
+    monkeypatch.setattr(torch_op, "_outputs", nan)
+    bad = bench.bench_case(c, tmp_path, Weights(), "default", None, simulate=True)
+    assert not bad["logits_finite"] and not bad["own_argmax"]
+    d = {"bench": [{**bad, "item": "bench"}], "compile": [], "skipped": [], "notes": [],
+         "cases": [], "stages": [], "device": "cpu", "simulated": True}
+    assert "FIRST STEP: logits not finite" in markdown(d)
+
+
+def test_fill_context_stands_in_for_a_prefill():
+    """fill_context: every sequence at `context`, cache positions below it random and the rest
+    untouched, recurrent state zero; a context with no room for the step is refused."""
+    from megakernel.models import preset
+    from megakernel.models.weights import LazyRandomWeights
+    from megakernel.runtime import ArgumentError
+    from megakernel.torch_op import Megakernel
+
+    cfg = preset("qwen3.5-tiny")
+    mk = Megakernel(cfg, LazyRandomWeights(cfg), batch=2, max_seq_len=32, device="cpu")
+    mk.state.fill_(1.0)
+    mk.fill_context(20, seed=1)
+    assert mk.lengths == [20, 20] and mk._region("i32", "lengths").tolist() == [20, 20]
+    for cache in (mk.k_cache, mk.v_cache):
+        assert bool((cache[:, :, :, :20] != 0).all()) and not bool(cache[:, :, :, 20:].any())
+    assert not bool(mk.state.any())
+    tok, logits = mk.step(torch.ones(2, 1, dtype=torch.int64), return_logits=True)
+    assert bool(torch.isfinite(logits).all()) and mk.lengths == [21, 21]
+    with pytest.raises(ArgumentError, match="no room"):
+        mk.fill_context(32)

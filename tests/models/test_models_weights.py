@@ -710,3 +710,24 @@ def test_finite_check_of_overflowing_sums() -> None:
         u = t.clone()
         u[int(torch.randint(4096, ()))] = bad
         assert not _finite(u)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "kimi-linear-tiny"])
+def test_lazy_random_weights_are_random_weights_drawn_on_read(name: str) -> None:
+    """On the CPU the lazy mapping holds exactly random_weights' tensors, names and shapes; it
+    keeps none of them (each read draws again, the same values); packing from it gives the same
+    arena and tables as packing the dict."""
+    from megakernel.models.weights import LazyRandomWeights
+    from megakernel.program.pack import pack_weights
+
+    cfg = preset(name)
+    eager, lazy = random_weights(cfg, seed=3), LazyRandomWeights(cfg, seed=3)
+    assert list(lazy) == list(eager) and len(lazy) == len(eager)
+    for k, t in eager.items():
+        assert torch.equal(lazy[k], t) and lazy[k].dtype == torch.bfloat16, k
+    assert not torch.equal(LazyRandomWeights(cfg, seed=4)[k], t)
+    with pytest.raises(KeyError):
+        lazy["model.layers.99.mlp.up_proj.weight"]
+    a, b = pack_weights(cfg, eager), pack_weights(cfg, lazy)
+    assert torch.equal(a.arena, b.arena) and a.tables.keys() == b.tables.keys()
+    assert all(torch.equal(a.tables[k], b.tables[k]) for k in a.tables)

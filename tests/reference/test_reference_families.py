@@ -72,6 +72,14 @@ def test_one_model_class_serves_every_family(name: str) -> None:
         else:
             with pytest.raises(ReferenceError, match="no attention layers"):
                 cache.attention_kv()
+        mla = [b for b in cfg.blocks if b.kind == "mla"]
+        if mla:  # the kernel's KV arena: one slot per attention or MLA layer, MLA's latent
+            k, v = cache.kv_slots()
+            m = mla[0].cfg
+            assert len(k) == len(attn) + len(mla)
+            assert k.shape[1:] == (2, 1, 16, m.kv_lora_rank)
+            assert v.shape[1:] == (2, 1, 16, m.qk_rope_head_dim)
+            assert torch.allclose(k[0, :, 0], cache.layers[mla[0].layer].c, 0, 0, equal_nan=True)
     tokens = generate(model, prompts, 4)
     assert [len(t) for t in tokens] == [4, 4]
     assert all(0 <= t < cfg.vocab_size for row in tokens for t in row)
