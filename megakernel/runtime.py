@@ -329,6 +329,7 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
     whole heads, GATEUP slabs of whole (gate, up) block pairs, attention indices within B, Hkv.
     """
     from megakernel.isa import GATEUP_BLOCK, Op, decode
+    from megakernel.layers import all_kinds
     from megakernel.layers.frame import padded_vocab
 
     if records.dtype != torch.int32 or records.dim() != 3:
@@ -341,11 +342,12 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
               Op.GATEUP: [(H, 2 * Inter)], Op.UP_RELU2: [(H, Inter)], Op.DOWN: [(Inter, H)],
               Op.LMHEAD: [(H, padded_vocab(V))]}
     gdn, mamba = recurrent_shape(spec, "gdn"), recurrent_shape(spec, "mamba")
-    # the recurrent layers' fused input projection (rows = its width P) and out_proj
-    for rec_shape, out_k in ((gdn, "value_dim"), (mamba, "d_inner")):
-        if rec_shape is not None:
-            shapes.setdefault(Op.PROJ, []).append((H, rec_shape.proj_width))
-            shapes[Op.OPROJ].append((getattr(rec_shape, out_k), H))
+    # the other kinds' matrices (recurrent input projections and out_proj, MLA, experts), as each
+    # kind declares them from its constants (LayerKind.matvec_shapes)
+    for kd in all_kinds().values():
+        if kd.spec_field and spec.get(kd.spec_field):
+            for name, mats in kd.matvec_shapes(tuple(spec[kd.spec_field]), H).items():
+                shapes.setdefault(getattr(Op, name), []).extend(mats)
     handled = set(spec.get("ops") or (s.code for s in isa.specs() if s.device))
     for sm, queue in enumerate(records.tolist()):
         for pos, rec in enumerate(queue):

@@ -117,6 +117,13 @@ class LayerKind:
         field `spec_field`)."""
         return ()
 
+    @classmethod
+    def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
+                                                                                   int]]]:
+        """Opcode name -> the (K, rows) of the matrices this kind's matvec records stream, from
+        its `kernel_constants` (what the runtime checks a program's records against)."""
+        return {}
+
     # ---- checkpoint ------------------------------------------------------------------------------
     @classmethod
     def shapes(cls, blk: Block, model: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -137,6 +137,13 @@ class MultiLatentAttention(LayerKind):
                 c.v_head_dim)
 
     @classmethod
+    def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
+                                                                                   int]]]:
+        c = MLAConfig(*consts)
+        return {"PROJ": [(hidden, round_rows(cls.proj_rows(c)))],
+                "OPROJ": [(c.num_heads * c.v_head_dim, hidden)]}
+
+    @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001
         if blk.cfg.q_lora_rank is not None:
             raise ConfigError("MLA with a low-rank query projection (q_lora_rank) is not "

@@ -165,6 +165,12 @@ class MoE(LayerKind):
                 int(c.num_shared_experts > 0))
 
     @classmethod
+    def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
+                                                                                   int]]]:
+        inter = consts[2]  # one expert's gate/up [2 I, H] and down [H, I]
+        return {"EXPERT_GATEUP": [(hidden, 2 * inter)], "EXPERT_DOWN": [(inter, hidden)]}
+
+    @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001
         e = blk.cfg
         if e.num_shared_experts > 1:

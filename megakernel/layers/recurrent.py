@@ -120,6 +120,14 @@ class RecurrentKind(LayerKind):
 
     # ---- shared --------------------------------------------------------------------------------
     @classmethod
+    def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
+                                                                                   int]]]:
+        """The fused input projection [P, H] and out_proj [H, out_dim] (the config's leading
+        fields are the kind's kernel_constants, in order)."""
+        c = cls.config(*consts)
+        return {"PROJ": [(hidden, cls.proj_width(c))], "OPROJ": [(cls.out_dim(c), hidden)]}
+
+    @classmethod
     def proj_width(cls, cfg) -> int:  # noqa: ANN001
         return -(-cls.proj_rows(cfg) // ROW_ALIGN) * ROW_ALIGN
 

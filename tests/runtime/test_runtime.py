@@ -307,6 +307,27 @@ def test_check_records_checks_the_mamba2_records():
         check_records(recs, {**spec, "mamba": [8, 4, 32, 2, 4]})
 
 
+def test_check_records_checks_kimi_matrices_from_the_kinds_declarations():
+    """A Kimi program fits a build of its model (the KDA and MLA projections, their out_proj,
+    the experts' gate/up and down, as the kinds declare them from the spec's constants); an
+    expert slab of another K, or a build of another expert width, is refused."""
+    from megakernel.isa import Op, field_index
+    from megakernel.kernel.spec import program_ops
+
+    cfg = preset("kimi-linear-tiny")
+    spec = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap").to_dict()
+    spec["ops"] = sorted(program_ops(cfg))  # as the build will once every handler exists
+    recs = _program("kimi-linear-tiny").records()
+    check_records(recs, spec)
+    bad = recs.clone()
+    sm, pos = _first(bad, int(Op.EXPERT_DOWN))
+    bad[sm, pos, field_index(Op.EXPERT_DOWN, "K")] += 8
+    with pytest.raises(ArgumentError, match="EXPERT_DOWN.*K=40"):
+        check_records(bad, spec)
+    with pytest.raises(ArgumentError, match="EXPERT_(GATEUP|DOWN).*another model or build"):
+        check_records(recs, {**spec, "moe": [8, 3, 48, 4, 2, 1]})
+
+
 def test_validate_refuses_arenas_past_int32_offsets():
     spec = manifest_dict()["spec"]
     ts = tensors(spec)
