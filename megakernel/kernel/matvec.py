@@ -114,7 +114,7 @@ class Matvec:
         row0, nrows, k = rec[mv("ROW0")], rec[mv("NROWS")], rec[mv("K")]
         norm_off, in_off, out_off = rec[mv("NORM_OFF")], rec[mv("IN_OFF")], rec[mv("OUT_OFF")]
         w_base, slot, work_off, live = self.bind(op, rec, w_base, pI)
-        for n0 in cutlass.range(0, live, self.NO, unroll=1):
+        for n0 in cutlass.range(0, live, self.NO):
             self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, pI, slot, work_off, live,
                                sRstd, sBest, tidx, warp, lane)
             for rc0 in cutlass.range(0, nrows, self.RC):
@@ -168,7 +168,7 @@ class Matvec:
         ksplit = self.NW // tr
         # the loader binds the same record to the same slab and passes (moe.py)
         _w, slot, work_off, live = self.bind(op, rec, Int64(0), pI)
-        for n0 in cutlass.range(0, live, self.NO, unroll=1):
+        for n0 in cutlass.range(0, live, self.NO):
             self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, pI, slot, work_off, live,
                                sRstd, sBest, tidx, warp, lane)
             for rc0 in cutlass.range(0, nrows, self.RC):

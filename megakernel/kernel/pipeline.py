@@ -116,7 +116,7 @@ class Pipeline:
                 src0 = weights.toint() + w_base * Int64(2)
                 if cutlass.const_expr(tl is not None):
                     timeline.stamp(tl, pc, "load_start")
-                for _p in cutlass.range(passes, unroll=1):
+                for _p in cutlass.range(passes):
                     for rc0 in cutlass.range(0, nrows, RC):
                         nr = cutlass.min(Int32(RC), nrows - rc0)
                         for kc0 in cutlass.range(0, k, KC):
