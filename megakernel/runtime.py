@@ -294,8 +294,8 @@ def check_pages(spec: dict[str, Any], tensors: dict[str, torch.Tensor], slots: i
 def check_header(header: dict[str, int], spec: dict[str, Any]) -> None:
     """The program header's constants a build bakes in (KernelSpec): the RMSNorm form, the RoPE
     dims, the output gate and its buffer's offset, the ReplaySSM window and ring capacity, the
-    page pool of a paged build (and no pages for a contiguous one); ArgumentError naming the
-    first mismatch."""
+    page pool of a paged build (and no pages for a contiguous one), the MoE shape and expert
+    stride of a build with MoE layers; ArgumentError naming the first mismatch."""
     rotary = (spec.get("rotary") or spec["head_dim"]) if spec.get("rope", True) else 0
     gated = bool(spec.get("output_gate"))
     want = {"NORM_KIND": int(bool(spec.get("norm_one_plus"))), "ROTARY_DIM": rotary,
@@ -313,6 +313,13 @@ def check_header(header: dict[str, int], spec: dict[str, Any]) -> None:
                                   spec["head_dim"]).header())
     else:
         want["PAGED"] = 0
+    if spec.get("moe"):  # KernelSpec.moe (layers/moe.MoE.kernel_constants)
+        from megakernel.kernel.moe_index import x_stride
+
+        e, top_k, inter, n_group, topk_group, shared = spec["moe"]
+        want.update(MOE_E=e, MOE_TOPK=top_k, MOE_I=inter, MOE_N_GROUP=n_group,
+                    MOE_TOPK_GROUP=topk_group, MOE_SHARED=shared,
+                    MOE_X_STRIDE=x_stride(inter, spec["hidden"]))
     for k, v in want.items():
         if header.get(k, 0) != v:
             raise ArgumentError(f"program header {k}={header.get(k)} but the kernel build has "
@@ -380,8 +387,8 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                 if op == Op.QKV and (d["NROWS"] % D or d["ROW0"] % D):
                     raise ArgumentError(f"{where}: a QKV slab of {d['NROWS']} rows at row "
                                         f"{d['ROW0']} is not whole heads of {D}")
-                if op == Op.GATEUP and (d["NROWS"] % (2 * GATEUP_BLOCK)
-                                        or d["ROW0"] % (2 * GATEUP_BLOCK)):
+                if op in (Op.GATEUP, Op.EXPERT_GATEUP) and (
+                        d["NROWS"] % (2 * GATEUP_BLOCK) or d["ROW0"] % (2 * GATEUP_BLOCK)):
                     raise ArgumentError(f"{where}: a GATEUP slab of {d['NROWS']} rows at row "
                                         f"{d['ROW0']} is not whole {GATEUP_BLOCK}-row gate/up "
                                         f"block pairs")

@@ -10,6 +10,10 @@ the host mirror.
 State: (pf_pc, pf_off, pf_cum) = slab pf_pc is requested up to byte pf_off, and pf_cum is that
 point as an offset in the CTA's stream of slabs. Each byte is requested once, in 16 KiB
 cp.async.bulk.prefetch.L2 requests shared out over the calling threads.
+
+An expert record (EXPERT_GATEUP / EXPERT_DOWN) is bound to its slot's expert only once its
+dependency wait is met, after the lookahead has run: the lookahead stops at one and leaves its
+slab to the demand loads (moe.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from cutlass import Int32, Int64
 from megakernel.isa import Op
 from megakernel.kernel.fields import OpTable, common, one_of, slab_word
 from megakernel.kernel.memory import join64, record_word
+from megakernel.kernel.moe import Experts
 from megakernel.kernel.spec import PREFETCH_CHUNK, KernelSpec
 
 
@@ -30,6 +35,7 @@ class Lookahead:
     def __init__(self, spec: KernelSpec):
         self.ops = OpTable.for_spec(spec)
         self.window = spec.prefetch_window
+        self.moe = Experts(spec)
 
     @cute.jit
     def slab_bytes(self, rop: Int32, nrows: Int32, k: Int32) -> Int64:
@@ -58,6 +64,12 @@ class Lookahead:
             rop = record_word(queue, pf_pc, common("OPCODE"))
             nbytes = self.slab_bytes(rop, record_word(queue, pf_pc, slab_word("NROWS")),
                                      record_word(queue, pf_pc, slab_word("K")))
+            stop = rop == Op.END
+            if cutlass.const_expr(self.moe.on):
+                if one_of(rop, self.moe.codes):  # not bound yet: stop here
+                    stop = one_of(rop, self.moe.codes)
+                    limit = pf_cum
+                    nbytes = Int64(0)
             take = cutlass.min(nbytes - pf_off, limit - pf_cum)
             if take > Int64(0):
                 w_base = join64(record_word(queue, pf_pc, slab_word("W_LO")),
@@ -71,8 +83,8 @@ class Lookahead:
                 pf_off = pf_off + take
                 pf_cum = pf_cum + take
             if pf_off >= nbytes:  # this record's slab is requested (or it has none): next
-                if rop == Op.END:
-                    limit = pf_cum  # the queue ends here: stop
+                if stop:
+                    limit = pf_cum  # the queue ends here, or an expert record: stop
                 else:
                     pf_pc = pf_pc + 1
                     pf_off = Int64(0)

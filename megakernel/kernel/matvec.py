@@ -50,6 +50,7 @@ from megakernel.kernel.memory import (
     store_smem_bf16x8,
     weight_atom,
 )
+from megakernel.kernel.moe import Experts
 from megakernel.kernel.paged_index import k_elem, page_base, slot_block, v_elem
 from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import (
@@ -101,6 +102,7 @@ class Matvec:
         self.eps = spec.eps
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.pipe = Pipeline(spec) if spec.pipelined else None
+        self.moe = Experts(spec)  # the expert records' run-time binding (moe.py)
 
     # ---- entry --------------------------------------------------------------------------------
     @cute.jit
@@ -111,9 +113,10 @@ class Matvec:
         w_base = join64(rec[mv("W_LO")], rec[mv("W_HI")])  # slab's first element in the arena
         row0, nrows, k = rec[mv("ROW0")], rec[mv("NROWS")], rec[mv("K")]
         norm_off, in_off, out_off = rec[mv("NORM_OFF")], rec[mv("IN_OFF")], rec[mv("OUT_OFF")]
-        for n0 in cutlass.range(0, self.N, self.NO):
-            self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, sRstd, sBest, tidx, warp,
-                               lane)
+        w_base, slot, work_off, live = self.bind(op, rec, w_base, pI)
+        for n0 in cutlass.range(0, live, self.NO):
+            self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, pI, slot, work_off, live,
+                               sRstd, sBest, tidx, warp, lane)
             for rc0 in cutlass.range(0, nrows, self.RC):
                 nr = cutlass.min(Int32(self.RC), nrows - rc0)
                 ng = nr // self.R
@@ -125,12 +128,14 @@ class Matvec:
                 for kc0 in cutlass.range(0, k, self.KC):
                     kc = cutlass.min(Int32(self.KC), k - kc0)
                     cta_sync(self.named)  # sX free, sAcc zeroed
-                    self.stage_x(pW, pF, pB, norm_off, in_off, k, n0, kc0, kc, sX, sRstd, tidx)
+                    self.stage_x(op, pW, pF, pB, pI, slot, work_off, live, norm_off, in_off,
+                                 k, n0, kc0, kc, sX, sRstd, tidx)
                     cta_sync(self.named)
                     self.gemv(pW, w_base, k, rc0, kc0, kc, ng, ksplit, nrp, sX, sAcc, warp, lane)
                 cta_sync(self.named)
                 self.epilogue(op, rec, layer, row0, rc0, nr, n0, ksplit, nrp, out_off, pW, pF,
-                              pB, pI, pK, pV, s_max, len_off, sAcc, sBest, tidx, warp, lane)
+                              pB, pI, pK, pV, s_max, len_off, slot, work_off, live, sAcc, sBest,
+                              tidx, warp, lane)
             if cutlass.const_expr(self.ops.epilogue("lmhead")):
                 if one_of(op, self.ops.epilogue("lmhead")):
                     self.store_partial_argmax(n0, rec, pF, sBest, tidx)
@@ -161,9 +166,11 @@ class Matvec:
         norm_off, in_off, out_off = rec[mv("NORM_OFF")], rec[mv("IN_OFF")], rec[mv("OUT_OFF")]
         tr = self.pipe.tile_rows(cutlass.min(Int32(self.KC), k))
         ksplit = self.NW // tr
-        for n0 in cutlass.range(0, self.N, self.NO):
-            self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, sRstd, sBest, tidx, warp,
-                               lane)
+        # the loader binds the same record to the same slab and passes (moe.py)
+        _w, slot, work_off, live = self.bind(op, rec, Int64(0), pI)
+        for n0 in cutlass.range(0, live, self.NO):
+            self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, pI, slot, work_off, live,
+                               sRstd, sBest, tidx, warp, lane)
             for rc0 in cutlass.range(0, nrows, self.RC):
                 nr = cutlass.min(Int32(self.RC), nrows - rc0)
                 cta_sync(self.named)  # previous epilogue done with sAcc
@@ -172,7 +179,8 @@ class Matvec:
                 for kc0 in cutlass.range(0, k, self.KC):
                     kc = cutlass.min(Int32(self.KC), k - kc0)
                     cta_sync(self.named)  # sX free, sAcc zeroed
-                    self.stage_x(pW, pF, pB, norm_off, in_off, k, n0, kc0, kc, sX, sRstd, tidx)
+                    self.stage_x(op, pW, pF, pB, pI, slot, work_off, live, norm_off, in_off,
+                                 k, n0, kc0, kc, sX, sRstd, tidx)
                     cta_sync(self.named)
                     for t0 in cutlass.range(0, nr, tr):
                         self.pipe.wait_full(mbar, j)
@@ -192,7 +200,8 @@ class Matvec:
                         j += 1
                 cta_sync(self.named)
                 self.epilogue(op, rec, layer, row0, rc0, nr, n0, ksplit, nr, out_off, pW, pF,
-                              pB, pI, pK, pV, s_max, len_off, sAcc, sBest, tidx, warp, lane)
+                              pB, pI, pK, pV, s_max, len_off, slot, work_off, live, sAcc, sBest,
+                              tidx, warp, lane)
             if cutlass.const_expr(self.ops.epilogue("lmhead")):
                 if one_of(op, self.ops.epilogue("lmhead")):
                     self.store_partial_argmax(n0, rec, pF, sBest, tidx)
@@ -201,12 +210,13 @@ class Matvec:
 
     @cute.jit
     def pass_prologue(self, op: Int32, row0: Int32, norm_off: Int32, in_off: Int32, k: Int32,
-                      n0: Int32, pF: cute.Pointer, sRstd: cute.Tensor, sBest: cute.Tensor,
+                      n0: Int32, pF: cute.Pointer, pI: cute.Pointer, slot: Int32,
+                      work_off: Int32, live: Int32, sRstd: cute.Tensor, sBest: cute.Tensor,
                       tidx: Int32, warp: Int32, lane: Int32):
         """Start of a pass over activation rows n0 .. n0 + NO (both weight paths): the RMSNorm
         statistics (norm opcodes) and, for LMHEAD, the running (max, index) reset."""
         if norm_off >= 0:
-            self.row_rstd(pF, in_off, k, n0, sRstd, warp, lane)
+            self.row_rstd(op, pF, pI, slot, work_off, live, in_off, k, n0, sRstd, warp, lane)
         if cutlass.const_expr(self.ops.epilogue("lmhead")):
             if one_of(op, self.ops.epilogue("lmhead")):
                 for nn in cutlass.range(tidx, self.NO, self.NT):
@@ -218,9 +228,14 @@ class Matvec:
                  nr: Int32, n0: Int32, ksplit: Int32, nrp: Int32, out_off: Int32,
                  pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer,
                  pK: cute.Pointer, pV: cute.Pointer, s_max: Int32, len_off: Int32,
-                 sAcc: cute.Tensor, sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
+                 slot: Int32, work_off: Int32, live: Int32, sAcc: cute.Tensor,
+                 sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
         """The opcode's epilogue on one row chunk's accumulators (both weight paths), chosen by
         the registry's `matvec` property; an epilogue no handled opcode uses is not compiled."""
+        if cutlass.const_expr(self.moe.on):
+            if one_of(op, self.moe.codes):
+                self.epi_expert(op, row0, rc0, nr, n0, ksplit, nrp, out_off, pF, pB, pI, slot,
+                                work_off, live, sAcc, tidx)
         if cutlass.const_expr(self.ops.epilogue("qkv")):
             if one_of(op, self.ops.epilogue("qkv")):
                 self.epi_qkv(rec, layer, row0, rc0, nr, n0, ksplit, nrp, out_off, pW, pF, pB,
@@ -342,25 +357,30 @@ class Matvec:
 
     # ---- prologue -----------------------------------------------------------------------------
     @cute.jit
-    def row_rstd(self, pF: cute.Pointer, in_off: Int32, k: Int32, n0: Int32, sRstd: cute.Tensor,
-                 warp: Int32, lane: Int32):
-        """sRstd[nn] = 1 / sqrt(mean(h[n0 + nn]^2) + eps), fp32 (one warp per row)."""
+    def row_rstd(self, op: Int32, pF: cute.Pointer, pI: cute.Pointer, slot: Int32,
+                 work_off: Int32, live: Int32, in_off: Int32, k: Int32, n0: Int32,
+                 sRstd: cute.Tensor, warp: Int32, lane: Int32):
+        """sRstd[nn] = 1 / sqrt(mean(h[n0 + nn]^2) + eps), fp32 (one warp per row; an expert
+        record's pair rows are rows of h through `in_row`)."""
         for nn in cutlass.range(warp, self.NO, self.NW):
             n = n0 + nn
-            if n < self.N:
+            if n < live:
+                row = self.in_row(op, pI, slot, work_off, n)
                 ss = Float32(0.0)
                 for v in cutlass.range(lane, k // VEC, LANES):
-                    x = load_f32x8(pF, in_off + n * k + v * VEC)
+                    x = load_f32x8(pF, in_off + row * k + v * VEC)
                     ss = (x * x).reduce(cute.ReductionOp.ADD, ss, 0)
                 ss = cute.arch.warp_reduction_sum(ss)
                 if lane == 0:
                     sRstd[nn] = Float32(1.0) / cute.math.sqrt(ss / Float32(k) + Float32(self.eps))
 
     @cute.jit
-    def stage_x(self, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, norm_off: Int32,
+    def stage_x(self, op: Int32, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,
+                pI: cute.Pointer, slot: Int32, work_off: Int32, live: Int32, norm_off: Int32,
                 in_off: Int32, k: Int32, n0: Int32, kc0: Int32, kc: Int32, sX: cute.Tensor,
                 sRstd: cute.Tensor, tidx: Int32):
-        """sX[nn, 0:kc] = bf16(h * rstd * w) (norm opcodes) or the bf16 input, zeros past N."""
+        """sX[nn, 0:kc] = bf16(h * rstd * w) (norm opcodes) or the bf16 input, zeros past the
+        live rows (N; an expert record's pair rows, read through `in_row`)."""
         nv = kc // VEC
         for idx in cutlass.range(tidx, self.NO * nv, self.NT):
             nn = idx // nv
@@ -368,16 +388,17 @@ class Matvec:
             n = n0 + nn
             y = cute.make_rmem_tensor((VEC,), Float32)
             y.fill(0.0)
-            if n < self.N:
+            if n < live:
                 col = kc0 + v * VEC
+                row = self.in_row(op, pI, slot, work_off, n)
                 if norm_off >= 0:
-                    h = load_f32x8(pF, in_off + n * k + col)
+                    h = load_f32x8(pF, in_off + row * k + col)
                     w = load_bf16x8(pW, norm_off + col)
                     if cutlass.const_expr(self.spec.norm_one_plus):  # Qwen3.5: (1 + w)
                         w = w + Float32(1.0)
                     y.store((h * sRstd[nn]) * w)
                 else:
-                    y.store(load_bf16x8(pB, in_off + n * k + col))
+                    y.store(load_bf16x8(pB, in_off + row * k + col))
             store_smem_bf16x8(sX, row_major(nn, v * VEC, self.XS), y.load())
 
     # ---- the GEMV -----------------------------------------------------------------------------
@@ -423,7 +444,72 @@ class Matvec:
             v = v + sAcc[acc_index(ks, nn, row, self.NO, nrp)]
         return v
 
+    # ---- expert records (moe.py) ---------------------------------------------------------------
+    @cute.jit
+    def bind(self, op: Int32, rec: cute.Tensor, w_base: Int64, pI: cute.Pointer):
+        """(W, SLOT, WORK_OFF, live rows) of the record: W and the N activation rows, or an
+        expert record bound to its slot's expert and pair rows (moe.Experts.bind)."""
+        live = Int32(self.N)
+        slot = Int32(0)
+        work_off = Int32(0)
+        wb = w_base
+        if cutlass.const_expr(self.moe.on):
+            if one_of(op, self.moe.codes):
+                slot = rec[word(Op.EXPERT_GATEUP, "SLOT")]  # (both expert opcodes: Experts)
+                work_off = rec[word(Op.EXPERT_GATEUP, "WORK_OFF")]
+                wb, live = self.moe.bind(w_base, slot, work_off, pI)
+        return wb, slot, work_off, live
+
+    @cute.jit
+    def in_row(self, op: Int32, pI: cute.Pointer, slot: Int32, work_off: Int32,
+               n: Int32) -> Int32:
+        """Input row of live row n: n, or an expert record's pair row's activation row (gate/up:
+        h [N, H]) or expert slot row (down: act_moe [N slots, I_e])."""
+        row = n
+        if cutlass.const_expr(self.moe.on):
+            if one_of(op, self.moe.codes):
+                an, q = self.moe.rows(slot, work_off, pI, n)
+                row = an
+                if one_of(op, self.ops.epilogue("expert_down")):
+                    row = q
+        return row
+
+    @cute.jit
+    def epi_expert(self, op: Int32, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,
+                   ksplit: Int32, nrp: Int32, out_off: Int32, pF: cute.Pointer,
+                   pB: cute.Pointer, pI: cute.Pointer, slot: Int32, work_off: Int32, live: Int32,
+                   sAcc: cute.Tensor, tidx: Int32):
+        """Expert slot row q of pair row n0 + nn: gate/up -> act_moe[q, (row0 + rc0) / 2 + c] =
+        bf16(silu(gate) * up) (GATEUP's block interleave); down -> moe_y[q, row0 + rc0 + r] =
+        acc (fp32)."""
+        gate = one_of(op, self.ops.epilogue("expert_gateup"))
+        cols = nr
+        if gate:
+            cols = nr // 2
+        for idx in cutlass.range(tidx, self.NO * cols, self.NT, unroll=1):
+            nn = idx // cols
+            c = idx - nn * cols
+            if n0 + nn < live:
+                _n, q = self.moe.rows(slot, work_off, pI, n0 + nn)
+                if gate:
+                    st(pB, out_off + row_major(q, (row0 + rc0) // 2 + c, self.moe.I),
+                       self.swiglu(sAcc, nn, c, ksplit, nrp).to(BFloat16))
+                else:
+                    st(pF, out_off + row_major(q, row0 + rc0 + c, self.H),
+                       self.acc_value(sAcc, nn, c, ksplit, nrp))
+
     # ---- epilogues ----------------------------------------------------------------------------
+    @cute.jit
+    def swiglu(self, sAcc: cute.Tensor, nn: Int32, c: Int32, ksplit: Int32,
+               nrp: Int32) -> Float32:
+        """silu(gate) * up of activation column c of a chunk whose rows alternate
+        GATEUP_BLOCK gate rows and GATEUP_BLOCK up rows (fp32)."""
+        blk = isa.GATEUP_BLOCK
+        gr = (c // blk) * (2 * blk) + c % blk
+        g = self.acc_value(sAcc, nn, gr, ksplit, nrp)
+        u = self.acc_value(sAcc, nn, gr + blk, ksplit, nrp)
+        return g / (Float32(1.0) + cute.math.exp(-g)) * u
+
     @cute.jit
     def epi_residual(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
                      nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
@@ -454,18 +540,13 @@ class Matvec:
     def epi_gateup(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
                    nrp: Int32, out_off: Int32, pB: cute.Pointer, sAcc: cute.Tensor, tidx: Int32):
         """act[n, (row0 + rc0) / 2 + c] = bf16(silu(gate) * up); rows alternate 16 gate, 16 up."""
-        blk = isa.GATEUP_BLOCK
         cols = nr // 2
         for idx in cutlass.range(tidx, self.NO * cols, self.NT):
             nn = idx // cols
             c = idx - nn * cols
             if n0 + nn < self.N:
-                gr = (c // blk) * (2 * blk) + c % blk
-                g = self.acc_value(sAcc, nn, gr, ksplit, nrp)
-                u = self.acc_value(sAcc, nn, gr + blk, ksplit, nrp)
-                silu = g / (Float32(1.0) + cute.math.exp(-g))
                 a = out_off + (n0 + nn) * self.I + (row0 + rc0) // 2 + c
-                st(pB, a, (silu * u).to(BFloat16))
+                st(pB, a, self.swiglu(sAcc, nn, c, ksplit, nrp).to(BFloat16))
 
     @cute.jit
     def epi_relu2(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,

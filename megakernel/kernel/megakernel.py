@@ -16,7 +16,8 @@ global memory (Matvec.run) and there is no loader warp.
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
 merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE, GDN_REPLAY) in
 gdn.py; the Mamba2 SSD update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in
-mamba_replay.py.
+mamba_replay.py; the MoE's expert slabs on the matvec handler, bound at run time to their
+work-list slot, and MOE_COMBINE in moe.py.
 Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
 ticket opcodes that signal from their merge) come from the ISA registry (fields.py); a record
 whose opcode the build has no handler for traps. The host side `__call__` exists only to give
@@ -51,6 +52,7 @@ from megakernel.kernel.memory import (
     st,
     store_f32x8,
 )
+from megakernel.kernel.moe import Experts
 from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import LANES, VEC, KernelSpec
 
@@ -78,6 +80,8 @@ class DecodeMegakernel:
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.pipe = Pipeline(spec) if spec.pipelined else None
         self.lookahead = Lookahead(spec)
+        self.combine = int(Op.MOE_COMBINE) in self.ops.handled  # MoE's combine (moe.py)
+        self.experts = Experts(spec)
 
     @cute.jit
     def __call__(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
@@ -129,12 +133,12 @@ class DecodeMegakernel:
                 if lane == 0:
                     if cutlass.const_expr(self.spec.timeline):
                         self.pipe.load_queue(program + bidx * queue_len * isa.RECORD_WORDS,
-                                             weights, sRing.iterator, mbar,
+                                             weights, sRing.iterator, mbar, counters, i32,
                                              timeline.cta_records(program, num_ctas, queue_len,
                                                                   bidx))
                     else:
                         self.pipe.load_queue(program + bidx * queue_len * isa.RECORD_WORDS,
-                                             weights, sRing.iterator, mbar)
+                                             weights, sRing.iterator, mbar, counters, i32)
             else:
                 self.consume(program, counters, weights, f32, bf16, i32, k_cache, v_cache,
                              state, queue_len, s_max, len_off, sX, sAcc, sRstd, sBest, sQ, sO, sML,
@@ -227,6 +231,11 @@ class DecodeMegakernel:
             elif op == Op.MAMBA_CORE:
                 if cutlass.const_expr(self.mamba is not None):
                     self.mamba.core(rec, weights, f32, bf16, state, sSsm, tidx, warp, lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.MOE_COMBINE:
+                if cutlass.const_expr(self.combine):
+                    self.experts.combine(rec, f32, i32, tidx, self.NT)
                 else:
                     cute.arch.inline_ptx("trap;")
             elif op == Op.MAMBA_REPLAY:

@@ -18,7 +18,11 @@ counting the CTA out, consumer thread 0 waits for `done` and traps unless the co
 (a loader/consumer disagreement on the tile sequence fails the launch at once).
 
 Weights never depend on activations, so the loader runs up to S tiles ahead of the consumers,
-across instruction boundaries and across their dependency waits; it never touches the counters.
+across instruction boundaries and across their dependency waits. The one exception: an expert
+record (EXPERT_GATEUP / EXPERT_DOWN) is bound at run time to its work-list slot's expert, so the
+loader waits on that record's dependency counter (only reading it) before it reads the binding,
+and streams the bound slab for ceil(live rows / NO) passes, nothing for an unbound slot
+(moe.py: the rule, and why it cannot deadlock).
 Before each tile it also runs the L2 lookahead (`prefetch_tiles`): a second cursor over the
 same tile sequence prefetches the tiles that follow, up to `spec.prefetch_window` bytes past the
 ones issued, so HBM keeps streaming exactly the bytes the loader will copy while the ring is
@@ -38,11 +42,12 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from megakernel.isa import Op
-from megakernel.kernel import timeline
+from megakernel.kernel import moe_index, timeline
 from megakernel.kernel.fields import OpTable, common, one_of, slab_word
 from megakernel.kernel.memory import join64, record_word
+from megakernel.kernel.moe import Experts
 from megakernel.kernel.spec import SMEM_STAGE_BYTES, KernelSpec, ring_slot, tile_copy
-from megakernel.kernel.sync import WAIT_TIMEOUT_NS
+from megakernel.kernel.sync import WAIT_TIMEOUT_NS, read_epoch
 
 
 class Pipeline:
@@ -51,6 +56,7 @@ class Pipeline:
     def __init__(self, spec: KernelSpec):
         self.spec = spec
         self.ops = OpTable.for_spec(spec)  # slab opcodes: the registry's `slab` (fields.py)
+        self.moe = Experts(spec)  # expert records: bound at run time (moe.py)
         self.S = spec.smem_stages
         self.NW = spec.num_warps
         self.stage_elems = SMEM_STAGE_BYTES // 2  # bf16 per stage
@@ -79,14 +85,19 @@ class Pipeline:
     # ---- loader warp --------------------------------------------------------------------------
     @cute.jit
     def load_queue(self, queue: cute.Pointer, weights: cute.Pointer, ring: cute.Pointer,
-                   mbar: cute.Pointer, tl: cute.Pointer | None = None):
+                   mbar: cute.Pointer, counters: cute.Pointer, pI: cute.Pointer,
+                   tl: cute.Pointer | None = None):
         """Stream every matvec slab of this CTA's queue into the ring (run by one thread), tile
         by tile in the consumers' loop nest (spec.matvec_tiles): pass > ROW_CHUNK rows > K-chunk
         > `tile_rows` rows. A tile of whole rows (K-chunk = K) is one bulk copy, else one per
         row (the slab is row-major [NROWS, K]); the stage holds the tile as [rows][kc].
         `tl`: the timeline build's records (kernel/timeline.py; None otherwise): the loader stamps
-        when it reaches each slab and when it has issued the slab's last tile."""
+        when it reaches each slab and when it has issued the slab's last tile. An expert record
+        is streamed as bound after its dependency wait (`bind`)."""
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
+        epoch = Int32(0)
+        if cutlass.const_expr(self.moe.on):
+            epoch = read_epoch(counters)
         j = Int32(0)  # tiles issued
         pc = Int32(0)
         vol = Int64(0)  # bytes of the tiles issued so far
@@ -97,11 +108,15 @@ class Pipeline:
         while op != Op.END:
             if one_of(op, self.ops.slab):
                 w_base, nrows, k = slab_record(queue, pc)
+                if cutlass.const_expr(self.moe.on):
+                    if one_of(op, self.moe.codes):
+                        self.moe.wait_queued(counters, queue, pc, epoch)
+                w_base, passes = self.bind(op, queue, pc, w_base, pI)
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 src0 = weights.toint() + w_base * Int64(2)
                 if cutlass.const_expr(tl is not None):
                     timeline.stamp(tl, pc, "load_start")
-                for _p in cutlass.range(self.spec.passes):
+                for _p in cutlass.range(passes):
                     for rc0 in cutlass.range(0, nrows, RC):
                         nr = cutlass.min(Int32(RC), nrows - rc0)
                         for kc0 in cutlass.range(0, k, KC):
@@ -112,8 +127,8 @@ class Pipeline:
                                 # (none built when the spec's l2_window is 0)
                                 if cutlass.const_expr(self.window > 0):
                                     f_pc, f_p, f_rc, f_kc, f_t, f_vol = self.prefetch_tiles(
-                                        weights, queue, vol + Int64(self.window), f_pc, f_p,
-                                        f_rc, f_kc, f_t, f_vol)
+                                        weights, queue, pI, pc, vol + Int64(self.window), f_pc,
+                                        f_p, f_rc, f_kc, f_t, f_vol)
                                 s, _, empty_parity = ring_slot(j, self.S)
                                 mbar_wait(mbar + self.S + s, empty_parity)
                                 cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, rows * kc * 2)
@@ -138,22 +153,44 @@ class Pipeline:
         cute.arch.mbarrier_arrive(mbar + 2 * self.S)
 
     @cute.jit
-    def prefetch_tiles(self, weights: cute.Pointer, queue: cute.Pointer, limit: Int64, pc: Int32,
-                       p: Int32, rc0: Int32, kc0: Int32, t0: Int32, vol: Int64):
+    def bind(self, op: Int32, queue: cute.Pointer, pc: Int32, w_base: Int64, pI: cute.Pointer):
+        """(W, passes) of slab record pc: W and spec.passes, or an expert record's bound slab
+        and ceil(live / NO) passes (0: an unbound slot). Only for a record whose dependency wait
+        the loader has met (moe.py)."""
+        passes = Int32(self.spec.passes)
+        wb = w_base
+        if cutlass.const_expr(self.moe.on):
+            if one_of(op, self.moe.codes):
+                wb, live = self.moe.bind_queued(queue, pc, w_base, pI)
+                passes = moe_index.passes(live, self.spec.no)
+        return wb, passes
+
+    @cute.jit
+    def prefetch_tiles(self, weights: cute.Pointer, queue: cute.Pointer, pI: cute.Pointer,
+                       loader_pc: Int32, limit: Int64, pc: Int32, p: Int32, rc0: Int32,
+                       kc0: Int32, t0: Int32, vol: Int64):
         """The L2 lookahead of the pipelined build: a second walk over the loader's own tile
         sequence (same records, passes, row chunks, K-chunks and tile rows, as an odometer) that
         issues cp.async.bulk.prefetch.L2 for each tile's bytes (one request for whole rows, one
         per row of a K-chunk) until the bytes it has covered reach `limit` (the loader's volume +
         window). So HBM fetches exactly what the loader will copy, in its order, `window` bytes
         ahead, within slabs and across the consumers' waits. The cursor: (record, pass, row
-        chunk start, K-chunk start, tile row, covered bytes); returned advanced. Host mirror:
-        spec.loader_lookahead_plan."""
+        chunk start, K-chunk start, tile row, covered bytes); returned advanced. It holds at an
+        expert record the loader (at `loader_pc`) has not reached: that record's binding is
+        not known before the loader's wait. Host mirror: spec.loader_lookahead_plan."""
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
         op = record_word(queue, pc, common("OPCODE"))
-        more = (vol < limit) & (op != Op.END)
+        held = self.held(op, pc, loader_pc)
+        more = (vol < limit) & (op != Op.END) & (held == 0)
         while more:
+            passes = Int32(0)
+            w_base = Int64(0)
+            nrows = Int32(0)
+            k = Int32(0)
             if one_of(op, self.ops.slab):
                 w_base, nrows, k = slab_record(queue, pc)
+                w_base, passes = self.bind(op, queue, pc, w_base, pI)
+            if passes > 0:
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 nr = cutlass.min(Int32(RC), nrows - rc0)
                 kc = cutlass.min(Int32(KC), k - kc0)
@@ -175,14 +212,26 @@ class Pipeline:
                         if rc0 >= nrows:
                             rc0 = Int32(0)
                             p = p + 1
-                            if p >= self.spec.passes:
+                            if p >= passes:
                                 p = Int32(0)
                                 pc = pc + 1
-            else:
+            else:  # no slab, or an unbound expert slot: no tiles
                 pc = pc + 1
             op = record_word(queue, pc, common("OPCODE"))
-            more = (vol < limit) & (op != Op.END)
+            held = self.held(op, pc, loader_pc)
+            more = (vol < limit) & (op != Op.END) & (held == 0)
         return pc, p, rc0, kc0, t0, vol
+
+    @cute.jit
+    def held(self, op: Int32, pc: Int32, loader_pc: Int32) -> Int32:
+        """1 when record pc is an expert record the loader has not reached (its binding is not
+        readable yet), else 0."""
+        h = Int32(0)
+        if cutlass.const_expr(self.moe.on):
+            if one_of(op, self.moe.codes):
+                if pc > loader_pc:
+                    h = Int32(1)
+        return h
 
     # ---- consumer side ------------------------------------------------------------------------
     @cute.jit

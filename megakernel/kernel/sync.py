@@ -56,19 +56,27 @@ def wait_counter(counters: cute.Pointer, cid: Int32, target: Int32, tidx: Int32,
                  named: cutlass.Constexpr[int] = 0):
     """Block the CTA until counters[COUNTER_BASE + cid] has reached `target` (cid < 0: no wait)."""
     if tidx == 0:
-        if cid >= 0:
-            flag = counters + (cid + isa.COUNTER_BASE)
-            v = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-            if v - target < 0:
-                t0 = cute.arch.globaltimer()
-                ns = Int32(SLEEP_MIN_NS)
-                while v - target < 0:
-                    nanosleep(ns)
-                    ns = cutlass.min(ns * 2, Int32(SLEEP_MAX_NS))
-                    v = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                    if cute.arch.globaltimer() - t0 > Int64(WAIT_TIMEOUT_NS):
-                        cute.arch.inline_ptx("trap;")  # deadlock: fail the launch, do not hang
+        spin_counter(counters, cid, target)
     cta_sync(named)
+
+
+@cute.jit
+def spin_counter(counters: cute.Pointer, cid: Int32, target: Int32):
+    """One thread: spin (acquire, backing off, with the watchdog) until counters[COUNTER_BASE +
+    cid] has reached `target` (cid < 0: no wait). The consumers' thread 0 in wait_counter; the
+    loader warp before it reads an expert record's run-time binding (pipeline.py)."""
+    if cid >= 0:
+        flag = counters + (cid + isa.COUNTER_BASE)
+        v = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+        if v - target < 0:
+            t0 = cute.arch.globaltimer()
+            ns = Int32(SLEEP_MIN_NS)
+            while v - target < 0:
+                nanosleep(ns)
+                ns = cutlass.min(ns * 2, Int32(SLEEP_MAX_NS))
+                v = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                if cute.arch.globaltimer() - t0 > Int64(WAIT_TIMEOUT_NS):
+                    cute.arch.inline_ptx("trap;")  # deadlock: fail the launch, do not hang
 
 
 @cute.jit

@@ -129,13 +129,13 @@ EXPERT_GATEUP = register(OpSpec(
     "is W + x * MOE_X_STRIDE (W: expert 0's; the shared expert: its own, x = 0). For each pair "
     "p = n top_k + s (shared: every n, s = top_k), RMSNorm(h[n]) -> slab of the expert's "
     "interleaved gate/up -> act_moe[n, s, ROW0/2 + c] (bf16 [N, top_k + 1, I_e]).",
-    slab=True, matvec="expert_gateup"))
+    slab=True, matvec="expert_gateup", device=True))
 EXPERT_DOWN = register(OpSpec(
     27, "EXPERT_DOWN", "moe", "down slab of the expert bound to a work-list slot, for the rows "
     "routed to it", MATVEC + _EXPERT,
     notes="Binding and rows as EXPERT_GATEUP; IN_OFF = bf16 act_moe [N, top_k + 1, I_e], "
     "OUT_OFF = f32 moe_y [N, top_k + 1, H]: moe_y[n, s, ROW0 + r] = acc.", slab=True,
-    matvec="expert_down"))
+    matvec="expert_down", device=True))
 MOE_COMBINE = register(OpSpec(
     28, "MOE_COMBINE", "moe", "weighted sum of the routed experts (+ shared) added into h",
     (
@@ -147,7 +147,7 @@ MOE_COMBINE = register(OpSpec(
         ("OUT_OFF", "f32: h [N, H]"),
     ),
     notes="h[n, cols] += (sum over the top_k slots in increasing expert id of w * moe_y[n, s]) + "
-    "moe_y[n, top_k] (the shared expert, header MOE_SHARED = 1)."))
+    "moe_y[n, top_k] (the shared expert, header MOE_SHARED = 1).", device=True))
 
 
 @register_kind

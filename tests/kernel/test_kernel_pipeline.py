@@ -334,7 +334,7 @@ def test_loader_consumer_and_mirror_share_the_tile_loop_nest():
     assert lt[:4] == [("_p", "cutlass.range(passes)"), ("rc0", "cutlass.range(0, nrows, RC)"),
                       ("kc0", "cutlass.range(0, k, KC)"), ("t0", "cutlass.range(0, nr, tr)")]
     assert lt[4:] == [("r", "cutlass.range(rows)")]  # per-row copies of a partial-K tile
-    assert ct == [("n0", "cutlass.range(0, N, NO)"), ("rc0", "cutlass.range(0, nrows, RC)"),
+    assert ct == [("n0", "cutlass.range(0, live, NO)"), ("rc0", "cutlass.range(0, nrows, RC)"),
                   ("kc0", "cutlass.range(0, k, KC)"), ("t0", "cutlass.range(0, nr, tr)")]
     assert mt == [("p", "range(passes)"), ("rc0", "range(0, nrows, ROW_CHUNK)"),
                   ("kc0", "range(0, k, k_chunk)"), ("t0", "range(0, nr, tr)")]
@@ -358,7 +358,7 @@ def test_loader_consumer_and_mirror_share_the_tile_loop_nest():
     for var in ("nr", "kc", "tr", "rows"):
         assert pa[var] == la[var], (var, pa[var], la[var])
     for step in ("t0 = t0 + tr", "kc0 = kc0 + KC", "rc0 = rc0 + RC", "p = p + 1",
-                 "if p >= self.spec.passes:"):
+                 "if p >= passes:"):
         assert step in pf, step
     # one wait, one expect_tx and one j += 1 per loader tile; one wait + one release per consumer
     assert load.count("mbar_wait(") == 1 and load.count("arrive_and_expect_tx(") == 1

@@ -1,0 +1,128 @@
+"""The MoE expert handlers' device side (layers/moe.py; index arithmetic in moe_index.py).
+
+EXPERT_GATEUP / EXPERT_DOWN run on the matvec handler (matvec.py: epilogues "expert_gateup",
+"expert_down") over the rows of their work-list slot; this module binds a record at run time
+(`bind`: the slab of the slot's expert and its live pair rows) and maps a pair row to its
+activation and expert slot rows (`rows`). MOE_COMBINE is its own handler (`combine`).
+
+Who reads the binding, and when (everyone agrees on the bound W and the passes, so the tiles the
+loader streams are the tiles the consumers read, and an unbound slot streams and reads none):
+- the consumers, after the record's dependency wait (the router's counter for EXPERT_GATEUP,
+  gate/up's for EXPERT_DOWN, which implies the router's);
+- the loader warp (pipeline.py) waits on the same counter itself (sync.spin_counter) before it
+  reads the binding and streams the record. No deadlock: when the loader reaches record r it
+  has issued every tile of the records before r, so the consumers can finish those without it,
+  and r's counter then completes exactly as it does for the consumers' own wait at r;
+- the loader's L2 lookahead cursor (Pipeline.prefetch_tiles) enters an expert record only once
+  the loader has reached it (has waited); the global-memory build's lookahead
+  (lookahead.Lookahead.extend), which runs before the consumers' wait, stops at an expert record
+  and leaves its slab to the demand loads.
+The work list stays valid until the loader and the consumers have read it: the next MoE layer's
+router overwrites it only after this layer's combine, which waits on every down record.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from megakernel.isa import Op
+from megakernel.kernel import moe_index as mi
+from megakernel.kernel.fields import OpTable, common, shared_word, word
+from megakernel.kernel.memory import ld, load_f32x8, record_word, store_f32x8
+from megakernel.kernel.spec import VEC, KernelSpec
+from megakernel.kernel.sync import spin_counter
+
+EXPERT_OPS = (Op.EXPERT_GATEUP, Op.EXPERT_DOWN)
+
+
+class Experts:
+    """Run-time binding of the expert slab records and the MOE_COMBINE handler."""
+
+    def __init__(self, spec: KernelSpec):
+        ops = OpTable.for_spec(spec)
+        self.codes = ops.epilogue("expert_gateup") + ops.epilogue("expert_down")
+        self.on = bool(self.codes)  # the build handles the expert records
+        self.N, self.H, self.NO = spec.rows, spec.hidden, spec.no
+        if spec.moe:
+            _e, self.top_k, self.I, _g, _tg, shared = spec.moe
+            self.slots = self.top_k + shared
+            self.stride = mi.x_stride(self.I, self.H)
+        for name in ("SLOT", "WORK_OFF"):  # read as EXPERT_GATEUP's words for both opcodes
+            shared_word(EXPERT_OPS, name)
+
+    # ---- binding --------------------------------------------------------------------------------
+    @cute.jit
+    def bind(self, w: Int64, slot: Int32, work_off: Int32, pI: cute.Pointer):
+        """(bound W, live pair rows) of an expert record whose dependency wait is met: the shared
+        expert (slot -1) keeps W and has every row; a slot's expert x moves W x experts on, an
+        unbound slot (x = -1) has no rows."""
+        live = Int32(self.N)
+        wb = w
+        if slot >= 0:
+            row = work_off + mi.work_row(slot, self.N)
+            x = ld(pI, row)
+            live = ld(pI, row + 1)
+            if x < 0:
+                live = Int32(0)
+            wb = mi.bound_w(w, Int64(x), Int64(self.stride), cutlass.max)
+        return wb, live
+
+    @cute.jit
+    def bind_queued(self, queue: cute.Pointer, pc: Int32, w: Int64, pI: cute.Pointer):
+        """`bind` for record pc of a queue in global memory (the loader and its lookahead)."""
+        return self.bind(w, record_word(queue, pc, word(Op.EXPERT_GATEUP, "SLOT")),
+                         record_word(queue, pc, word(Op.EXPERT_GATEUP, "WORK_OFF")), pI)
+
+    @cute.jit
+    def wait_queued(self, counters: cute.Pointer, queue: cute.Pointer, pc: Int32, epoch: Int32):
+        """One thread (the loader): wait for record pc's dependency counter, as the consumers do
+        before running it; after it the work list row of its slot is the router's."""
+        spin_counter(counters, record_word(queue, pc, common("WAIT_CID")),
+                     epoch * record_word(queue, pc, common("WAIT_TOTAL"))
+                     + record_word(queue, pc, common("WAIT_TARGET")))
+
+    @cute.jit
+    def rows(self, slot: Int32, work_off: Int32, pI: cute.Pointer, i: Int32):
+        """Pair row i (< live) of a bound record -> (activation row n, expert slot row q)."""
+        n, q = mi.shared_rows(i, self.top_k, self.slots)
+        if slot >= 0:
+            p = ld(pI, work_off + mi.work_row(slot, self.N) + 2 + i)
+            n, q = mi.pair_rows(p, self.top_k, self.slots)
+        return n, q
+
+    # ---- MOE_COMBINE ----------------------------------------------------------------------------
+    @cute.jit
+    def combine(self, rec: cute.Tensor, pF: cute.Pointer, pI: cute.Pointer, tidx: Int32,
+                nthreads: int):
+        """h[n, cols] += sum over the top_k slots in increasing expert id of w * moe_y[n, s, cols]
+        + moe_y[n, top_k, cols] (shared), fp32 in that order; a thread per (row, 8 columns)."""
+        r0, ncols = rec[word(Op.MOE_COMBINE, "ROW0")], rec[word(Op.MOE_COMBINE, "NROWS")]
+        y_off, ids_off = rec[word(Op.MOE_COMBINE, "Y_OFF")], rec[word(Op.MOE_COMBINE, "IDS_OFF")]
+        wts_off, out_off = rec[word(Op.MOE_COMBINE, "WTS_OFF")], rec[word(Op.MOE_COMBINE,
+                                                                           "OUT_OFF")]
+        nv = ncols // VEC
+        for idx in cutlass.range(tidx, self.N * nv, nthreads, unroll=1):
+            n = idx // nv
+            col = r0 + (idx - n * nv) * VEC
+            acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            acc.fill(0.0)
+            prev = Int32(mi.WALK_START[0])
+            for _r in cutlass.range(self.top_k, unroll=1):  # the next slot by expert id
+                best = Int32(mi.WALK_START[1])
+                pick = Int32(0)
+                for s in cutlass.range(self.top_k, unroll=1):
+                    x = ld(pI, ids_off + n * self.top_k + s)
+                    if mi.takes(x, prev, best):
+                        best = x
+                        pick = s
+                prev = best
+                wt = ld(pF, wts_off + n * self.top_k + pick)
+                y = load_f32x8(pF, y_off + (n * self.slots + pick) * self.H + col)
+                acc.store(acc.load() + y * wt)
+            if cutlass.const_expr(self.slots > self.top_k):
+                acc.store(acc.load() + load_f32x8(pF, y_off + (n * self.slots + self.top_k)
+                                                  * self.H + col))
+            a = out_off + n * self.H + col
+            store_f32x8(pF, a, load_f32x8(pF, a) + acc.load())
