@@ -20,7 +20,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel import isa
 from megakernel.isa import Op
-from megakernel.kernel.fields import shared_word, word
+from megakernel.kernel.fields import FieldError, shared_word, word
 from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
 from megakernel.kernel.memory import join64, ld, prefetch_l2, st
 from megakernel.kernel.spec import KernelSpec
@@ -49,7 +49,7 @@ class GatedDeltaRule:
     CHANNEL (a per-channel decay [dk] per token instead of a scalar per value head: kernel/kda.py);
     the state loops branch on CHANNEL at trace time, so a GDN build compiles what it did."""
 
-    CORE, REPLAY, UNIT, CHANNEL = Op.GDN_CORE, Op.GDN_REPLAY, "K_HEAD", False
+    CORE, REPLAY, UNIT, CHANNEL = Op.GDN_CORE, Op.GDN_REPLAY, "K_HEAD", False  # the unit field
 
     @staticmethod
     def shape_of(spec: KernelSpec):  # noqa: ANN205 (gdn_index.GDNShape)
@@ -64,27 +64,35 @@ class GatedDeltaRule:
         self.sm = self.g.smem()  # word offsets in the scratch span
         self.replay = spec.replay_window > 0  # GDN_REPLAY (ReplaySSM) instead of GDN_CORE
         self.op = self.REPLAY if self.replay else self.CORE
-        # both read their common operands by the CORE op's words (FieldError if they ever differ)
-        for name in isa.spec(self.CORE).names:
-            shared_word((self.CORE, self.REPLAY), name)
+        # records are read by GDN_CORE's words (the unit K_HEAD, COUNT_OFF by GDN_REPLAY's): the
+        # subclass's ops must hold their operands there (FieldError if they ever differ)
+        unit = {self.UNIT: "K_HEAD"}
+        for name in isa.spec(self.REPLAY).names:
+            mine = word(self.REPLAY, name)
+            if mine != word(Op.GDN_REPLAY, unit.get(name, name)) or (
+                    name != "COUNT_OFF" and mine != word(self.CORE, name)):
+                raise FieldError(f"{isa.spec(self.REPLAY).name} operand {name} is not at "
+                                 f"GDN's word")
+        for name in isa.spec(Op.GDN_CORE).names:
+            shared_word((Op.GDN_CORE, Op.GDN_REPLAY), name)
 
     @cute.jit
     def core(self, rec: cute.Tensor, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,
              pI: cute.Pointer, pS: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32,
              lane: Int32):
-        b, kh = rec[word(self.CORE, "B_IDX")], rec[word(self.CORE, self.UNIT)]
-        proj, prm = rec[word(self.CORE, "PROJ_OFF")], rec[word(self.CORE, "PARAM_OFF")]
+        b, kh = rec[word(Op.GDN_CORE, "B_IDX")], rec[word(Op.GDN_CORE, "K_HEAD")]
+        proj, prm = rec[word(Op.GDN_CORE, "PROJ_OFF")], rec[word(Op.GDN_CORE, "PARAM_OFF")]
         # the layer's block
-        st0 = join64(rec[word(self.CORE, "STATE_LO")], rec[word(self.CORE, "STATE_HI")])
+        st0 = join64(rec[word(Op.GDN_CORE, "STATE_LO")], rec[word(Op.GDN_CORE, "STATE_HI")])
         cta_sync(self.named)  # the scratch span is free: the previous record is done with it
-        conv_w, norm_w = rec[word(self.CORE, "CONV_W")], rec[word(self.CORE, "NORM_W")]
+        conv_w, norm_w = rec[word(Op.GDN_CORE, "CONV_W")], rec[word(Op.GDN_CORE, "NORM_W")]
         self.conv(b, kh, proj, Int64(conv_w), st0, pW, pF, pS, sS, tidx)
         self.gates(b, kh, proj, prm, Int64(conv_w), pW, pF, sS, tidx, warp, lane)
         cta_sync(self.named)
         self.l2_norms(sS, warp, lane)
         cta_sync(self.named)
         if cutlass.const_expr(self.replay):
-            n = ld(pI, rec[word(self.REPLAY, "COUNT_OFF")] + self.g.count(b, kh))  # (< L)
+            n = ld(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh))  # (< L)
             self.ring(b, kh, n, st0, pS, sS, tidx)
             cta_sync(self.named)
             self.dots(n, sS, warp, lane)
@@ -95,13 +103,13 @@ class GatedDeltaRule:
                 new = n + self.T
                 if fold:
                     new = Int32(0)
-                st(pI, rec[word(self.REPLAY, "COUNT_OFF")] + self.g.count(b, kh), new)
+                st(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh), new)
         else:
             self.kq(sS, warp, lane)
             cta_sync(self.named)
             self.states(b, kh, st0, pS, sS, warp, lane)
         cta_sync(self.named)
-        self.output(b, kh, proj, Int64(norm_w), rec[word(self.CORE, "OUT_OFF")], pW, pF, pB,
+        self.output(b, kh, proj, Int64(norm_w), rec[word(Op.GDN_CORE, "OUT_OFF")], pW, pF, pB,
                     sS, warp, lane)
 
     # ---- phase 1: the short causal conv ------------------------------------------------------
@@ -409,7 +417,7 @@ class GatedDeltaRule:
         """The record's R value heads' states are contiguous and predate this step: ask L2 for
         them while the CTA waits for the projection."""
         g = self.g
-        st0 = join64(rec[word(self.CORE, "STATE_LO")], rec[word(self.CORE, "STATE_HI")])
-        b, kh = rec[word(self.CORE, "B_IDX")], rec[word(self.CORE, self.UNIT)]
+        st0 = join64(rec[word(Op.GDN_CORE, "STATE_LO")], rec[word(Op.GDN_CORE, "STATE_HI")])
+        b, kh = rec[word(Op.GDN_CORE, "B_IDX")], rec[word(Op.GDN_CORE, "K_HEAD")]
         first = st0 + Int64(g.state(b, kh * g.rep, 0, 0))
         prefetch_l2(pS, first, g.rep * g.dk * g.dv * 4, tidx)
