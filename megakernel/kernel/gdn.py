@@ -20,7 +20,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel import isa
 from megakernel.isa import Op
-from megakernel.kernel.fields import shared_word, word
+from megakernel.kernel.fields import FieldError, shared_word, word
 from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
 from megakernel.kernel.memory import join64, ld, prefetch_l2, st
 from megakernel.kernel.spec import KernelSpec
@@ -31,18 +31,48 @@ def silu(x: Float32) -> Float32:
     return x / (Float32(1.0) + cute.math.exp(-x))
 
 
+def sigmoid(x: Float32) -> Float32:
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+
+@cute.jit
+def softplus(x: Float32) -> Float32:
+    """log(1 + e^x), x itself above SOFTPLUS_LINEAR (torch's threshold)."""
+    sp = x
+    if x <= Float32(SOFTPLUS_LINEAR):
+        sp = cute.math.log1p(cute.math.exp(x))
+    return sp
+
 
 class GatedDeltaRule:
+    """GDN_CORE / GDN_REPLAY. A subclass sets the opcodes, the record's unit field, its shape and
+    CHANNEL (a per-channel decay [dk] per token instead of a scalar per value head: kernel/kda.py);
+    the state loops branch on CHANNEL at trace time, so a GDN build compiles what it did."""
+
+    CORE, REPLAY, UNIT, CHANNEL = Op.GDN_CORE, Op.GDN_REPLAY, "K_HEAD", False  # the unit field
+
+    @staticmethod
+    def shape_of(spec: KernelSpec):  # noqa: ANN205 (gdn_index.GDNShape)
+        return spec.gdn_shape
+
     def __init__(self, spec: KernelSpec):
         self.spec = spec
-        self.g = spec.gdn_shape
+        self.g = self.shape_of(spec)
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.NT, self.NW, self.T = spec.num_threads, spec.num_warps, spec.tokens
         self.eps = spec.eps
         self.sm = self.g.smem()  # word offsets in the scratch span
         self.replay = spec.replay_window > 0  # GDN_REPLAY (ReplaySSM) instead of GDN_CORE
-        self.op = Op.GDN_REPLAY if self.replay else Op.GDN_CORE
-        # both read their common operands by GDN_CORE's words (FieldError if they ever differ)
+        self.op = self.REPLAY if self.replay else self.CORE
+        # records are read by GDN_CORE's words (the unit K_HEAD, COUNT_OFF by GDN_REPLAY's): the
+        # subclass's ops must hold their operands there (FieldError if they ever differ)
+        unit = {self.UNIT: "K_HEAD"}
+        for name in isa.spec(self.REPLAY).names:
+            mine = word(self.REPLAY, name)
+            if mine != word(Op.GDN_REPLAY, unit.get(name, name)) or (
+                    name != "COUNT_OFF" and mine != word(self.CORE, name)):
+                raise FieldError(f"{isa.spec(self.REPLAY).name} operand {name} is not at "
+                                 f"GDN's word")
         for name in isa.spec(Op.GDN_CORE).names:
             shared_word((Op.GDN_CORE, Op.GDN_REPLAY), name)
 
@@ -57,7 +87,7 @@ class GatedDeltaRule:
         cta_sync(self.named)  # the scratch span is free: the previous record is done with it
         conv_w, norm_w = rec[word(Op.GDN_CORE, "CONV_W")], rec[word(Op.GDN_CORE, "NORM_W")]
         self.conv(b, kh, proj, Int64(conv_w), st0, pW, pF, pS, sS, tidx)
-        self.gates(b, kh, proj, prm, pF, sS, tidx)
+        self.gates(b, kh, proj, prm, Int64(conv_w), pW, pF, sS, tidx, warp, lane)
         cta_sync(self.named)
         self.l2_norms(sS, warp, lane)
         cta_sync(self.named)
@@ -108,8 +138,9 @@ class GatedDeltaRule:
 
     # ---- phase 2: gates, norms, k.q ----------------------------------------------------------
     @cute.jit
-    def gates(self, b: Int32, kh: Int32, proj: Int32, prm: Int32, pF: cute.Pointer,
-              sS: cute.Tensor, tidx: Int32):
+    def gates(self, b: Int32, kh: Int32, proj: Int32, prm: Int32, conv_w: Int64,
+              pW: cute.Pointer, pF: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32,
+              lane: Int32):
         """beta[t][r] = sigmoid(b), g[t][r] = -exp(A_log) softplus(a + dt_bias) of value head
         h = kh R + r (params row: A_log [Hv], dt_bias [Hv])."""
         g = self.g
@@ -118,11 +149,8 @@ class GatedDeltaRule:
             h = kh * g.rep + idx - t * g.rep
             bb = ld(pF, proj + g.proj(b, t, g.beta_col(h)))
             aa = ld(pF, proj + g.proj(b, t, g.a_col(h))) + ld(pF, prm + g.hv + h)
-            sp = aa
-            if aa <= Float32(SOFTPLUS_LINEAR):
-                sp = cute.math.log1p(cute.math.exp(aa))
-            sS[self.sm["beta"] + idx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-bb))
-            sS[self.sm["g"] + idx] = -cute.math.exp(ld(pF, prm + h)) * sp
+            sS[self.sm["beta"] + idx] = sigmoid(bb)
+            sS[self.sm["g"] + idx] = -cute.math.exp(ld(pF, prm + h)) * softplus(aa)
 
     @cute.jit
     def l2_norms(self, sS: cute.Tensor, warp: Int32, lane: Int32):
@@ -174,6 +202,10 @@ class GatedDeltaRule:
                 s_reg[rr] = ld(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)))
             for t in cutlass.range_constexpr(T):
                 xt = sm["x"] + t * g.ch
+                if cutlass.const_expr(self.CHANNEL):  # diag(e^g) on this thread's rows first
+                    for rr in cutlass.range_constexpr(RPW):
+                        s_reg[rr] = s_reg[rr] * cute.math.exp(
+                            sS[sm["g"] + g.decay(t, warp * RPW + rr)])
                 pk = Float32(0.0)
                 pq = Float32(0.0)
                 for rr in cutlass.range_constexpr(RPW):
@@ -187,7 +219,9 @@ class GatedDeltaRule:
                 for w in cutlass.range_constexpr(self.NW):
                     tk = tk + sS[sm["part"] + g.part(buf, w, 0, col)]
                     tq = tq + sS[sm["part"] + g.part(buf, w, 1, col)]
-                a = cute.math.exp(sS[sm["g"] + t * g.rep + r])
+                a = Float32(1.0)  # the scalar decay (CHANNEL: applied to the rows above)
+                if cutlass.const_expr(not self.CHANNEL):
+                    a = cute.math.exp(sS[sm["g"] + t * g.rep + r])
                 u = sS[sm["beta"] + t * g.rep + r] * (sS[xt + 2 * g.dk + r * g.dv + j] - a * tk)
                 if warp == 0:
                     if live:
@@ -217,6 +251,13 @@ class GatedDeltaRule:
                 v = sS[sm["x"] + (e - n) * g.ch + g.dk + i]
                 st(pS, at, v)
             sS[sm["keys"] + g.key(e, i)] = v
+        self.ring_gates(b, kh, n, st0, pS, sS, tidx)
+
+    @cute.jit
+    def ring_gates(self, b: Int32, kh: Int32, n: Int32, st0: Int64, pS: cute.Pointer,
+                   sS: cute.Tensor, tidx: Int32):
+        """r1's gs [R][CAP]: the committed g from the ring, the new ones appended to it."""
+        g, sm = self.g, self.sm
         for idx in cutlass.range(tidx, (n + self.T) * g.rep, self.NT, unroll=1):
             e = idx // g.rep
             r = idx - e * g.rep
@@ -262,12 +303,12 @@ class GatedDeltaRule:
             for rr in cutlass.range_constexpr(RPW):
                 s_reg[rr] = ld(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)))
             for t in cutlass.range_constexpr(T):
-                xt = sm["x"] + t * g.ch
+                kt, qt = self.read_vectors(t)
                 pk = Float32(0.0)
                 pq = Float32(0.0)
                 for rr in cutlass.range_constexpr(RPW):
-                    pk = pk + s_reg[rr] * sS[xt + g.dk + warp * RPW + rr]
-                    pq = pq + s_reg[rr] * sS[xt + warp * RPW + rr]
+                    pk = pk + s_reg[rr] * sS[kt + warp * RPW + rr]
+                    pq = pq + s_reg[rr] * sS[qt + warp * RPW + rr]
                 sS[sm["part"] + g.part(t, warp, 0, col)] = pk
                 sS[sm["part"] + g.part(t, warp, 1, col)] = pq
             cta_sync(self.named)  # every warp's partials of every token
@@ -275,19 +316,27 @@ class GatedDeltaRule:
                 self.solve(b, h, r, j, col, live, n, st0, pS, sS)
             cta_sync(self.named)  # ut complete
             if fold:
-                tot = Float32(0.0)  # log-decay over every entry: the committed state's
-                for e in cutlass.range(n + T, unroll=1):
-                    tot = tot + sS[sm["gs"] + g.gs(r, e)]
-                a = cute.math.exp(tot)
-                for rr in cutlass.range_constexpr(RPW):
-                    s_reg[rr] = a * s_reg[rr]
-                seg = Float32(0.0)  # log-decay over the entries after e
-                for jj in cutlass.range(n + T, unroll=1):
-                    e = n + T - 1 - jj
-                    c = cute.math.exp(seg) * sS[sm["ut"] + g.ut(e, col)]
+                if cutlass.const_expr(self.CHANNEL):  # decays in tot and kf (kda_index.py)
                     for rr in cutlass.range_constexpr(RPW):
-                        s_reg[rr] = s_reg[rr] + sS[sm["keys"] + g.key(e, warp * RPW + rr)] * c
-                    seg = seg + sS[sm["gs"] + g.gs(r, e)]
+                        s_reg[rr] = sS[sm["tot"] + warp * RPW + rr] * s_reg[rr]
+                    for e in cutlass.range(n + T, unroll=1):
+                        c = sS[sm["ut"] + g.ut(e, col)]
+                        for rr in cutlass.range_constexpr(RPW):
+                            s_reg[rr] = s_reg[rr] + sS[sm["kf"] + g.gs_c(e, warp * RPW + rr)] * c
+                else:
+                    tot = Float32(0.0)  # log-decay over every entry: the committed state's
+                    for e in cutlass.range(n + T, unroll=1):
+                        tot = tot + sS[sm["gs"] + g.gs(r, e)]
+                    a = cute.math.exp(tot)
+                    for rr in cutlass.range_constexpr(RPW):
+                        s_reg[rr] = a * s_reg[rr]
+                    seg = Float32(0.0)  # log-decay over the entries after e
+                    for jj in cutlass.range(n + T, unroll=1):
+                        e = n + T - 1 - jj
+                        c = cute.math.exp(seg) * sS[sm["ut"] + g.ut(e, col)]
+                        for rr in cutlass.range_constexpr(RPW):
+                            s_reg[rr] = s_reg[rr] + sS[sm["keys"] + g.key(e, warp * RPW + rr)] * c
+                        seg = seg + sS[sm["gs"] + g.gs(r, e)]
                 if live:
                     for rr in cutlass.range_constexpr(RPW):
                         st(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)), s_reg[rr])
@@ -313,11 +362,15 @@ class GatedDeltaRule:
             ao = Float32(0.0)
             for jj in cutlass.range(p, unroll=1):
                 e = p - 1 - jj
-                seg = seg + sS[sm["gs"] + g.gs(r, e + 1)]
-                c = cute.math.exp(seg) * sS[sm["ut"] + g.ut(e, col)]
+                c = sS[sm["ut"] + g.ut(e, col)]
+                if cutlass.const_expr(not self.CHANNEL):  # CHANNEL: the dots carry the decays
+                    seg = seg + sS[sm["gs"] + g.gs(r, e + 1)]
+                    c = cute.math.exp(seg) * c
                 au = au + c * sS[sm["dots"] + g.dot(t, 0, e)]
                 ao = ao + c * sS[sm["dots"] + g.dot(t, 1, e)]
-            a = cute.math.exp(seg + sS[sm["gs"] + g.gs(r, 0)])  # from the committed state
+            a = Float32(1.0)  # CHANNEL: kc carries the committed state's decay
+            if cutlass.const_expr(not self.CHANNEL):
+                a = cute.math.exp(seg + sS[sm["gs"] + g.gs(r, 0)])  # from the committed state
             xt = sm["x"] + t * g.ch
             u = sS[sm["beta"] + t * g.rep + r] * (sS[xt + 2 * g.dk + r * g.dv + j] - (a * tk + au))
             sS[sm["ut"] + g.ut(p, col)] = u  # idle lanes store their twin's value
@@ -344,9 +397,19 @@ class GatedDeltaRule:
             ss = cute.arch.warp_reduction_sum(ss)
             rstd = Float32(1.0) / cute.math.sqrt(ss / Float32(g.dv) + Float32(self.eps))
             for j in cutlass.range(lane, g.dv, LANES, unroll=1):
-                z = ld(pF, proj + g.proj(b, t, g.z_col(h, j)))
-                y = sS[base + j] * rstd * ld(pW, norm_w + j).to(Float32) * silu(z)
+                y = sS[base + j] * rstd * ld(pW, norm_w + j).to(Float32)
+                y = y * self.out_gate(b, t, h, j, proj, pF, sS)
                 st(pB, out + g.out(b, t, h, j), y.to(BFloat16))
+
+    def out_gate(self, b: Int32, t: Int32, h: Int32, j: Int32, proj: Int32, pF: cute.Pointer,
+                 sS: cute.Tensor) -> Float32:
+        """The output gate of o[t][h][j]: silu(z)."""
+        return silu(ld(pF, proj + self.g.proj(b, t, self.g.z_col(h, j))))
+
+    def read_vectors(self, t: int) -> tuple[int, int]:
+        """Words of the k_t and q_t the committed state is read with (r3): the normalised k, q."""
+        xt = self.sm["x"] + t * self.g.ch
+        return xt + self.g.dk, xt
 
     # ---- L2 prefetch of the states (before the dependency wait) ------------------------------
     @cute.jit

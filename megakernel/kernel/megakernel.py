@@ -15,9 +15,10 @@ global memory (Matvec.run) and there is no loader warp.
 
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
 merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE, GDN_REPLAY) in
-gdn.py; the Mamba2 SSD update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in
-mamba_replay.py; the MoE's expert slabs on the matvec handler, bound at run time to their
-work-list slot, and MOE_COMBINE in moe.py.
+gdn.py, and with a channel-wise decay for Kimi (KDA_CORE, KDA_REPLAY) in kda.py; the Mamba2 SSD
+update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in mamba_replay.py; the MoE's
+expert slabs on the matvec handler, bound at run time to their work-list slot, and MOE_COMBINE in
+moe.py.
 Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
 ticket opcodes that signal from their merge) come from the ISA registry (fields.py); a record
 whose opcode the build has no handler for traps. The host side `__call__` exists only to give
@@ -39,6 +40,7 @@ from megakernel.kernel import sync, timeline
 from megakernel.kernel.attention import Attention
 from megakernel.kernel.fields import OpTable, common, none_of, one_of, slab_word, word
 from megakernel.kernel.gdn import GatedDeltaRule
+from megakernel.kernel.kda import KimiDeltaAttention
 from megakernel.kernel.lookahead import Lookahead
 from megakernel.kernel.mamba2 import Mamba2
 from megakernel.kernel.mamba_replay import Mamba2Replay
@@ -70,6 +72,7 @@ class DecodeMegakernel:
         self.attn = int(Op.ATTN_PARTIAL) in self.ops.handled  # compiled in only when used
         self.attention = Attention(spec) if self.attn else None
         self.gdn = GatedDeltaRule(spec) if spec.gdn else None  # GDN_CORE / _REPLAY (gdn.py)
+        self.kda = KimiDeltaAttention(spec) if spec.kda else None  # KDA_CORE / _REPLAY (kda.py)
         replay = bool(spec.replay_window)  # the recurrent layers' REPLAY ops, not their CORE
         self.mamba = Mamba2(spec) if spec.mamba and not replay else None  # MAMBA_CORE
         self.mamba_replay = Mamba2Replay(spec) if spec.mamba and replay else None  # MAMBA_REPLAY
@@ -188,6 +191,9 @@ class DecodeMegakernel:
             if cutlass.const_expr(self.gdn is not None):
                 if op == self.gdn.op:
                     self.gdn.prefetch_state(rec, state, tidx)
+            if cutlass.const_expr(self.kda is not None):
+                if op == self.kda.op:
+                    self.kda.prefetch_state(rec, state, tidx)
             if cutlass.const_expr(self.mamba is not None):
                 if op == Op.MAMBA_CORE:
                     self.mamba.prefetch_state(rec, state, tidx)
@@ -224,6 +230,14 @@ class DecodeMegakernel:
                 if cutlass.const_expr(self.gdn is not None):
                     if op == self.gdn.op:
                         self.gdn.core(rec, weights, f32, bf16, i32, state, sSsm, tidx, warp, lane)
+                    else:
+                        cute.arch.inline_ptx("trap;")
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.KDA_CORE or op == Op.KDA_REPLAY:  # the build's one of them
+                if cutlass.const_expr(self.kda is not None):
+                    if op == self.kda.op:
+                        self.kda.core(rec, weights, f32, bf16, i32, state, sSsm, tidx, warp, lane)
                     else:
                         cute.arch.inline_ptx("trap;")
                 else:

@@ -651,6 +651,15 @@ class KernelSpec:
         return GDNShape.of(self.gdn, self.batch, self.tokens, self.num_warps, self.ring_cap)
 
     @property
+    def kda_shape(self):  # noqa: ANN201 (kda_index.KDAShape | None)
+        """The KDA handler's index arithmetic for this build (None: no KDA layers)."""
+        from megakernel.kernel.kda_index import KDAShape
+
+        if not self.kda:
+            return None
+        return KDAShape.of(self.kda, self.batch, self.tokens, self.num_warps, self.ring_cap)
+
+    @property
     def mamba_shape(self):  # noqa: ANN201 (mamba_index.MambaShape | None)
         """The Mamba2 handler's index arithmetic for this build (None: no Mamba2 layers)."""
         from megakernel.kernel.mamba_index import MambaShape
@@ -677,7 +686,7 @@ class KernelSpec:
         """Shared memory the recurrent core handlers use (the largest of the model's kinds): a
         span from the start of the carve-up over the consumers' regions (x, acc, ..., none of
         them live across records)."""
-        shapes = (s for s in (self.gdn_shape, self.mamba_shape) if s is not None)
+        shapes = (s for s in (self.gdn_shape, self.mamba_shape, self.kda_shape) if s is not None)
         return max((4 * s.smem()["words"] for s in shapes), default=0)
 
     # shared memory carve-up (bytes, every region 128-byte aligned)
@@ -767,6 +776,11 @@ class KernelSpec:
 
             if check_gdn(self.gdn_shape):
                 raise SpecError(check_gdn(self.gdn_shape))
+        if self.kda:
+            from megakernel.kernel.kda_index import check_kda
+
+            if check_kda(self.kda_shape):
+                raise SpecError(check_kda(self.kda_shape))
         if self.mamba:
             from megakernel.kernel.mamba_index import check_mamba
 

@@ -50,7 +50,8 @@ _NOTES = ("Per sequence b and head h: proj columns [q | k | v (H d each) | f_a (
 KDA_CORE, KDA_REPLAY = register_core_ops(
     22, "KDA", "kda", _UNIT,
     ("conv + low-rank decay/gate + KDA delta rule (recurrent) + gated norm of one (sequence, "
-     "head)", "as KDA_CORE by ReplaySSM (committed state + ring, fold every L)"), _NOTES)
+     "head)", "as KDA_CORE by ReplaySSM (committed state + ring, fold every L)"), _NOTES,
+    device=(True, True))
 
 
 @register_kind

@@ -1,0 +1,138 @@
+"""KDA_CORE / KDA_REPLAY: Kimi delta attention of one (sequence, head) on one CTA (layers/kda.py),
+recurrent or by ReplaySSM.
+
+GDN's handler (gdn.py) with one value head per key head and a channel-wise decay (CHANNEL): its
+conv, l2 norms, k.q, state loops, ring and RMSNorm run unchanged on KDAShape's indices. Here only
+what KDA adds: the gates (beta, the low-rank decay f_b bf16(f_a x) and gate g_b bf16(g_a x) of the
+head's rows), the output gate sigmoid(gate), and ReplaySSM's channel-decayed dots and vectors
+(kda_index.py). Shared memory: `KDAShape.smem()["words"]` fp32 from the start of the carve-up.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from megakernel.isa import Op
+from megakernel.kernel.gdn import GatedDeltaRule, sigmoid, softplus
+from megakernel.kernel.gdn_index import LANES
+from megakernel.kernel.memory import ld, st
+from megakernel.kernel.spec import KernelSpec
+from megakernel.kernel.sync import cta_sync
+
+
+class KimiDeltaAttention(GatedDeltaRule):
+    CORE, REPLAY, UNIT, CHANNEL = Op.KDA_CORE, Op.KDA_REPLAY, "HEAD", True
+
+    @staticmethod
+    def shape_of(spec: KernelSpec):  # noqa: ANN205 (kda_index.KDAShape)
+        return spec.kda_shape
+
+    # ---- phase 2: gates ----------------------------------------------------------------------
+    @cute.jit
+    def gates(self, b: Int32, h: Int32, proj: Int32, prm: Int32, conv_w: Int64,
+              pW: cute.Pointer, pF: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32,
+              lane: Int32):
+        """beta[t] = sigmoid(b); lr = bf16(f_a x), bf16(g_a x); then a warp per (channel i, f or
+        g), the T tokens together (each f_b / g_b row read once): g[t][i] = -exp(A_log[h])
+        softplus(f_b[h d + i] . lr_f + dt_bias[h d + i]), gate[t][i] = g_b[h d + i] . lr_g."""
+        g, sm, T = self.g, self.sm, self.T
+        for idx in cutlass.range(tidx, T * 2 * g.d, self.NT, unroll=1):
+            t = idx // (2 * g.d)
+            which = (idx - t * 2 * g.d) // g.d
+            i = idx - (t * 2 + which) * g.d
+            x = ld(pF, proj + g.proj(b, t, g.low_rank_col(which, i)))
+            sS[sm["lr"] + g.low_rank(t, which, i)] = x.to(BFloat16).to(Float32)
+        for t in cutlass.range(tidx, T, self.NT, unroll=1):
+            sS[sm["beta"] + t] = sigmoid(ld(pF, proj + g.proj(b, t, g.beta_col(h))))
+        cta_sync(self.named)
+        acc = cute.make_rmem_tensor((T,), Float32)
+        for p in cutlass.range(warp, 2 * g.d, self.NW, unroll=1):
+            which = p // g.d
+            i = p - which * g.d
+            for t in cutlass.range_constexpr(T):
+                acc[t] = Float32(0.0)
+            for c in cutlass.range(lane, g.d, LANES, unroll=1):
+                w = ld(pW, conv_w + Int64(g.low_rank_w(which, h, i, c))).to(Float32)
+                for t in cutlass.range_constexpr(T):
+                    acc[t] = acc[t] + w * sS[sm["lr"] + g.low_rank(t, which, c)]
+            for t in cutlass.range_constexpr(T):
+                s = cute.arch.warp_reduction_sum(acc[t])
+                if lane == 0:
+                    if which == 0:
+                        sp = softplus(s + ld(pF, prm + g.dt_bias(h, i)))
+                        sS[sm["g"] + g.decay(t, i)] = -cute.math.exp(ld(pF, prm + h)) * sp
+                    else:
+                        sS[sm["gate"] + g.decay(t, i)] = s
+
+    def out_gate(self, b: Int32, t: Int32, h: Int32, j: Int32, proj: Int32, pF: cute.Pointer,
+                 sS: cute.Tensor) -> Float32:
+        """The output gate of o[t][j]: sigmoid(gate[t][j])."""
+        return sigmoid(sS[self.sm["gate"] + self.g.decay(t, j)])
+
+    def read_vectors(self, t: int) -> tuple[int, int]:
+        """r3 reads the committed state with kc: k_t, q_t decayed from the committed state."""
+        return self.sm["kc"] + self.g.kc(t, 1, 0), self.sm["kc"] + self.g.kc(t, 0, 0)
+
+    # ---- ReplaySSM (KDA_REPLAY) --------------------------------------------------------------
+    @cute.jit
+    def ring_gates(self, b: Int32, h: Int32, n: Int32, st0: Int64, pS: cute.Pointer,
+                   sS: cute.Tensor, tidx: Int32):
+        """r1's gs [CAP][d]: the committed g [d] from the ring, the new ones appended to it."""
+        g, sm = self.g, self.sm
+        for idx in cutlass.range(tidx, (n + self.T) * g.d, self.NT, unroll=1):
+            e = idx // g.d
+            i = idx - e * g.d
+            at = st0 + Int64(g.ring_g(b, e, h, i))
+            v = Float32(0.0)
+            if e < n:
+                v = ld(pS, at)
+            else:
+                v = sS[sm["g"] + g.decay(e - n, i)]
+                st(pS, at, v)
+            sS[sm["gs"] + g.gs_c(e, i)] = v
+
+    @cute.jit
+    def dots(self, n: Int32, sS: cute.Tensor, warp: Int32, lane: Int32):
+        """r2: dots[t][0 | 1][e] = sum_i e^{G_i(e, n + t]} k_e[i] (k_t | q_t)[i], a warp per
+        (entry, token, k or q); and a thread per element: kf[e][i] = e^{G_i(e, n + T)} k_e[i],
+        kc[t][0 | 1][i] = e^{G_i[0, n + t]} (q_t | k_t)[i], tot[i] = e^{G_i[0, n + T)}."""
+        g, sm, T, per = self.g, self.sm, self.T, 2 * self.T
+        for p in cutlass.range(warp, (n + T) * per, self.NW, unroll=1):
+            e = p // per
+            t = (p - e * per) // 2
+            which = p - e * per - 2 * t
+            base = sm["x"] + t * g.ch + (1 - which) * g.dk  # k of token t, or its q
+            d = Float32(0.0)
+            for i in cutlass.range(lane, g.dk, LANES, unroll=1):
+                seg = Float32(0.0)
+                for ee in cutlass.range(e + 1, n + t + 1, unroll=1):
+                    seg = seg + sS[sm["gs"] + g.gs_c(ee, i)]
+                d = d + cute.math.exp(seg) * sS[sm["keys"] + g.key(e, i)] * sS[base + i]
+            d = cute.arch.warp_reduction_sum(d)
+            if lane == 0:
+                sS[sm["dots"] + g.dot(t, which, e)] = d
+        tidx = warp * LANES + lane
+        for idx in cutlass.range(tidx, (n + T) * g.d, self.NT, unroll=1):
+            e = idx // g.d
+            i = idx - e * g.d
+            seg = Float32(0.0)
+            for ee in cutlass.range(e + 1, n + T, unroll=1):
+                seg = seg + sS[sm["gs"] + g.gs_c(ee, i)]
+            sS[sm["kf"] + g.gs_c(e, i)] = cute.math.exp(seg) * sS[sm["keys"] + g.key(e, i)]
+        for i in cutlass.range(tidx, g.d, self.NT, unroll=1):
+            seg = Float32(0.0)
+            for ee in cutlass.range(n + T, unroll=1):
+                seg = seg + sS[sm["gs"] + g.gs_c(ee, i)]
+            sS[sm["tot"] + i] = cute.math.exp(seg)
+        for idx in cutlass.range(tidx, T * g.d, self.NT, unroll=1):
+            t = idx // g.d
+            i = idx - t * g.d
+            seg = Float32(0.0)
+            for ee in cutlass.range(n + t + 1, unroll=1):
+                seg = seg + sS[sm["gs"] + g.gs_c(ee, i)]
+            a = cute.math.exp(seg)
+            xt = sm["x"] + t * g.ch
+            sS[sm["kc"] + g.kc(t, 0, i)] = a * sS[xt + i]
+            sS[sm["kc"] + g.kc(t, 1, i)] = a * sS[xt + g.dk + i]
