@@ -118,7 +118,7 @@ ROUTER_SCORE = register(OpSpec(
     ),
     notes="logits[n, e] = W_r[e] . bf16(RMSNorm(h[n])) in fp32 for e in [E0, E0 + NE), all N "
     "rows; the block's NE x K fp32 router rows are prefetched when the CTA reaches the record.",
-    reach=True))
+    reach=True, device=True))
 ROUTER = register(OpSpec(
     25, "ROUTER", "moe", "router logits -> group-limited top-k expert ids, weights, work list",
     (
@@ -134,7 +134,7 @@ ROUTER = register(OpSpec(
     "top_k experts of those groups by choice (ties: the lower expert id); weights "
     "s_e / (sum + 1e-20) * scaling (header). Then the whole work list: row w = [the w-th "
     "smallest routed expert, m, its m pairs p = n top_k + s ascending, -1 ...], rows past the "
-    "routed experts [-1, 0, -1 ...]."))
+    "routed experts [-1, 0, -1 ...].", device=True))
 _EXPERT = (("SLOT", "work-list slot bound at run time (-1: the shared expert, every row)"),
            ("WORK_OFF", "i32: the work list [W, 2 + N]"))
 EXPERT_GATEUP = register(OpSpec(
@@ -176,8 +176,10 @@ class MoE(LayerKind):
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001
+        # ..., then the router's norm_topk_prob and routed_scaling_factor (its f32 bits)
         return (c.num_experts, c.top_k, c.intermediate_size, c.n_group, c.topk_group,
-                int(c.num_shared_experts > 0))
+                int(c.num_shared_experts > 0), int(c.norm_topk_prob), f32_bits(
+                    c.routed_scaling_factor))
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001
@@ -264,8 +266,7 @@ class MoE(LayerKind):
         return dict(MOE_E=e.num_experts, MOE_TOPK=e.top_k, MOE_I=e.intermediate_size,
                     MOE_N_GROUP=e.n_group, MOE_TOPK_GROUP=e.topk_group,
                     MOE_NORM=int(e.norm_topk_prob), MOE_SHARED=int(e.num_shared_experts > 0),
-                    MOE_SCALE_F32_BITS=struct.unpack("<i", struct.pack(
-                        "<f", e.routed_scaling_factor))[0],
+                    MOE_SCALE_F32_BITS=f32_bits(e.routed_scaling_factor),
                     MOE_X_STRIDE=expert_stride(e, model.hidden_size))
 
     @classmethod
@@ -428,6 +429,11 @@ class MoE(LayerKind):
     def step_bytes(cls, blk, prog) -> dict[str, float]:  # noqa: ANN001
         e = blk.cfg
         return {"weights": (e.num_experts * prog.cfg.hidden_size + e.num_experts) * 4}
+
+
+def f32_bits(x: float) -> int:
+    """The int32 whose bits are float32(x)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def _weighted(ins: Instr, share: float) -> Instr:
