@@ -316,10 +316,10 @@ def check_header(header: dict[str, int], spec: dict[str, Any]) -> None:
     if spec.get("moe"):  # KernelSpec.moe (layers/moe.MoE.kernel_constants)
         from megakernel.kernel.moe_index import x_stride
 
-        e, top_k, inter, n_group, topk_group, shared = spec["moe"]
+        e, top_k, inter, n_group, topk_group, shared, norm, scale_bits = spec["moe"]
         want.update(MOE_E=e, MOE_TOPK=top_k, MOE_I=inter, MOE_N_GROUP=n_group,
-                    MOE_TOPK_GROUP=topk_group, MOE_SHARED=shared,
-                    MOE_X_STRIDE=x_stride(inter, spec["hidden"]))
+                    MOE_TOPK_GROUP=topk_group, MOE_SHARED=shared, MOE_NORM=norm,
+                    MOE_SCALE_F32_BITS=scale_bits, MOE_X_STRIDE=x_stride(inter, spec["hidden"]))
     for k, v in want.items():
         if header.get(k, 0) != v:
             raise ArgumentError(f"program header {k}={header.get(k)} but the kernel build has "

@@ -55,6 +55,7 @@ from megakernel.kernel.memory import (
     store_f32x8,
 )
 from megakernel.kernel.moe import Experts
+from megakernel.kernel.moe_router import MoERouter
 from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import LANES, VEC, KernelSpec
 
@@ -76,6 +77,8 @@ class DecodeMegakernel:
         replay = bool(spec.replay_window)  # the recurrent layers' REPLAY ops, not their CORE
         self.mamba = Mamba2(spec) if spec.mamba and not replay else None  # MAMBA_CORE
         self.mamba_replay = Mamba2Replay(spec) if spec.mamba and replay else None  # MAMBA_REPLAY
+        # ROUTER_SCORE / ROUTER (moe_router.py): compiled in only when the program uses them
+        self.router = MoERouter(spec) if int(Op.ROUTER) in self.ops.handled else None
         self.regions = spec.smem_regions()
         self.smem_bytes = spec.smem_bytes
         self.window = spec.prefetch_window
@@ -200,6 +203,9 @@ class DecodeMegakernel:
             if cutlass.const_expr(self.mamba_replay is not None):
                 if op == Op.MAMBA_REPLAY:
                     self.mamba_replay.prefetch_replay(rec, i32, state, tidx)
+            if cutlass.const_expr(self.router is not None):
+                if op == Op.ROUTER_SCORE:
+                    self.router.prefetch(rec, f32, tidx)
             # the loader warp slides it when piped (pipeline.py); l2_window 0 builds no lookahead
             if cutlass.const_expr(not self.piped and self.window > 0):
                 pf_pc, pf_off, pf_cum = self.lookahead.extend(weights, queue, pc, cum, pf_pc,
@@ -256,6 +262,14 @@ class DecodeMegakernel:
                 if cutlass.const_expr(self.mamba_replay is not None):
                     self.mamba_replay.replay(rec, weights, f32, bf16, i32, state, sSsm, tidx,
                                              warp, lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.ROUTER_SCORE or op == Op.ROUTER:
+                if cutlass.const_expr(self.router is not None):
+                    if op == Op.ROUTER_SCORE:
+                        self.router.score(rec, weights, f32, sRstd, warp, lane)
+                    else:
+                        self.router.route(rec, f32, i32, warp, lane)
                 else:
                     cute.arch.inline_ptx("trap;")
             elif one_of(op, self.ops.matvec):

@@ -46,7 +46,7 @@ class Experts:
         self.on = bool(self.codes)  # the build handles the expert records
         self.N, self.H, self.NO = spec.rows, spec.hidden, spec.no
         if spec.moe:
-            _e, self.top_k, self.I, _g, _tg, shared = spec.moe
+            _e, self.top_k, self.I, _g, _tg, shared = spec.moe[:6]
             self.slots = self.top_k + shared
             self.stride = mi.x_stride(self.I, self.H)
         for name in ("SLOT", "WORK_OFF"):  # read as EXPERT_GATEUP's words for both opcodes

@@ -5,8 +5,11 @@ the correction bias choose the top-k experts within the best groups; the chosen 
 scores, normalised and scaled, weight their SwiGLU outputs, summed in increasing expert index,
 and the shared expert's output is added last.
 
-Program: ROUTER writes the expert ids [N, top_k], their weights and the step's work list at run
-time. The work list has one row per expert slot, W = min(E, N top_k) of them (no step routes more
+Program: ROUTER_SCORE records, spread over the SMs, each score a block of experts for all N rows
+(the fp32 router logits [N, E]: 2.4 MB of fp32 router weight per layer at the published size, too
+much for one SM); then one ROUTER instruction reads the logits and writes the expert ids
+[N, top_k], their weights and the step's work list at run time.
+The work list has one row per expert slot, W = min(E, N top_k) of them (no step routes more
 distinct experts): row w = [expert, m, p_0 .. p_{m-1}, -1 ...] for the w-th smallest routed expert,
 p = n top_k + s for each of the m (row n, top-k slot s) pairs routed to it in increasing p, and
 [-1, 0, -1 ...] past the routed experts (`work_list`). The program issues EXPERT_GATEUP and
@@ -102,24 +105,36 @@ def work_list(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
         out[w, 2 : 2 + len(pairs)] = pairs.to(torch.int32)
     return out
 
-ROUTER = register(OpSpec(
-    25, "ROUTER", "moe", "RMSNorm(h) -> fp32 router -> group-limited top-k expert ids and weights",
+ROUTER_SCORE = register(OpSpec(
+    31, "ROUTER_SCORE", "moe", "RMSNorm(h) -> fp32 router logits of a block of experts, all rows",
     (
         ("NORM_OFF", "weights: the block's RMSNorm [H]"),
         ("IN_OFF", "f32: h [N, H]"),
         ("K", "H"),
-        ("ROUTER_OFF", "f32: router weight [E, H] then e_score_correction_bias [E] (fp32)"),
+        ("ROUTER_OFF", "f32: router weight [E, H] (fp32; its bias [E] follows)"),
+        ("E0", "first expert of the block"),
+        ("NE", "experts in the block"),
+        ("OUT_OFF", "f32: router logits [N, E]"),
+    ),
+    notes="logits[n, e] = W_r[e] . bf16(RMSNorm(h[n])) in fp32 for e in [E0, E0 + NE), all N "
+    "rows; the block's NE x K fp32 router rows are prefetched when the CTA reaches the record.",
+    reach=True, device=True))
+ROUTER = register(OpSpec(
+    25, "ROUTER", "moe", "router logits -> group-limited top-k expert ids, weights, work list",
+    (
+        ("SCORES_OFF", "f32: router logits [N, E] (ROUTER_SCORE)"),
+        ("BIAS_OFF", "f32: e_score_correction_bias [E]"),
         ("IDS_OFF", "i32: expert ids [N, top_k]"),
         ("WTS_OFF", "f32: expert weights [N, top_k]"),
         ("WORK_OFF", "i32: the work list [SLOTS, 2 + N]"),
         ("SLOTS", "work-list slots W = min(E, N top_k)"),
     ),
-    notes="All N rows: s = sigmoid(W_r bf16(RMSNorm(h))); choice = s + bias; the header's "
+    notes="All N rows: s = sigmoid(logits); choice = s + bias; the header's "
     "MOE_TOPK_GROUP best of MOE_N_GROUP groups (group score: sum of its top-2 choices), then the "
     "top_k experts of those groups by choice (ties: the lower expert id); weights "
     "s_e / (sum + 1e-20) * scaling (header). Then the whole work list: row w = [the w-th "
     "smallest routed expert, m, its m pairs p = n top_k + s ascending, -1 ...], rows past the "
-    "routed experts [-1, 0, -1 ...]."))
+    "routed experts [-1, 0, -1 ...].", device=True))
 _EXPERT = (("SLOT", "work-list slot bound at run time (-1: the shared expert, every row)"),
            ("WORK_OFF", "i32: the work list [W, 2 + N]"))
 EXPERT_GATEUP = register(OpSpec(
@@ -155,14 +170,16 @@ class MoE(LayerKind):
     name = "moe"
     config = MoEConfig
     fp32_params = ("gate.weight", "gate.e_score_correction_bias")
-    flow = {"ROUTER": None, "EXPERT_GATEUP": "ROUTER", "EXPERT_DOWN": "EXPERT_GATEUP",
-            "MOE_COMBINE": "EXPERT_DOWN"}
+    flow = {"ROUTER_SCORE": None, "ROUTER": "ROUTER_SCORE", "EXPERT_GATEUP": "ROUTER",
+            "EXPERT_DOWN": "EXPERT_GATEUP", "MOE_COMBINE": "EXPERT_DOWN"}
     spec_field = "moe"
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001
+        # ..., then the router's norm_topk_prob and routed_scaling_factor (its f32 bits)
         return (c.num_experts, c.top_k, c.intermediate_size, c.n_group, c.topk_group,
-                int(c.num_shared_experts > 0))
+                int(c.num_shared_experts > 0), int(c.norm_topk_prob), f32_bits(
+                    c.routed_scaling_factor))
 
     @classmethod
     def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
@@ -242,7 +259,8 @@ class MoE(LayerKind):
         e, n, h = blk.cfg, shape.rows, model.hidden_size
         return [Need("f32", "router", (e.num_experts * h + e.num_experts,), CONST, const=True,
                      table="moe"),
-                Need("f32", "moe_w", (n, e.top_k)), Need("f32", "moe_y", (n, e.slots, h)),
+                Need("f32", "moe_scores", (n, e.num_experts)), Need("f32", "moe_w", (n, e.top_k)),
+                Need("f32", "moe_y", (n, e.slots, h)),
                 Need("bf16", "act_moe", (n, e.slots, e.intermediate_size)),
                 Need("i32", "moe_ids", (n, e.top_k)),
                 Need("i32", "moe_work", (e.work_slots(n), 2 + n))]
@@ -254,32 +272,44 @@ class MoE(LayerKind):
         return dict(MOE_E=e.num_experts, MOE_TOPK=e.top_k, MOE_I=e.intermediate_size,
                     MOE_N_GROUP=e.n_group, MOE_TOPK_GROUP=e.topk_group,
                     MOE_NORM=int(e.norm_topk_prob), MOE_SHARED=int(e.num_shared_experts > 0),
-                    MOE_SCALE_F32_BITS=struct.unpack("<i", struct.pack(
-                        "<f", e.routed_scaling_factor))[0],
+                    MOE_SCALE_F32_BITS=f32_bits(e.routed_scaling_factor),
                     MOE_X_STRIDE=expert_stride(e, model.hidden_size))
 
     @classmethod
     def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
-        """Router -> expert gate/up slabs -> expert down slabs -> combine (added into h)."""
+        """Router logits (experts over the SMs) -> router -> expert gate/up slabs -> expert down
+        slabs -> combine (added into h)."""
         e, layer, key = blk.cfg, blk.layer, blk.key
         n, hid, lay, ctr = ctx.rows, ctx.model.hidden_size, ctx.lay, ctx.ctr
         f32, bf, i32 = ctx.buf.f32, ctx.buf.bf16, ctx.buf.i32
         n_exp, norm = e.num_experts, lay[f"{key}.norm"].offset
-        c_r, c_gu, c_dn, c_c = (ctr(f"L{layer}.router"), ctr(f"L{layer}.xgu"),
-                                ctr(f"L{layer}.xdn"), ctr(f"L{layer}.down"))
+        c_s, c_r, c_gu, c_dn, c_c = (ctr(f"L{layer}.score"), ctr(f"L{layer}.router"),
+                                     ctr(f"L{layer}.xgu"), ctr(f"L{layer}.xdn"),
+                                     ctr(f"L{layer}.down"))
         router = f32["router"]
         router_off = router.offset + ctx.buf.row("moe", layer) * router.shape[1]
+        scores = f32["moe_scores"].offset
         ids, work, slots = i32["moe_ids"].offset, i32["moe_work"].offset, e.work_slots(n)
 
-        def mk_router(u0: int, u1: int) -> Instr:
-            return Instr(ROUTER, layer, dict(
-                NORM_OFF=norm, IN_OFF=f32["h"].offset, K=hid, ROUTER_OFF=router_off,
-                IDS_OFF=ids, WTS_OFF=f32["moe_w"].offset, WORK_OFF=work, SLOTS=slots),
-                wait=wait, signal=c_r, w_bytes=(n_exp * hid + n_exp) * 4, l2_bytes=n * hid * 4,
-                store_bytes=n * e.top_k * 8 + slots * (2 + n) * 4,
-                fp32_flops=2.0 * n * n_exp * hid)
+        def mk_score(u0: int, u1: int) -> Instr:
+            ne = u1 - u0  # experts [u0, u1): their fp32 router rows, prefetched at reach
+            return Instr(ROUTER_SCORE, layer, dict(
+                NORM_OFF=norm, IN_OFF=f32["h"].offset, K=hid, ROUTER_OFF=router_off, E0=u0,
+                NE=ne, OUT_OFF=scores),
+                wait=wait, signal=c_s, w_bytes=ne * hid * 4, l2_bytes=n * hid * 4 + hid * 2,
+                store_bytes=n * ne * 4, fp32_flops=2.0 * n * ne * hid)
 
-        out = [Stage(f"L{layer}.router", ROUTER, layer, 1, False, mk_router)]
+        def mk_router(u0: int, u1: int) -> Instr:
+            # per row: sigmoid, group scores, topk_group + top_k selection passes over E
+            return Instr(ROUTER, layer, dict(
+                SCORES_OFF=scores, BIAS_OFF=router_off + n_exp * hid, IDS_OFF=ids,
+                WTS_OFF=f32["moe_w"].offset, WORK_OFF=work, SLOTS=slots),
+                wait=c_s, signal=c_r, l2_bytes=n * n_exp * 4, hbm_bytes=n_exp * 4,  # the bias
+                store_bytes=n * e.top_k * 8 + slots * (2 + n) * 4,
+                fp32_flops=float(n * n_exp * (8 + 2 * (e.topk_group + e.top_k))))
+
+        out = [Stage(f"L{layer}.score", ROUTER_SCORE, layer, n_exp, True, mk_score, 1),
+               Stage(f"L{layer}.router", ROUTER, layer, 1, False, mk_router)]
         ie, stride = e.intermediate_size, expert_stride(e, hid)
         x0 = lay[f"{key}.x0.gateup"].offset
         if any(lay[f"{key}.x{x}.{m}"].offset != x0 + x * stride + (2 * ie * hid if m == "down"
@@ -357,6 +387,18 @@ class MoE(LayerKind):
         e, name, rows = blk.cfg, d["OPCODE"].name, prog.rows
         if name == "MOE_COMBINE":
             return
+        f32 = prog.buffers.f32
+        scores = f32["moe_scores"].offset
+        router = f32["router"]
+        router_off = router.offset + prog.buffers.row("moe", blk.layer) * router.shape[1]
+        if name == "ROUTER_SCORE":
+            if (d["ROUTER_OFF"], d["OUT_OFF"], d["K"]) != (router_off, scores,
+                                                         prog.cfg.hidden_size):
+                raise ProgramError(f"{where}: not the layer's router row, logits and width")
+            if not 0 <= d["E0"] < d["E0"] + d["NE"] <= e.num_experts:
+                raise ProgramError(f"{where}: experts [{d['E0']}, +{d['NE']}) outside "
+                                   f"[0, {e.num_experts})")
+            return
         work = prog.buffers.i32["moe_work"].offset
         if d["WORK_OFF"] != work:
             raise ProgramError(f"{where}: WORK_OFF {d['WORK_OFF']} is not the work list ({work})")
@@ -364,6 +406,9 @@ class MoE(LayerKind):
             if d["SLOTS"] != e.work_slots(rows):
                 raise ProgramError(f"{where}: {d['SLOTS']} work slots, the step has "
                                    f"{e.work_slots(rows)}")
+            bias = router_off + e.num_experts * prog.cfg.hidden_size
+            if (d["SCORES_OFF"], d["BIAS_OFF"]) != (scores, bias):
+                raise ProgramError(f"{where}: not the router logits or the layer's bias")
             return
         slot = d["SLOT"]
         if not (SHARED if e.num_shared_experts else 0) <= slot < e.work_slots(rows):
@@ -375,18 +420,26 @@ class MoE(LayerKind):
 
     @classmethod
     def coverage(cls, blk, prog) -> dict[str, int]:  # noqa: ANN001
-        return {"ROUTER": 1, "MOE_COMBINE": prog.cfg.hidden_size}
+        return {"ROUTER_SCORE": blk.cfg.num_experts, "ROUTER": 1,
+                "MOE_COMBINE": prog.cfg.hidden_size}
 
     @classmethod
     def cover(cls, d: dict, blk, prog) -> tuple[int, int]:  # noqa: ANN001
         if "ROW0" in d:
             return d["ROW0"], d["ROW0"] + d["NROWS"]
+        if "E0" in d:  # ROUTER_SCORE: its experts
+            return d["E0"], d["E0"] + d["NE"]
         return 0, 1
 
     @classmethod
     def step_bytes(cls, blk, prog) -> dict[str, float]:  # noqa: ANN001
         e = blk.cfg
         return {"weights": (e.num_experts * prog.cfg.hidden_size + e.num_experts) * 4}
+
+
+def f32_bits(x: float) -> int:
+    """The int32 whose bits are float32(x)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def _weighted(ins: Instr, share: float) -> Instr:

@@ -1,5 +1,6 @@
 """The MoE's run-time routing on the CPU executor (kimi-linear-tiny: 8 experts, top 3 in the best
-2 of 4 groups, one shared expert): the work list the router writes, the expert records bound to
+2 of 4 groups, one shared expert): the router logits scored by experts over the SMs, the work
+list the router writes, the expert records bound to
 its slots, router ties, and experts no row picks (their weights are never read).
 
 Each step is compared with the bf16 reference (logits bit-identical, tokens equal, as in
@@ -77,7 +78,10 @@ def _run(w: dict[str, torch.Tensor], batch: int, tokens: int, seed: int, monkeyp
     return out
 
 
-@pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (2, 1), (1, 4)])
+SHAPES = [(1, 1), (1, 4), (4, 1), (4, 4), (2, 1)]  # (B, T)
+
+
+@pytest.mark.parametrize(("batch", "tokens"), SHAPES)
 def test_unpicked_experts_are_never_read(batch: int, tokens: int, monkeypatch) -> None:
     """Random routing with fewer picks than experts: the executor reads exactly the experts the
     rows picked (the reference's, layer by layer) and the shared expert, and the last layer's
@@ -91,10 +95,12 @@ def test_unpicked_experts_are_never_read(batch: int, tokens: int, monkeypatch) -
         assert st.expert_bytes == (sum(distinct) + len(distinct)) * _expert_bytes(cfg)
         assert torch.equal(st.ids, st.ref_ids[-1])
         assert torch.equal(st.work, work_list(st.ids, e.num_experts))
-    assert unpicked > 0  # some experts went unpicked: the case this test is about
+    if batch * tokens < 16:  # 16 rows of top 3 of 8 experts pick them all
+        assert unpicked > 0  # some experts went unpicked: the case this test is about
 
 
-def test_router_ties_go_to_the_lower_expert(monkeypatch) -> None:
+@pytest.mark.parametrize(("batch", "tokens"), SHAPES[:4])
+def test_router_ties_go_to_the_lower_expert(batch: int, tokens: int, monkeypatch) -> None:
     """Every expert's router row and bias equal: all experts tie for every row, in every group.
     The router keeps the lower groups and the lower experts (0 .. top_k - 1), equally weighted;
     the executor agrees with the reference, and reads those experts only."""
@@ -107,7 +113,7 @@ def test_router_ties_go_to_the_lower_expert(monkeypatch) -> None:
             w[p + "weight"] = w[p + "weight"][:1].expand_as(w[p + "weight"]).clone()
             w[p + "e_score_correction_bias"] = w[p + "e_score_correction_bias"][:1].expand(
                 e.num_experts).clone()
-    for st in _run(w, batch=2, tokens=2, seed=5, monkeypatch=monkeypatch):
+    for st in _run(w, batch, tokens, seed=6, monkeypatch=monkeypatch):
         for i in st.ref_ids + [st.ids]:
             assert i.tolist() == [list(range(e.top_k))] * st.rows
         want = torch.full_like(st.wts, e.routed_scaling_factor / e.top_k)

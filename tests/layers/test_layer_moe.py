@@ -2,11 +2,11 @@
 
 What only the MoE does: packing (expert x: gate/up interleaved in blocks
 of 16 from w1 / w3, down = w2; the shared expert last, as expert E), the header, the stages
-(router, every work slot's gate/up and the shared expert's, the same for down, combine; an expert
-matrix in at most 8 slabs), the work list, and the bytes of its experts (the work slots' slabs
-weighted by the expected routed experts). What every kind answers for (the config's refusals,
-shapes with the router kept fp32, the fp32 router row [W_r | bias], buffers, records, executor):
-test_layers_contract.py.
+(router logits over the experts, router, every work slot's gate/up and the shared expert's, the
+same for down, combine; an expert matrix in at most 8 slabs), the work list, and the bytes of
+its experts (the work slots' slabs weighted by the expected routed experts). What every kind
+answers for (the config's refusals, shapes with the router kept fp32, the fp32 router row
+[W_r | bias], buffers, records, executor): test_layers_contract.py.
 """
 
 from __future__ import annotations
@@ -67,27 +67,36 @@ def test_pack_experts_then_the_shared_one(cfg: ModelConfig, blk: Block) -> None:
 @pytest.mark.parametrize(("cfg", "blk"), cases("moe", variants=False))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_stages(cfg: ModelConfig, blk: Block, batch: int) -> None:
-    """ROUTER, then the gate/up of every work slot (min(E, N top_k) of them, at expert 0's
-    matrix) and of the shared expert (slot -1, its own matrix), the same for down, then the
-    combine; an expert matrix in at most EXPERT_SLABS slabs of whole block pairs / 16 rows."""
+    """ROUTER_SCORE (a unit per expert, all reading the layer's router row), ROUTER (one
+    instruction on the logits and the bias), then the gate/up of every work slot (min(E, N top_k)
+    of them, at expert 0's matrix) and of the shared expert (slot -1, its own matrix), the same
+    for down, then the combine; an expert matrix in at most EXPERT_SLABS slabs of whole block
+    pairs / 16 rows."""
     e, h = blk.cfg, cfg.hidden_size
     ctx = build_context(cfg, batch=batch)
     stages, end = MOE.stages(blk, ctx, wait=-1)
     slots = min(e.num_experts, batch * e.top_k)
     bindings = [(w, 0) for w in range(slots)] + [(-1, e.num_experts)]
-    assert [s.op for s in stages] == ([isa.Op.ROUTER] + [isa.Op.EXPERT_GATEUP] * len(bindings)
+    assert [s.op for s in stages] == ([isa.Op.ROUTER_SCORE, isa.Op.ROUTER]
+                                      + [isa.Op.EXPERT_GATEUP] * len(bindings)
                                       + [isa.Op.EXPERT_DOWN] * len(bindings)
                                       + [isa.Op.MOE_COMBINE])
-    router, comb = stages[0], stages[-1]
+    score, router, comb = stages[0], stages[1], stages[-1]
+    assert (score.units, score.divisible) == (e.num_experts, True)
+    reg = ctx.buf.f32["router"]
+    row = reg.offset + ctx.buf.row("moe", blk.layer) * reg.shape[1]
+    s = score.make(2, 5).operands
+    assert (s["ROUTER_OFF"], s["E0"], s["NE"], s["K"]) == (row, 2, 3, h)
+    assert s["OUT_OFF"] == ctx.buf.f32["moe_scores"].offset
+    assert ctx.buf.f32["moe_scores"].shape == (batch, e.num_experts)
     assert router.units == 1 and not router.divisible
     r = router.make(0, 1).operands
-    reg = ctx.buf.f32["router"]
-    assert r["ROUTER_OFF"] == reg.offset + ctx.buf.row("moe", blk.layer) * reg.shape[1]
+    assert (r["SCORES_OFF"], r["BIAS_OFF"]) == (s["OUT_OFF"], row + e.num_experts * h)
     assert r["IDS_OFF"] == ctx.buf.i32["moe_ids"].offset
     assert (r["WORK_OFF"], r["SLOTS"]) == (ctx.buf.i32["moe_work"].offset, slots)
     assert ctx.buf.i32["moe_work"].shape == (slots, 2 + batch)
     n = len(bindings)
-    for (w, x), gu, dn in zip(bindings, stages[1:1 + n], stages[1 + n:-1], strict=True):
+    for (w, x), gu, dn in zip(bindings, stages[2:2 + n], stages[2 + n:-1], strict=True):
         assert gu.units <= EXPERT_SLABS and gu.unit_rows % (2 * GATEUP_BLOCK) == 0
         assert gu.units * gu.unit_rows == 2 * e.intermediate_size
         assert dn.units <= EXPERT_SLABS and dn.unit_rows % 16 == 0
@@ -126,15 +135,19 @@ def test_expert_instructions_in_proportion_to_the_routed_experts() -> None:
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
 def test_router_rows_and_expert_bytes(batch: int) -> None:
-    """In the compiled program: each block's router record reads its row of the router table;
+    """In the compiled program: each block's router logits records read its row of the router
+    table, each expert once;
     the shared expert's slabs are streamed in full, the work slots' together the expected
     routed experts' (E (1 - (1 - top_k / E)^N) of them under uniform routing)."""
     prog = tiny_program("kimi-linear-tiny", batch=batch)
     router = prog.buffers.f32["router"]
     for row, blk in enumerate(b for b in prog.cfg.blocks if b.kind == "moe"):
         e, h = blk.cfg, prog.cfg.hidden_size
-        (r,) = [d for d in block_records(prog, blk) if d["OPCODE"].name == "ROUTER"]
-        assert r["ROUTER_OFF"] == router.offset + row * (e.num_experts * h + e.num_experts)
+        recs = [d for d in block_records(prog, blk) if d["OPCODE"].name == "ROUTER_SCORE"]
+        assert {r["ROUTER_OFF"] for r in recs} == {router.offset
+                                                  + row * (e.num_experts * h + e.num_experts)}
+        assert sorted(x for r in recs for x in range(r["E0"], r["E0"] + r["NE"])) == list(
+            range(e.num_experts))
         full = 2 * (2 * e.intermediate_size * h + h * e.intermediate_size)
         expected = e.num_experts * (1.0 - (1.0 - e.top_k / e.num_experts) ** prog.rows)
         slots = min(e.num_experts, prog.rows * e.top_k)

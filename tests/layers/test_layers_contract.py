@@ -162,8 +162,8 @@ def flow_of(kind_name: str) -> tuple[dict[str, Any], str]:
         "relu2": ({"UP_RELU2": None, "DOWN": "UP_RELU2"}, "DOWN"),
         "mla": ({"PROJ": None, "MLA_Q": "PROJ", "MLA": "MLA_Q", "MLA_O": "MLA",
                  "OPROJ": "MLA_O"}, "OPROJ"),
-        "moe": ({"ROUTER": None, "EXPERT_GATEUP": "ROUTER", "EXPERT_DOWN": "EXPERT_GATEUP",
-                 "MOE_COMBINE": "EXPERT_DOWN"}, "MOE_COMBINE"),
+        "moe": ({"ROUTER_SCORE": None, "ROUTER": "ROUTER_SCORE", "EXPERT_GATEUP": "ROUTER",
+                 "EXPERT_DOWN": "EXPERT_GATEUP", "MOE_COMBINE": "EXPERT_DOWN"}, "MOE_COMBINE"),
     }[kind_name]
 
 
@@ -219,6 +219,7 @@ def needs_of(blk: Block, model: ModelConfig, shape: StepShape
                 ("f32", "part_ml"): ((s, n, c.num_heads, 2), SCRATCH, False, False, None),
                 ("bf16", "attn"): ((n, c.num_heads * c.v_head_dim), SCRATCH, False, False, None)}
     return {("f32", "router"): ((c.num_experts * h + c.num_experts,), CONST, True, False, "moe"),
+            ("f32", "moe_scores"): ((n, c.num_experts), SCRATCH, False, False, None),
             ("f32", "moe_w"): ((n, c.top_k), SCRATCH, False, False, None),
             ("f32", "moe_y"): ((n, c.slots, h), SCRATCH, False, False, None),
             ("bf16", "act_moe"): ((n, c.slots, c.intermediate_size), SCRATCH, False, False, None),
@@ -230,15 +231,15 @@ def needs_of(blk: Block, model: ModelConfig, shape: StepShape
 def coverage_of(blk: Block, prog: Any) -> dict[str, int]:
     """The units each `coverage` opcode of the block covers once: (sequence, kv head, split)
     partials, (sequence, unit) cores, MLA's heads (MLA_Q, MLA_O) and (sequence, split) partials,
-    the router once and the
-    combine's columns of h."""
+    the router logits' experts, the router once and the combine's columns of h."""
     c, k, b = blk.cfg, blk.kind, prog.batch
     if k in RECURRENT:
         return {mode_op(k, prog.replay_window): b * RECURRENT[k].sizes(c)[3]}
     return {"attention": lambda: {"ATTN_PARTIAL": b * c.num_kv_heads * prog.n_splits},
             "mla": lambda: {"MLA_Q": c.num_heads, "MLA": b * prog.n_splits,
                             "MLA_O": c.num_heads},
-            "moe": lambda: {"ROUTER": 1, "MOE_COMBINE": prog.cfg.hidden_size}}.get(k, dict)()
+            "moe": lambda: {"ROUTER_SCORE": c.num_experts, "ROUTER": 1,
+                            "MOE_COMBINE": prog.cfg.hidden_size}}.get(k, dict)()
 
 
 def step_bytes_of(blk: Block, prog: Any) -> dict[str, int]:

@@ -1,6 +1,7 @@
-"""ROUTER, EXPERT_GATEUP, EXPERT_DOWN and MOE_COMBINE (layers/moe.py); the routing is the
-reference's (reference/layers/moe.py). An expert record is bound at run time to its work slot's
-expert: an unbound slot reads no weights (the executor's `slab_bytes` counts what is read)."""
+"""ROUTER_SCORE, ROUTER, EXPERT_GATEUP, EXPERT_DOWN and MOE_COMBINE (layers/moe.py); the routing
+is the reference's (reference/layers/moe.py). An expert record is bound at run time to its work
+slot's expert: an unbound slot reads no weights (the executor's `slab_bytes` counts what is
+read)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,26 @@ from megakernel.layers.moe import SHARED, MoEConfig, work_list
 from megakernel.reference.layers.moe import route
 
 
-@op("ROUTER")
-def router(ex: Executor, d: dict, epoch: int) -> None:
+@op("ROUTER_SCORE")
+def router_score(ex: Executor, d: dict, epoch: int) -> None:
     e = ex.block(d, "moe").cfg
     n, hid, ne = ex.prog.rows, d["K"], e.num_experts
     x = ex.norm_input(d)  # [N, H] bf16-rounded
     ro = d["ROUTER_OFF"]
     wr = ex.f32[ro : ro + ne * hid].view(ne, hid)
-    bias = ex.f32[ro + ne * hid : ro + ne * hid + ne]
-    wts, ids = route(e, F.linear(x, wr), bias)
+    # the reference's rounding: one fp32 product over all experts (a product over fewer router
+    # rows rounds differently on the CPU), of which the record writes its experts' columns
+    cols = slice(d["E0"], d["E0"] + d["NE"])
+    ex.write("f32", d["OUT_OFF"], (n, ne), (slice(None), cols), F.linear(x, wr)[:, cols])
+
+
+@op("ROUTER")
+def router(ex: Executor, d: dict, epoch: int) -> None:
+    e = ex.block(d, "moe").cfg
+    n, ne = ex.prog.rows, e.num_experts
+    logits = ex.read("f32", d["SCORES_OFF"], (n, ne))
+    bias = ex.f32[d["BIAS_OFF"] : d["BIAS_OFF"] + ne]
+    wts, ids = route(e, logits, bias)
     ex.write("i32", d["IDS_OFF"], (n, e.top_k), slice(None), ids.to(torch.int32))
     ex.write("f32", d["WTS_OFF"], (n, e.top_k), slice(None), wts)
     ex.write("i32", d["WORK_OFF"], (d["SLOTS"], 2 + n), slice(None), work_list(ids, ne))
