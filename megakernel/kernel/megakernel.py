@@ -16,7 +16,7 @@ global memory (Matvec.run) and there is no loader warp.
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
 merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE, GDN_REPLAY) in
 gdn.py; the Mamba2 SSD update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in
-mamba_replay.py.
+mamba_replay.py; latent attention (MLA_Q, MLA, MLA_O) in mla.py.
 Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
 ticket opcodes that signal from their merge) come from the ISA registry (fields.py); a record
 whose opcode the build has no handler for traps. The host side `__call__` exists only to give
@@ -51,6 +51,7 @@ from megakernel.kernel.memory import (
     st,
     store_f32x8,
 )
+from megakernel.kernel.mla import LatentAttention
 from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import LANES, VEC, KernelSpec
 
@@ -71,6 +72,9 @@ class DecodeMegakernel:
         replay = bool(spec.replay_window)  # the recurrent layers' REPLAY ops, not their CORE
         self.mamba = Mamba2(spec) if spec.mamba and not replay else None  # MAMBA_CORE
         self.mamba_replay = Mamba2Replay(spec) if spec.mamba and replay else None  # MAMBA_REPLAY
+        # MLA_Q / MLA / MLA_O (mla.py), each compiled in only when the build handles it
+        self.mla = LatentAttention(spec) if spec.mla else None
+        self.mla_ops = {int(o) for o in (Op.MLA_Q, Op.MLA, Op.MLA_O)} & set(self.ops.handled)
         self.regions = spec.smem_regions()
         self.smem_bytes = spec.smem_bytes
         self.window = spec.prefetch_window
@@ -233,6 +237,22 @@ class DecodeMegakernel:
                 if cutlass.const_expr(self.mamba_replay is not None):
                     self.mamba_replay.replay(rec, weights, f32, bf16, i32, state, sSsm, tidx,
                                              warp, lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.MLA_Q:
+                if cutlass.const_expr(int(Op.MLA_Q) in self.mla_ops):
+                    self.mla.absorb_q(rec, weights, f32, sSsm, tidx)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.MLA:
+                if cutlass.const_expr(int(Op.MLA) in self.mla_ops):
+                    self.mla.attend(rec, layer, weights, f32, i32, k_cache, v_cache, s_max, sSsm,
+                                    tidx, warp, lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.MLA_O:
+                if cutlass.const_expr(int(Op.MLA_O) in self.mla_ops):
+                    self.mla.project_o(rec, weights, f32, bf16, sSsm, tidx, warp, lane)
                 else:
                     cute.arch.inline_ptx("trap;")
             elif one_of(op, self.ops.matvec):
