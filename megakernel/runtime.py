@@ -235,10 +235,10 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
                                 f"addresses it with int32 offsets (< 2^31)")
     # the cache has a slot per attention layer (KernelSpec.kv_layers)
     L = len(spec.get("attn_layers") or ()) or spec["layers"]
-    B, Hkv, D = spec["batch"], spec["kv_heads"], spec["head_dim"]
+    B = spec["batch"]
     if spec.get("paged"):
         check_pages(spec, tensors, L)
-    for name in ("k_cache", "v_cache") if not spec.get("paged") else ():
+    for name, (Hkv, D) in kv_layout(spec).items() if not spec.get("paged") else ():
         t = tensors[name]
         if t.dim() != 5:
             raise ArgumentError(f"{name} must be [L, B, Hkv, S_max, D] = [{L}, {B}, {Hkv}, "
@@ -249,7 +249,8 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
         if (t.shape[0], t.shape[1], t.shape[2], t.shape[4]) != (L, B, Hkv, D):
             raise ArgumentError(f"{name} must be [L, B, Hkv, S_max, D] = [{L}, {B}, {Hkv}, "
                                 f"S_max, {D}], got shape {tuple(t.shape)}")
-    if tensors["k_cache"].shape != tensors["v_cache"].shape and not spec.get("paged"):
+    if (tensors["k_cache"].shape[:4] != tensors["v_cache"].shape[:4]
+            and not spec.get("paged")):
         raise ArgumentError(f"k_cache {tuple(tensors['k_cache'].shape)} and v_cache "
                             f"{tuple(tensors['v_cache'].shape)} differ")
     if (max_seq_len is not None and not spec.get("paged")
@@ -278,6 +279,16 @@ def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, len
             if tensors[n].data_ptr() % 16:
                 raise ArgumentError(f"{n} must be 16-byte aligned (data_ptr % 16 = "
                                     f"{tensors[n].data_ptr() % 16})")
+
+
+def kv_layout(spec: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(heads, last dim) of k_cache and v_cache [L, B, heads, S_max, dim]: (Hkv, D) for both, or
+    with MLA layers the latent cache (layers/mla.py): c (1, r) and k_rope (1, dr)."""
+    if spec.get("mla"):
+        _, r, _, dr, _ = spec["mla"]
+        return {"k_cache": (1, r), "v_cache": (1, dr)}
+    return {"k_cache": (spec["kv_heads"], spec["head_dim"]),
+            "v_cache": (spec["kv_heads"], spec["head_dim"])}
 
 
 def check_pages(spec: dict[str, Any], tensors: dict[str, torch.Tensor], slots: int) -> None:
@@ -403,6 +414,14 @@ def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
                     raise ArgumentError(f"{where}: sequence {d['B_IDX']}, group {d['GROUP']}, "
                                         f"state offset {d['STATE']} outside the build's B={B}, "
                                         f"G={mamba.groups}")
+            elif op in (Op.MLA_Q, Op.MLA_O):
+                if not 0 <= d["HEAD"] < spec["mla"][0]:
+                    raise ArgumentError(f"{where}: head {d['HEAD']} outside the build's "
+                                        f"H={spec['mla'][0]}")
+            elif op == Op.MLA:
+                if not (0 <= d["B_IDX"] < B and 0 <= d["SPLIT"] < d["N_SPLITS"]):
+                    raise ArgumentError(f"{where}: sequence {d['B_IDX']}, split {d['SPLIT']}/"
+                                        f"{d['N_SPLITS']} outside the build's B={B}")
             elif op == Op.EMBED:
                 if d["K"] != H or not 0 <= d["N0"] <= d["N1"] <= N:
                     raise ArgumentError(f"{where}: rows [{d['N0']}, {d['N1']}) of K={d['K']} do "

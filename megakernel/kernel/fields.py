@@ -30,8 +30,8 @@ MATVEC_NAMES = tuple(n for n, _ in isa.MATVEC)
 SLAB_NAMES = ("W_LO", "W_HI", "NROWS", "K")
 # what the kernel implements: these opcodes by their own handler, the matvec opcodes by epilogue
 OWN_HANDLERS = ("END", "EMBED", "ATTN_PARTIAL", "ARGMAX", "GDN_CORE", "GDN_REPLAY",
-                "KDA_CORE", "KDA_REPLAY", "MAMBA_CORE", "MAMBA_REPLAY", "ROUTER_SCORE", "ROUTER",
-                "MOE_COMBINE")
+                "KDA_CORE", "KDA_REPLAY", "MAMBA_CORE", "MAMBA_REPLAY", "MLA_Q", "MLA", "MLA_O",
+                "ROUTER_SCORE", "ROUTER", "MOE_COMBINE")
 EPILOGUES = ("qkv", "residual", "gateup", "relu2", "proj", "lmhead", "expert_gateup",
              "expert_down")
 

@@ -16,7 +16,8 @@ global memory (Matvec.run) and there is no loader warp.
 Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
 merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE, GDN_REPLAY) in
 gdn.py, and with a channel-wise decay for Kimi (KDA_CORE, KDA_REPLAY) in kda.py; the Mamba2 SSD
-update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in mamba_replay.py; the MoE's
+update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in mamba_replay.py; latent attention
+(MLA_Q, MLA, MLA_O) in mla.py; the MoE router (ROUTER_SCORE, ROUTER) in moe_router.py, the
 expert slabs on the matvec handler, bound at run time to their work-list slot, and MOE_COMBINE in
 moe.py.
 Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
@@ -54,6 +55,7 @@ from megakernel.kernel.memory import (
     st,
     store_f32x8,
 )
+from megakernel.kernel.mla import LatentAttention
 from megakernel.kernel.moe import Experts
 from megakernel.kernel.moe_router import MoERouter
 from megakernel.kernel.pipeline import Pipeline
@@ -79,6 +81,9 @@ class DecodeMegakernel:
         self.mamba_replay = Mamba2Replay(spec) if spec.mamba and replay else None  # MAMBA_REPLAY
         # ROUTER_SCORE / ROUTER (moe_router.py): compiled in only when the program uses them
         self.router = MoERouter(spec) if int(Op.ROUTER) in self.ops.handled else None
+        # MLA_Q / MLA / MLA_O (mla.py), each compiled in only when the build handles it
+        self.mla = LatentAttention(spec) if spec.mla else None
+        self.mla_ops = {int(o) for o in (Op.MLA_Q, Op.MLA, Op.MLA_O)} & set(self.ops.handled)
         self.regions = spec.smem_regions()
         self.smem_bytes = spec.smem_bytes
         self.window = spec.prefetch_window
@@ -270,6 +275,22 @@ class DecodeMegakernel:
                         self.router.score(rec, weights, f32, sRstd, warp, lane)
                     else:
                         self.router.route(rec, f32, i32, warp, lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.MLA_Q:
+                if cutlass.const_expr(int(Op.MLA_Q) in self.mla_ops):
+                    self.mla.absorb_q(rec, weights, f32, sSsm, tidx)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.MLA:
+                if cutlass.const_expr(int(Op.MLA) in self.mla_ops):
+                    self.mla.attend(rec, layer, weights, f32, i32, k_cache, v_cache, s_max, sSsm,
+                                    tidx, warp, lane)
+                else:
+                    cute.arch.inline_ptx("trap;")
+            elif op == Op.MLA_O:
+                if cutlass.const_expr(int(Op.MLA_O) in self.mla_ops):
+                    self.mla.project_o(rec, weights, f32, bf16, sSsm, tidx, warp, lane)
                 else:
                     cute.arch.inline_ptx("trap;")
             elif one_of(op, self.ops.matvec):

@@ -669,6 +669,15 @@ class KernelSpec:
         return MambaShape.of(self.mamba, self.batch, self.tokens, self.num_warps, self.ring_cap)
 
     @property
+    def mla_shape(self):  # noqa: ANN201 (mla_index.MLAShape | None)
+        """The latent-attention handlers' index arithmetic (None: no MLA layers)."""
+        from megakernel.kernel.mla_index import MLAShape
+
+        if not self.mla:
+            return None
+        return MLAShape.of(self.mla, self.batch, self.tokens, self.num_threads)
+
+    @property
     def ring_cap(self) -> int:
         """ReplaySSM ring entries per (layer, sequence) (header RING_CAP): L - 1 + T; 0 without
         a window (compiler.compile_program's ring_cap)."""
@@ -683,10 +692,11 @@ class KernelSpec:
 
     @property
     def recurrent_smem_bytes(self) -> int:
-        """Shared memory the recurrent core handlers use (the largest of the model's kinds): a
-        span from the start of the carve-up over the consumers' regions (x, acc, ..., none of
-        them live across records)."""
-        shapes = (s for s in (self.gdn_shape, self.mamba_shape, self.kda_shape) if s is not None)
+        """Shared memory the recurrent core handlers and the latent-attention handlers (MLA)
+        use (the largest of the model's kinds): a span from the start of the carve-up over the
+        consumers' regions (x, acc, ..., none of them live across records)."""
+        shapes = (s for s in (self.gdn_shape, self.mamba_shape, self.kda_shape, self.mla_shape)
+                  if s is not None)
         return max((4 * s.smem()["words"] for s in shapes), default=0)
 
     # shared memory carve-up (bytes, every region 128-byte aligned)
@@ -781,6 +791,11 @@ class KernelSpec:
 
             if check_kda(self.kda_shape):
                 raise SpecError(check_kda(self.kda_shape))
+        if self.mla:
+            from megakernel.kernel.mla_index import check_mla
+
+            if check_mla(self.mla_shape):
+                raise SpecError(check_mla(self.mla_shape))
         if self.mamba:
             from megakernel.kernel.mamba_index import check_mamba
 

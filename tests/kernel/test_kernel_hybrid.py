@@ -41,7 +41,7 @@ SUPPORT = [
     (lambda: _nemotron("*-M-"), None),  # MAMBA_CORE has a handler (kernel/mamba2.py)
     (lambda: preset("nemotron-h-tiny"), None),
     (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE (kernel/gdn.py)
-    (lambda: preset("kimi-linear-tiny"), ("MLA", "moe")),
+    (lambda: preset("kimi-linear-tiny"), ("moe",)),  # MLA has handlers (kernel/mla.py)
     (lambda: _nemotron("**"), ("feed-forward", "[]")),
     (lambda: _nemotron("--"), None),  # no attention layers: no attention handler is built
     (lambda: preset("qwen3.5-tiny").replace(layer_types=("gdn", "attention", "gdn")), None),

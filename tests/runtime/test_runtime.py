@@ -344,3 +344,48 @@ def test_spec_refuses_a_vocab_the_fp32_argmax_cannot_index():
     cfg = dataclasses.replace(preset("llama-tiny"), vocab_size=(1 << 24) + 16)
     with pytest.raises(SpecError, match="vocab_size 16777232 > 16777216"):
         make_spec(cfg, 1, 1, "sm_90a")
+
+
+def test_validate_checks_the_latent_cache_of_an_mla_build():
+    """With MLA layers the cache slots hold the latent cache the program allocates (c [L, B, 1,
+    S_max, r] in k_cache, k_rope [.., dr] in v_cache; layers/mla.py), not [.., Hkv, S_max, D]."""
+    from megakernel.executor import executor_gpu
+    from megakernel.program.compiler import compile_program
+
+    cfg = preset("kimi-linear-tiny")
+    spec = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap").to_dict()
+    buf = compile_program(cfg, 2, executor_gpu(8), max_seq_len=32).buffers
+    ts = tensors(spec)
+    ts["k_cache"] = torch.zeros(buf.kv_shape, dtype=torch.bfloat16)
+    ts["v_cache"] = torch.zeros(buf.v_shape, dtype=torch.bfloat16)
+    assert buf.kv_shape == (1, 2, 1, 32, 32) and buf.v_shape == (1, 2, 1, 32, 8)
+    validate_args(spec, ts, lengths_off=128, require_cuda=False)
+    swapped = {**ts, "k_cache": ts["v_cache"], "v_cache": ts["k_cache"]}
+    with pytest.raises(ArgumentError, match=r"k_cache must be \[L, B, Hkv, S_max, D\] = \[1, 2, "
+                                            r"1, S_max, 32\]"):
+        validate_args(spec, swapped, lengths_off=128, require_cuda=False)
+    shorter = {**ts, "v_cache": torch.zeros(1, 2, 1, 16, 8, dtype=torch.bfloat16)}
+    with pytest.raises(ArgumentError, match="differ"):
+        validate_args(spec, shorter, lengths_off=128, require_cuda=False)
+
+
+def test_check_records_accepts_the_mla_layers_records_and_refuses_a_wrong_head():
+    """The MLA layer's records of a kimi-linear-tiny program (its projection, o_proj and the
+    three latent-attention opcodes) fit an MLA build; a head past H is refused."""
+    from megakernel.executor import executor_gpu
+    from megakernel.program.compiler import compile_program
+
+    cfg = preset("kimi-linear-tiny")
+    spec = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap").to_dict()
+    prog = compile_program(cfg, 2, executor_gpu(8), max_seq_len=32)
+    layer = next(b.layer for b in cfg.blocks if b.kind == "mla")
+    ops = {isa.Op.PROJ, isa.Op.MLA_Q, isa.Op.MLA, isa.Op.MLA_O, isa.Op.OPROJ}
+    kept = [r for q in prog.records().tolist() for r in q
+            if r[0] in ops and isa.decode(r)["LAYER"] == layer]
+    assert {r[0] for r in kept} == ops
+    recs = torch.tensor([[*kept, [0] * isa.RECORD_WORDS]], dtype=torch.int32)
+    check_records(recs, spec)
+    head = next(i for i, r in enumerate(kept) if r[0] == isa.Op.MLA_O)
+    recs[0, head, isa.field_index(isa.Op.MLA_O, "HEAD")] = cfg.kind_config("mla").num_heads
+    with pytest.raises(ArgumentError, match="head 4 outside the build's H=4"):
+        check_records(recs, spec)
