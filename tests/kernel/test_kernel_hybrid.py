@@ -41,7 +41,7 @@ SUPPORT = [
     (lambda: _nemotron("*-M-"), None),  # MAMBA_CORE has a handler (kernel/mamba2.py)
     (lambda: preset("nemotron-h-tiny"), None),
     (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE (kernel/gdn.py)
-    (lambda: preset("kimi-linear-tiny"), ("moe",)),  # MLA has handlers (kernel/mla.py)
+    (lambda: preset("kimi-linear-tiny"), None),  # KDA, MLA, MoE (kda.py, mla.py, moe*.py)
     (lambda: _nemotron("**"), ("feed-forward", "[]")),
     (lambda: _nemotron("--"), None),  # no attention layers: no attention handler is built
     (lambda: preset("qwen3.5-tiny").replace(layer_types=("gdn", "attention", "gdn")), None),
@@ -61,13 +61,24 @@ def test_kernel_support_table(make, refusal):
         assert word in str(e.value), (word, str(e.value))
 
 
-def test_kimi_spec_carries_its_kinds_and_traps_what_has_no_handler():
-    """make_spec(unhandled="trap") builds without the opcodes that have no handler (their records
-    trap); the kinds' constants come from LayerKind.kernel_constants; MLA layers hold the KV
-    slots; the attention fields are the NO_ATTENTION placeholders."""
+def test_kimi_spec_carries_its_kinds_and_traps_what_has_no_handler(monkeypatch):
+    """The kinds' constants come from LayerKind.kernel_constants; MLA layers hold the KV slots;
+    the attention fields are the NO_ATTENTION placeholders. make_spec(unhandled="trap") builds
+    without an opcode that has no handler (planted here: MLA's, unregistered from the device),
+    which make_spec otherwise refuses by name."""
+    import dataclasses
+
+    from megakernel.isa import registry
+
     cfg = preset("kimi-linear-tiny")
-    s = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap")
-    assert set(s.ops) == {op for op in program_ops(cfg) if isa.spec(op).device}
+    s = make_spec(cfg, 2, 1, "sm_90a")
+    assert set(s.ops) == program_ops(cfg) and all(isa.spec(op).device for op in s.ops)
+    mla = isa.spec(isa.Op.MLA)
+    monkeypatch.setitem(registry._SPECS, int(isa.Op.MLA), dataclasses.replace(mla, device=False))
+    with pytest.raises(SpecError, match="no device handlers for MLA yet"):
+        make_spec(cfg, 2, 1, "sm_90a")
+    trap = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap")
+    assert set(trap.ops) == program_ops(cfg) - {isa.Op.MLA}
     assert s.kda == (2, 16, 4) and s.mla == (4, 32, 16, 8, 16) and s.moe[:6] == (8, 3, 32, 4, 2, 1)
     assert s.attn_layers == (1,) and s.heads == 0 and isa.Op.ATTN_PARTIAL not in s.ops
     assert {16 * 2, 4 * 16, 32} <= set(s.matvec_ks)  # KDA H d, MLA H dv, an expert's I

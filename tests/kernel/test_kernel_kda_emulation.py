@@ -92,7 +92,7 @@ def run_steps(model: str, batch: int, tokens: int, window: int, steps: int) -> s
     """`steps` executor steps (after two warm-up ones when recurrent), each emulated record by
     record from the state block before it and compared; returns the ring counts seen."""
     cfg = model_config(model)
-    spec = make_spec(cfg, batch, tokens, "sm_90a", replay_window=window, unhandled="trap")
+    spec = make_spec(cfg, batch, tokens, "sm_90a", replay_window=window)
     g = spec.kda_shape
     assert check_kda(g) == "" and g.num_warps == NW and g.cap == spec.ring_cap
     op = isa.Op.KDA_REPLAY if window else isa.Op.KDA_CORE
@@ -158,4 +158,4 @@ def test_kda_shapes_the_handler_refuses():
     assert "tokens" in check_kda(KDAShape.of((2, 16, 4), 1, 8, 8))
     cfg = dataclasses.replace(preset(KIMI), kda=KDAConfig(2, 48, 4))
     with pytest.raises(SpecError, match="KDA head_dim 48"):
-        make_spec(cfg, 1, 1, "sm_90a", unhandled="trap")
+        make_spec(cfg, 1, 1, "sm_90a")

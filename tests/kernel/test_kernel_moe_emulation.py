@@ -192,7 +192,7 @@ def test_expert_handlers_match_the_executor(batch: int, tokens: int, monkeypatch
     prog = compile_program(cfg, batch, gpu("h100").with_sms(8), tokens=tokens,
                            max_seq_len=2 * tokens)
     ex = Executor(prog, pack_weights(cfg, random_weights(cfg, seed=batch + tokens)))
-    emu = Emulation(ex, make_spec(cfg, batch, tokens, "sm_90a", unhandled="trap"))
+    emu = Emulation(ex, make_spec(cfg, batch, tokens, "sm_90a"))
     ex.step(torch.randint(0, cfg.vocab_size, (batch, tokens), generator=g))
     layers = sum(b.kind == "moe" for b in cfg.blocks)
     assert len(chosen) == layers

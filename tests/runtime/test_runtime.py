@@ -315,7 +315,7 @@ def test_check_records_checks_kimi_matrices_from_the_kinds_declarations():
     from megakernel.kernel.spec import program_ops
 
     cfg = preset("kimi-linear-tiny")
-    spec = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap").to_dict()
+    spec = make_spec(cfg, 2, 1, "sm_90a").to_dict()
     spec["ops"] = sorted(program_ops(cfg))  # as the build will once every handler exists
     recs = _program("kimi-linear-tiny").records()
     check_records(recs, spec)
@@ -353,7 +353,7 @@ def test_validate_checks_the_latent_cache_of_an_mla_build():
     from megakernel.program.compiler import compile_program
 
     cfg = preset("kimi-linear-tiny")
-    spec = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap").to_dict()
+    spec = make_spec(cfg, 2, 1, "sm_90a").to_dict()
     buf = compile_program(cfg, 2, executor_gpu(8), max_seq_len=32).buffers
     ts = tensors(spec)
     ts["k_cache"] = torch.zeros(buf.kv_shape, dtype=torch.bfloat16)
@@ -376,7 +376,7 @@ def test_check_records_accepts_the_mla_layers_records_and_refuses_a_wrong_head()
     from megakernel.program.compiler import compile_program
 
     cfg = preset("kimi-linear-tiny")
-    spec = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap").to_dict()
+    spec = make_spec(cfg, 2, 1, "sm_90a").to_dict()
     prog = compile_program(cfg, 2, executor_gpu(8), max_seq_len=32)
     layer = next(b.layer for b in cfg.blocks if b.kind == "mla")
     ops = {isa.Op.PROJ, isa.Op.MLA_Q, isa.Op.MLA, isa.Op.MLA_O, isa.Op.OPROJ}

@@ -1,0 +1,51 @@
+"""Kimi Linear in the compiled kernel: kimi-linear-tiny on both archs with every handler it needs
+(KDA_CORE or KDA_REPLAY, MLA_Q / MLA / MLA_O, ROUTER_SCORE / ROUTER, the expert slabs,
+MOE_COMBINE), recurrent and by ReplaySSM (fold window 4), at (B, T) = (1, 1), (1, 4), (4, 1) on
+the weight pipeline and (1, 1) on the global-memory path, within the register/spill/local
+budgets (the session build cache). The global-memory path at B = 4 is over the register budget
+with all of Kimi's handlers in one kernel, so gpu-check runs Kimi's B = 4 cases piped only."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megakernel import isa
+from megakernel.kernel.spec import ARCHS, program_ops
+from megakernel.models import preset
+from tests.kernel.helpers import specs_within_budgets
+
+KIMI = "kimi-linear-tiny"
+WINDOW = 4
+SHAPES = ((1, 1, None), (1, 4, None), (4, 1, None), (1, 1, 0))  # (B, T, smem_stages)
+MATH_PTX = re.compile(r"ex2\.approx\.ftz\.f32")  # the gates' and decays' exponentials
+
+
+@pytest.fixture(scope="module")
+def kimi_builds(kernel_build) -> dict:  # noqa: ANN001
+    """(arch, B, T, smem_stages, L) -> (arch dir, manifest)."""
+    return {(arch, b, t, st, w): kernel_build(preset(KIMI), arch, b, t, smem_stages=st,
+                                              replay_window=w)
+            for arch in ARCHS for b, t, st in SHAPES for w in (0, WINDOW)}
+
+
+def test_kimi_builds_within_budgets_with_every_handler(kimi_builds):
+    cfg = preset(KIMI)
+    for (_, _, t, st, window), s in specs_within_budgets(kimi_builds).items():
+        assert set(s.handled_ops) == program_ops(cfg, bool(window))
+        assert all(isa.spec(op).device for op in s.handled_ops)
+        assert s.pipelined == (st is None)
+        core, other = ((isa.Op.KDA_REPLAY, isa.Op.KDA_CORE) if window
+                       else (isa.Op.KDA_CORE, isa.Op.KDA_REPLAY))
+        assert s.kda == (2, 16, 4) and core in s.handled_ops and other not in s.handled_ops
+        assert s.kda_shape.cap == (WINDOW - 1 + t if window else 0)
+
+
+def test_kda_handler_is_compiled_in(kimi_builds):
+    """The KDA math is in the cubins, more of it by ReplaySSM (the ring's channel decays)."""
+    for arch in ARCHS:
+        ptx = {w: (kimi_builds[(arch, 1, 1, None, w)][0] / "megakernel.ptx").read_text()
+               for w in (0, WINDOW)}
+        assert len(MATH_PTX.findall(ptx[0])) >= 8, arch
+        assert len(MATH_PTX.findall(ptx[WINDOW])) > len(MATH_PTX.findall(ptx[0])), arch
