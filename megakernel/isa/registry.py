@@ -17,6 +17,9 @@ Properties:
     ticket      SIGNAL_CID is a ticket: the last of its signallers runs a merge and then signals
                 the counter in operand DONE_CID
     device      the CuTe DSL kernel implements it (a build refuses programs with other opcodes)
+    handler     the device handler class of a device opcode that is not a matvec, "module.Class"
+                in megakernel.kernel (kernel/handler.py); the frame's END, EMBED and ARGMAX run in
+                the persistent loop itself
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class OpSpec:
     reach: bool = False
     ticket: bool = False
     device: bool = False
+    handler: str | None = None  # the device handler class, "module.Class" in megakernel.kernel
     names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +104,9 @@ class OpSpec:
             raise ValueError(f"{self.name}: a matvec opcode's operands start with MATVEC")
         if self.slab and self.matvec is None:  # the loader reads W, NROWS, K at MATVEC's words
             raise ValueError(f"{self.name}: a slab opcode is a matvec opcode (operands MATVEC)")
+        if self.handler is not None and (not self.device or self.matvec is not None):
+            raise ValueError(f"{self.name}: a handler class is for device opcodes that are not "
+                             "matvecs (those run on their epilogue)")
         if self.ticket and "DONE_CID" not in self.names:
             raise ValueError(f"{self.name}: a ticket opcode names DONE_CID")
 

@@ -25,6 +25,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel.fields import common, word
+from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
 from megakernel.kernel.paged_index import k_elem, page_base, slot_block, table_entry, v_elem
 from megakernel.kernel.spec import (
@@ -45,7 +46,10 @@ NEG_INF = -math.inf
 KV_PREFETCH_CHUNK = 32 * 1024
 
 
-class Attention:
+class Attention(Handler):
+    """ATTN_PARTIAL: one (sequence, kv head, split) of split-KV attention; the CTA that
+    completes a (sequence, kv head)'s splits merges them (a ticket)."""
+
     def __init__(self, spec: KernelSpec):
         self.spec = spec
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
@@ -57,6 +61,16 @@ class Attention:
         self.E = self.D // LANES  # head dims per lane (contiguous)
         self.scale = attn_scale(self.D)
         self.pg = spec.paged_shape  # None: the contiguous cache
+
+    @cute.jit
+    def prefetch(self, op: Int32, s: Step):
+        self.prefetch_kv(s.rec, s.layer, s.i32, s.k_cache, s.v_cache, s.s_max, s.tidx)
+
+    @cute.jit
+    def run(self, op: Int32, s: Step):
+        self.partial(s.rec, s.layer, s.f32, s.bf16, s.i32, s.k_cache, s.v_cache, s.s_max, s.sQ,
+                     s.sO, s.sML, s.warp, s.lane)
+        self.ticket(s.rec, s.epoch, s.counters, s.sFlag, s.f32, s.bf16, s.tidx, s.warp, s.lane)
 
     # ---- ATTN_PARTIAL -------------------------------------------------------------------------
     @cute.jit

@@ -28,10 +28,10 @@ from megakernel import isa
 
 MATVEC_NAMES = tuple(n for n, _ in isa.MATVEC)
 SLAB_NAMES = ("W_LO", "W_HI", "NROWS", "K")
-# what the kernel implements: these opcodes by their own handler, the matvec opcodes by epilogue
-OWN_HANDLERS = ("END", "EMBED", "ATTN_PARTIAL", "ARGMAX", "GDN_CORE", "GDN_REPLAY",
-                "KDA_CORE", "KDA_REPLAY", "MAMBA_CORE", "MAMBA_REPLAY", "MLA_Q", "MLA", "MLA_O",
-                "ROUTER_SCORE", "ROUTER", "MOE_COMBINE")
+# what the kernel implements: the frame's opcodes the persistent loop runs itself, the other
+# opcodes by the handler class their declaration names (OpSpec.handler, kernel/handler.py), the
+# matvec opcodes by epilogue
+BUILTIN = ("END", "EMBED", "ARGMAX")
 EPILOGUES = ("qkv", "residual", "gateup", "relu2", "proj", "lmhead", "expert_gateup",
              "expert_down")
 
@@ -102,13 +102,13 @@ class OpTable:
     def __init__(self, handled: Iterable[int]):
         self.handled = tuple(sorted(int(c) for c in handled))
         specs = [isa.spec(c) for c in self.handled]
-        missing = [s.name for s in specs
-                   if s.name not in OWN_HANDLERS and s.matvec not in EPILOGUES]
+        missing = [s.name for s in specs if not implemented(s)]
         if missing:
             raise FieldError(f"the kernel has no handler for opcodes {missing}")
         self.slab = tuple(s.code for s in specs if s.slab)
         self.matvec = tuple(s.code for s in specs if s.matvec is not None)
         self.ticket = tuple(s.code for s in specs if s.ticket)
+        self.own = tuple(s.code for s in specs if s.handler)  # run by handler classes
         self.by_epilogue = {e: tuple(s.code for s in specs if s.matvec == e)
                             for e in EPILOGUES}
         if set(self.slab) != set(self.matvec):  # the loader streams exactly the matvec slabs
@@ -127,6 +127,18 @@ class OpTable:
         return self.by_epilogue[name]
 
 
+def implemented(s) -> bool:  # noqa: ANN001 (isa OpSpec)
+    """The kernel has code for opcode declaration `s`: the loop's own, a handler class, or a
+    matvec epilogue it compiles."""
+    return s.name in BUILTIN or s.handler is not None or s.matvec in EPILOGUES
+
+
+def handled_by(op: int) -> str:
+    """Who runs `op` in the kernel (for the dispatch test and messages)."""
+    s = isa.spec(op)
+    return "loop" if s.name in BUILTIN else s.handler or f"matvec:{s.matvec}"
+
+
 def check_registry() -> None:
     """What the device code assumes of the registry (run at import): the shared matvec and slab
     operands each at one word; opcodes sharing an epilogue have the same operands (the epilogue
@@ -135,6 +147,10 @@ def check_registry() -> None:
         mv(name)
     for name in SLAB_NAMES:
         slab_word(name)
+    unimplemented = [s.name for s in isa.specs() if s.device and not implemented(s)]
+    if unimplemented:
+        raise FieldError(f"device opcodes {unimplemented} have no handler class, epilogue or "
+                         "loop code")
     for e in EPILOGUES:
         ops = [s for s in isa.specs() if s.matvec == e]
         if len({s.names for s in ops}) > 1:

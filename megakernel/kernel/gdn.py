@@ -22,6 +22,7 @@ from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel.fields import FieldError, shared_word, word
 from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
+from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.memory import join64, ld, prefetch_l2, st
 from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
@@ -44,7 +45,7 @@ def softplus(x: Float32) -> Float32:
     return sp
 
 
-class GatedDeltaRule:
+class GatedDeltaRule(Handler):
     """GDN_CORE / GDN_REPLAY. A subclass sets the opcodes, the record's unit field, its shape and
     CHANNEL (a per-channel decay [dk] per token instead of a scalar per value head: kernel/kda.py);
     the state loops branch on CHANNEL at trace time, so a GDN build compiles what it did."""
@@ -75,6 +76,15 @@ class GatedDeltaRule:
                                  f"GDN's word")
         for name in isa.spec(Op.GDN_CORE).names:
             shared_word((Op.GDN_CORE, Op.GDN_REPLAY), name)
+
+    @cute.jit
+    def prefetch(self, op: Int32, s: Step):
+        self.prefetch_state(s.rec, s.state, s.tidx)
+
+    @cute.jit
+    def run(self, op: Int32, s: Step):
+        self.core(s.rec, s.weights, s.f32, s.bf16, s.i32, s.state, s.sScratch, s.tidx, s.warp,
+                  s.lane)
 
     @cute.jit
     def core(self, rec: cute.Tensor, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,

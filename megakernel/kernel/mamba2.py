@@ -18,13 +18,14 @@ from megakernel.isa import Op
 from megakernel.kernel.fields import word
 from megakernel.kernel.gdn import silu
 from megakernel.kernel.gdn_index import SOFTPLUS_LINEAR
+from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.mamba_index import LANES
 from megakernel.kernel.memory import join64, ld, prefetch_l2, st
 from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
 
 
-class Mamba2:
+class Mamba2(Handler):
     """The MAMBA_CORE handler of a build (its shapes baked in: KernelSpec.mamba_shape)."""
 
     def __init__(self, spec: KernelSpec):
@@ -34,6 +35,14 @@ class Mamba2:
         self.NT, self.NW, self.T = spec.num_threads, spec.num_warps, spec.tokens
         self.eps = spec.eps
         self.sm = self.m.smem()  # word offsets in the scratch span
+
+    @cute.jit
+    def prefetch(self, op: Int32, s: Step):
+        self.prefetch_state(s.rec, s.state, s.tidx)
+
+    @cute.jit
+    def run(self, op: Int32, s: Step):
+        self.core(s.rec, s.weights, s.f32, s.bf16, s.state, s.sScratch, s.tidx, s.warp, s.lane)
 
     @cute.jit
     def core(self, rec: cute.Tensor, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,

@@ -17,6 +17,7 @@ from cutlass import Float32, Int32, Int64
 
 from megakernel.isa import Op
 from megakernel.kernel.fields import word
+from megakernel.kernel.handler import Step
 from megakernel.kernel.mamba2 import Mamba2
 from megakernel.kernel.mamba_index import LANES
 from megakernel.kernel.memory import join64, ld, prefetch_l2, st
@@ -30,6 +31,15 @@ class Mamba2Replay(Mamba2):
     def __init__(self, spec: KernelSpec):
         super().__init__(spec)
         self.L, self.cap = spec.replay_window, spec.ring_cap
+
+    @cute.jit
+    def prefetch(self, op: Int32, s: Step):
+        self.prefetch_replay(s.rec, s.i32, s.state, s.tidx)
+
+    @cute.jit
+    def run(self, op: Int32, s: Step):
+        self.replay(s.rec, s.weights, s.f32, s.bf16, s.i32, s.state, s.sScratch, s.tidx, s.warp,
+                    s.lane)
 
     @cute.jit
     def replay(self, rec: cute.Tensor, pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer,

@@ -1,9 +1,10 @@
 """The persistent decode megakernel: one CTA per SM interprets its queue of the program.
 
-Per record: read the 16 words, start the prefetches that may run during the dependency wait (an
-ATTN_PARTIAL's cached keys/values; without the pipeline also the L2 lookahead of this CTA's next
-weight slabs, lookahead.py), wait on the producer counter, run the handler for the opcode, signal.
-At the end of the queue the CTA counts itself out and the last one advances the epoch (sync.py).
+Per record: read the 16 words, start what may run during the dependency wait (the handler's
+`prefetch`: an ATTN_PARTIAL's cached keys/values, a recurrent unit's state; without the pipeline
+also the L2 lookahead of this CTA's next weight slabs, lookahead.py), wait on the producer
+counter, run the opcode, signal. At the end of the queue the CTA counts itself out and the last
+one advances the epoch (sync.py).
 
 Shared-memory weight pipeline (spec.smem_stages >= 2, the default where the spec fits): the CTA
 gets one extra warp, the loader (pipeline.py), which walks the same queue and streams every matvec
@@ -13,13 +14,12 @@ across their dependency waits, and slides the L2 lookahead ahead of its own tile
 and synchronise on named barrier 1. With smem_stages = 0 the consumers read the weights from
 global memory (Matvec.run) and there is no loader warp.
 
-Handlers: EMBED and ARGMAX here; the matvec family in matvec.py; split-KV attention and its
-merge (by the last split's CTA) in attention.py; the gated delta rule (GDN_CORE, GDN_REPLAY) in
-gdn.py, and with a channel-wise decay for Kimi (KDA_CORE, KDA_REPLAY) in kda.py; the Mamba2 SSD
-update (MAMBA_CORE) in mamba2.py, by ReplaySSM (MAMBA_REPLAY) in mamba_replay.py; latent attention
-(MLA_Q, MLA, MLA_O) in mla.py; the MoE router (ROUTER_SCORE, ROUTER) in moe_router.py, the
-expert slabs on the matvec handler, bound at run time to their work-list slot, and MOE_COMBINE in
-moe.py.
+Who runs an opcode: EMBED and ARGMAX here; the matvec family in matvec.py, by epilogue (the MoE's
+expert slabs bound at run time to their work-list slot); every other opcode by the handler class
+its ISA declaration names (OpSpec.handler, the interface in handler.py): split-KV attention and
+its merge in attention.py, the gated delta rule in gdn.py and with a channel-wise decay (KDA) in
+kda.py, Mamba2 in mamba2.py / mamba_replay.py, latent attention in mla.py, the MoE router in
+moe_router.py and MOE_COMBINE in moe.py.
 Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
 ticket opcodes that signal from their merge) come from the ISA registry (fields.py); a record
 whose opcode the build has no handler for traps. The host side `__call__` exists only to give
@@ -38,13 +38,9 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel import sync, timeline
-from megakernel.kernel.attention import Attention
 from megakernel.kernel.fields import OpTable, common, none_of, one_of, slab_word, word
-from megakernel.kernel.gdn import GatedDeltaRule
-from megakernel.kernel.kda import KimiDeltaAttention
+from megakernel.kernel.handler import Step, handlers_for
 from megakernel.kernel.lookahead import Lookahead
-from megakernel.kernel.mamba2 import Mamba2
-from megakernel.kernel.mamba_replay import Mamba2Replay
 from megakernel.kernel.matvec import Matvec, warp_argmax
 from megakernel.kernel.memory import (
     elem_ptr,
@@ -55,9 +51,6 @@ from megakernel.kernel.memory import (
     st,
     store_f32x8,
 )
-from megakernel.kernel.mla import LatentAttention
-from megakernel.kernel.moe import Experts
-from megakernel.kernel.moe_router import MoERouter
 from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import LANES, VEC, KernelSpec
 
@@ -72,18 +65,8 @@ class DecodeMegakernel:
         self.NT, self.NW = spec.num_threads, spec.num_warps
         self.N, self.T, self.B, self.H = spec.rows, spec.tokens, spec.batch, spec.hidden
         self.matvec = Matvec(spec)
-        self.attn = int(Op.ATTN_PARTIAL) in self.ops.handled  # compiled in only when used
-        self.attention = Attention(spec) if self.attn else None
-        self.gdn = GatedDeltaRule(spec) if spec.gdn else None  # GDN_CORE / _REPLAY (gdn.py)
-        self.kda = KimiDeltaAttention(spec) if spec.kda else None  # KDA_CORE / _REPLAY (kda.py)
-        replay = bool(spec.replay_window)  # the recurrent layers' REPLAY ops, not their CORE
-        self.mamba = Mamba2(spec) if spec.mamba and not replay else None  # MAMBA_CORE
-        self.mamba_replay = Mamba2Replay(spec) if spec.mamba and replay else None  # MAMBA_REPLAY
-        # ROUTER_SCORE / ROUTER (moe_router.py): compiled in only when the program uses them
-        self.router = MoERouter(spec) if int(Op.ROUTER) in self.ops.handled else None
-        # MLA_Q / MLA / MLA_O (mla.py), each compiled in only when the build handles it
-        self.mla = LatentAttention(spec) if spec.mla else None
-        self.mla_ops = {int(o) for o in (Op.MLA_Q, Op.MLA, Op.MLA_O)} & set(self.ops.handled)
+        # the opcodes' handler classes (OpSpec.handler; kernel/handler.py), one instance each
+        self.handlers = handlers_for(spec, self.ops.handled)
         self.regions = spec.smem_regions()
         self.smem_bytes = spec.smem_bytes
         self.window = spec.prefetch_window
@@ -91,8 +74,6 @@ class DecodeMegakernel:
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.pipe = Pipeline(spec) if spec.pipelined else None
         self.lookahead = Lookahead(spec)
-        self.combine = int(Op.MOE_COMBINE) in self.ops.handled  # MoE's combine (moe.py)
-        self.experts = Experts(spec)
 
     @cute.jit
     def __call__(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
@@ -193,24 +174,11 @@ class DecodeMegakernel:
                                     cute.make_layout(isa.RECORD_WORDS))
             cute.autovec_copy(gRec, rec)
             layer = rec[common("LAYER")]
-            if cutlass.const_expr(self.attn):
-                if op == Op.ATTN_PARTIAL:
-                        self.attention.prefetch_kv(rec, layer, i32, k_cache, v_cache, s_max, tidx)
-            if cutlass.const_expr(self.gdn is not None):
-                if op == self.gdn.op:
-                    self.gdn.prefetch_state(rec, state, tidx)
-            if cutlass.const_expr(self.kda is not None):
-                if op == self.kda.op:
-                    self.kda.prefetch_state(rec, state, tidx)
-            if cutlass.const_expr(self.mamba is not None):
-                if op == Op.MAMBA_CORE:
-                    self.mamba.prefetch_state(rec, state, tidx)
-            if cutlass.const_expr(self.mamba_replay is not None):
-                if op == Op.MAMBA_REPLAY:
-                    self.mamba_replay.prefetch_replay(rec, i32, state, tidx)
-            if cutlass.const_expr(self.router is not None):
-                if op == Op.ROUTER_SCORE:
-                    self.router.prefetch(rec, f32, tidx)
+            st = Step(rec, layer, epoch, counters, weights, f32, bf16, i32, k_cache, v_cache,
+                      state, s_max, sQ, sO, sML, sFlag, sRstd, sSsm, tidx, warp, lane)
+            for h in cutlass.range_constexpr(len(self.handlers)):  # what may start early
+                if one_of(op, self.handlers[h].ops):
+                    self.handlers[h].prefetch(op, st)
             # the loader warp slides it when piped (pipeline.py); l2_window 0 builds no lookahead
             if cutlass.const_expr(not self.piped and self.window > 0):
                 pf_pc, pf_off, pf_cum = self.lookahead.extend(weights, queue, pc, cum, pf_pc,
@@ -227,72 +195,8 @@ class DecodeMegakernel:
                     timeline.put(tl, pc, "opcode", op)
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
-            elif op == Op.ATTN_PARTIAL:
-                if cutlass.const_expr(self.attn):
-                    self.attention.partial(rec, layer, f32, bf16, i32, k_cache, v_cache, s_max,
-                                           sQ, sO, sML, warp, lane)
-                    self.attention.ticket(rec, epoch, counters, sFlag, f32, bf16, tidx, warp,
-                                          lane)
-                else:
-                    cute.arch.inline_ptx("trap;")
             elif op == Op.ARGMAX:
                 self.argmax(rec, f32, i32, tidx, warp, lane)
-            elif op == Op.GDN_CORE or op == Op.GDN_REPLAY:  # the build's one of them
-                if cutlass.const_expr(self.gdn is not None):
-                    if op == self.gdn.op:
-                        self.gdn.core(rec, weights, f32, bf16, i32, state, sSsm, tidx, warp, lane)
-                    else:
-                        cute.arch.inline_ptx("trap;")
-                else:
-                    cute.arch.inline_ptx("trap;")
-            elif op == Op.KDA_CORE or op == Op.KDA_REPLAY:  # the build's one of them
-                if cutlass.const_expr(self.kda is not None):
-                    if op == self.kda.op:
-                        self.kda.core(rec, weights, f32, bf16, i32, state, sSsm, tidx, warp, lane)
-                    else:
-                        cute.arch.inline_ptx("trap;")
-                else:
-                    cute.arch.inline_ptx("trap;")
-            elif op == Op.MAMBA_CORE:
-                if cutlass.const_expr(self.mamba is not None):
-                    self.mamba.core(rec, weights, f32, bf16, state, sSsm, tidx, warp, lane)
-                else:
-                    cute.arch.inline_ptx("trap;")
-            elif op == Op.MOE_COMBINE:
-                if cutlass.const_expr(self.combine):
-                    self.experts.combine(rec, f32, i32, tidx, self.NT)
-                else:
-                    cute.arch.inline_ptx("trap;")
-            elif op == Op.MAMBA_REPLAY:
-                if cutlass.const_expr(self.mamba_replay is not None):
-                    self.mamba_replay.replay(rec, weights, f32, bf16, i32, state, sSsm, tidx,
-                                             warp, lane)
-                else:
-                    cute.arch.inline_ptx("trap;")
-            elif op == Op.ROUTER_SCORE or op == Op.ROUTER:
-                if cutlass.const_expr(self.router is not None):
-                    if op == Op.ROUTER_SCORE:
-                        self.router.score(rec, weights, f32, sRstd, warp, lane)
-                    else:
-                        self.router.route(rec, f32, i32, warp, lane)
-                else:
-                    cute.arch.inline_ptx("trap;")
-            elif op == Op.MLA_Q:
-                if cutlass.const_expr(int(Op.MLA_Q) in self.mla_ops):
-                    self.mla.absorb_q(rec, weights, f32, sSsm, tidx)
-                else:
-                    cute.arch.inline_ptx("trap;")
-            elif op == Op.MLA:
-                if cutlass.const_expr(int(Op.MLA) in self.mla_ops):
-                    self.mla.attend(rec, layer, weights, f32, i32, k_cache, v_cache, s_max, sSsm,
-                                    tidx, warp, lane)
-                else:
-                    cute.arch.inline_ptx("trap;")
-            elif op == Op.MLA_O:
-                if cutlass.const_expr(int(Op.MLA_O) in self.mla_ops):
-                    self.mla.project_o(rec, weights, f32, bf16, sSsm, tidx, warp, lane)
-                else:
-                    cute.arch.inline_ptx("trap;")
             elif one_of(op, self.ops.matvec):
                 if cutlass.const_expr(self.piped):
                     j = self.matvec.run_piped(op, rec, layer, weights, f32, bf16, i32, k_cache,
@@ -301,8 +205,15 @@ class DecodeMegakernel:
                 else:
                     self.matvec.run(op, rec, layer, weights, f32, bf16, i32, k_cache, v_cache,
                                     s_max, len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
-            else:  # an opcode this build has no handler for: fail the launch, run nothing
-                cute.arch.inline_ptx("trap;")
+            else:  # the handler classes' opcodes (handler.py)
+                if cutlass.const_expr(len(self.handlers) > 0):
+                    if none_of(op, self.ops.own):  # no handler in this build: fail the launch
+                        cute.arch.inline_ptx("trap;")
+                    for h in cutlass.range_constexpr(len(self.handlers)):
+                        if one_of(op, self.handlers[h].ops):
+                            self.handlers[h].run(op, st)
+                else:
+                    cute.arch.inline_ptx("trap;")
             if cutlass.const_expr(len(self.ops.ticket) > 0):
                 if none_of(op, self.ops.ticket):  # a ticket opcode signals from its merge
                     sync.signal_counter(counters, rec[common("SIGNAL_CID")], tidx, named)

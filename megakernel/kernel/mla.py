@@ -19,6 +19,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel.isa import Op
 from megakernel.kernel.fields import word
+from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.memory import ld, st
 from megakernel.kernel.mla_index import LANES, LATENT_NORM_EPS
 from megakernel.kernel.spec import KernelSpec, attn_keys, attn_scale, kv_row, kv_slot
@@ -27,7 +28,9 @@ from megakernel.kernel.sync import cta_sync
 NEG_INF = -math.inf
 
 
-class LatentAttention:
+class LatentAttention(Handler):
+    """MLA_Q, MLA and MLA_O: latent attention with the weights absorbed (layers/mla.py)."""
+
     def __init__(self, spec: KernelSpec):
         self.spec = spec
         self.m = spec.mla_shape
@@ -35,6 +38,16 @@ class LatentAttention:
         self.NT, self.NW, self.N, self.T = spec.num_threads, spec.num_warps, spec.rows, spec.tokens
         self.sm = self.m.smem()  # word offsets in the scratch span
         self.scale = attn_scale(self.m.dqk)
+
+    @cute.jit
+    def run(self, op: Int32, s: Step):
+        if op == Op.MLA_Q:
+            self.absorb_q(s.rec, s.weights, s.f32, s.sScratch, s.tidx)
+        elif op == Op.MLA:
+            self.attend(s.rec, s.layer, s.weights, s.f32, s.i32, s.k_cache, s.v_cache, s.s_max,
+                        s.sScratch, s.tidx, s.warp, s.lane)
+        else:
+            self.project_o(s.rec, s.weights, s.f32, s.bf16, s.sScratch, s.tidx, s.warp, s.lane)
 
     # ---- MLA_Q ---------------------------------------------------------------------------------
     @cute.jit

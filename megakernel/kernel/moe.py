@@ -30,6 +30,7 @@ from cutlass import Int32, Int64
 from megakernel.isa import Op
 from megakernel.kernel import moe_index as mi
 from megakernel.kernel.fields import OpTable, common, shared_word, word
+from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.memory import ld, load_f32x8, record_word, store_f32x8
 from megakernel.kernel.spec import VEC, KernelSpec
 from megakernel.kernel.sync import spin_counter
@@ -37,20 +38,24 @@ from megakernel.kernel.sync import spin_counter
 EXPERT_OPS = (Op.EXPERT_GATEUP, Op.EXPERT_DOWN)
 
 
-class Experts:
+class Experts(Handler):
     """Run-time binding of the expert slab records and the MOE_COMBINE handler."""
 
     def __init__(self, spec: KernelSpec):
         ops = OpTable.for_spec(spec)
         self.codes = ops.epilogue("expert_gateup") + ops.epilogue("expert_down")
         self.on = bool(self.codes)  # the build handles the expert records
-        self.N, self.H, self.NO = spec.rows, spec.hidden, spec.no
+        self.N, self.H, self.NO, self.NT = spec.rows, spec.hidden, spec.no, spec.num_threads
         if spec.moe:
             _e, self.top_k, self.I, _g, _tg, shared = spec.moe[:6]
             self.slots = self.top_k + shared
             self.stride = mi.x_stride(self.I, self.H)
         for name in ("SLOT", "WORK_OFF"):  # read as EXPERT_GATEUP's words for both opcodes
             shared_word(EXPERT_OPS, name)
+
+    @cute.jit
+    def run(self, op: Int32, s: Step):  # MOE_COMBINE
+        self.combine(s.rec, s.f32, s.i32, s.tidx, self.NT)
 
     # ---- binding --------------------------------------------------------------------------------
     @cute.jit

@@ -18,6 +18,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from megakernel.isa import Op
 from megakernel.kernel.attention import prefetch_span
 from megakernel.kernel.fields import word
+from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.matvec import warp_argmax
 from megakernel.kernel.memory import ld, st
 from megakernel.kernel.moe_router_index import (
@@ -35,7 +36,7 @@ from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
 
 
-class MoERouter:
+class MoERouter(Handler):
     """The ROUTER_SCORE and ROUTER handlers of a build (KernelSpec.moe baked in)."""
 
     def __init__(self, spec: KernelSpec):
@@ -50,9 +51,21 @@ class MoERouter:
         self.eps = spec.eps
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier
 
+    @cute.jit
+    def prefetch(self, op: Int32, s: Step):
+        if op == Op.ROUTER_SCORE:
+            self.prefetch_rows(s.rec, s.f32, s.tidx)
+
+    @cute.jit
+    def run(self, op: Int32, s: Step):
+        if op == Op.ROUTER_SCORE:
+            self.score(s.rec, s.weights, s.f32, s.sRstd, s.warp, s.lane)
+        else:
+            self.route(s.rec, s.f32, s.i32, s.warp, s.lane)
+
     # ---- ROUTER_SCORE -----------------------------------------------------------------------
     @cute.jit
-    def prefetch(self, rec: cute.Tensor, pF: cute.Pointer, tidx: Int32):
+    def prefetch_rows(self, rec: cute.Tensor, pF: cute.Pointer, tidx: Int32):
         """L2 prefetch of the block's NE fp32 router rows (they predate the step)."""
         k, ro = rec[word(Op.ROUTER_SCORE, "K")], rec[word(Op.ROUTER_SCORE, "ROUTER_OFF")]
         e0, ne = rec[word(Op.ROUTER_SCORE, "E0")], rec[word(Op.ROUTER_SCORE, "NE")]

@@ -111,7 +111,7 @@ ATTN_PARTIAL = register(OpSpec(
     "merges splits 0..S-1 in order (M = max m, out = sum(o_s e^(m_s - M)) / sum(l_s e^(m_s - M)))"
     ", multiplies by sigmoid(gate) (header OUTPUT_GATE), rounds to bf16, stores heads g*G .. "
     "g*G+G-1 of all T tokens and adds 1 to DONE_CID (B * Hkv increments per step).",
-    reach=True, ticket=True, device=True))
+    reach=True, ticket=True, device=True, handler="attention.Attention"))
 
 
 @register_kind

@@ -66,7 +66,7 @@ GDN_CORE, GDN_REPLAY = register_core_ops(
      "S_c^T (e^G(t,c) k) - sum_{j<t} (e^G(t,j) k_j . k) u_j), o_t = S_c^T (e^G(t,c) q) + "
      "sum_{j<=t} (e^G(t,j) k_j . q) u_j, appends (k, u_t, g) at ring position t; then if n + T "
      ">= L (header REPLAY_WINDOW) it folds all n + T entries into S_c and stores count 0, else "
-     "n + T."), device=(True, True))
+     "n + T."), handler=("gdn.GatedDeltaRule",) * 2)
 
 
 @register_kind

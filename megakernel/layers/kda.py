@@ -51,7 +51,7 @@ KDA_CORE, KDA_REPLAY = register_core_ops(
     22, "KDA", "kda", _UNIT,
     ("conv + low-rank decay/gate + KDA delta rule (recurrent) + gated norm of one (sequence, "
      "head)", "as KDA_CORE by ReplaySSM (committed state + ring, fold every L)"), _NOTES,
-    device=(True, True))
+    handler=("kda.KimiDeltaAttention",) * 2)
 
 
 @register_kind

@@ -70,7 +70,8 @@ MAMBA_CORE, MAMBA_REPLAY = register_core_ops(
      "ReplaySSM: with n committed entries (x, B, dt) and Lam(t, j) = A * sum of dt over (j, t]: "
      "y_t = e^Lam(t,c) S_c C_t + sum_{j<=t} dt_j e^Lam(t,j) (B_j . C_t) x_j + D x_t; appends "
      "the T entries; folds when n + T >= L (S_c <- e^Lam(n+T,c) S_c + sum_j x_j (dt_j "
-     "e^Lam(n+T,j) B_j)^T, count 0)."), device=(True, True))
+     "e^Lam(n+T,j) B_j)^T, count 0)."), handler=("mamba2.Mamba2",
+                                                        "mamba_replay.Mamba2Replay"))
 
 
 @register_kind

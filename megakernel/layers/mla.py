@@ -72,7 +72,8 @@ MLA_Q = register(OpSpec(
         ("QLAT_OFF", "f32: latent query [N, H, r]"),
     ),
     notes="For every row n: q_lat[n, h] = sum_i bf16(q[n, h, i]) W_UK_h[i, :] over the dn "
-    "non-rotary columns of head h, fp32 accumulation.", device=True))
+    "non-rotary columns of head h, fp32 accumulation.", device=True,
+    handler="mla.LatentAttention"))
 
 MLA = register(OpSpec(
     24, "MLA", "mla", "latent norm -> latent cache, split-KV attention of one (sequence, split) "
@@ -97,7 +98,7 @@ MLA = register(OpSpec(
     "score = (q_lat[n, h] . c + bf16(q_rope[n, h]) . k_rope) / sqrt(dn + dr) in fp32, partial "
     "m = max score, l = sum e^(score - m), o = sum e^(score - m) c [r] (an empty range: m = -inf, "
     "l = 0, o = 0) -> split s of PO_OFF / PML_OFF, rows bT .. bT + T - 1.",
-    reach=True, device=True))
+    reach=True, device=True, handler="mla.LatentAttention"))
 
 MLA_O = register(OpSpec(
     30, "MLA_O", "mla", "merge one head's MLA splits and apply W_UV after the attention, all N "
@@ -112,7 +113,7 @@ MLA_O = register(OpSpec(
     ),
     notes="For every row n: merge splits 0..S-1 of head h in order (M = max m_s, o_lat = "
     "sum o_s e^(m_s - M) / sum l_s e^(m_s - M)), o = W_UV_h o_lat in fp32 -> bf16 columns "
-    "h dv .. (h + 1) dv.", device=True))
+    "h dv .. (h + 1) dv.", device=True, handler="mla.LatentAttention"))
 
 
 def split_keys(s: int, n_splits: int, context: int, tokens: int) -> tuple[int, int]:

@@ -118,7 +118,7 @@ ROUTER_SCORE = register(OpSpec(
     ),
     notes="logits[n, e] = W_r[e] . bf16(RMSNorm(h[n])) in fp32 for e in [E0, E0 + NE), all N "
     "rows; the block's NE x K fp32 router rows are prefetched when the CTA reaches the record.",
-    reach=True, device=True))
+    reach=True, device=True, handler="moe_router.MoERouter"))
 ROUTER = register(OpSpec(
     25, "ROUTER", "moe", "router logits -> group-limited top-k expert ids, weights, work list",
     (
@@ -134,7 +134,7 @@ ROUTER = register(OpSpec(
     "top_k experts of those groups by choice (ties: the lower expert id); weights "
     "s_e / (sum + 1e-20) * scaling (header). Then the whole work list: row w = [the w-th "
     "smallest routed expert, m, its m pairs p = n top_k + s ascending, -1 ...], rows past the "
-    "routed experts [-1, 0, -1 ...].", device=True))
+    "routed experts [-1, 0, -1 ...].", device=True, handler="moe_router.MoERouter"))
 _EXPERT = (("SLOT", "work-list slot bound at run time (-1: the shared expert, every row)"),
            ("WORK_OFF", "i32: the work list [W, 2 + N]"))
 EXPERT_GATEUP = register(OpSpec(
@@ -162,7 +162,8 @@ MOE_COMBINE = register(OpSpec(
         ("OUT_OFF", "f32: h [N, H]"),
     ),
     notes="h[n, cols] += (sum over the top_k slots in increasing expert id of w * moe_y[n, s]) + "
-    "moe_y[n, top_k] (the shared expert, header MOE_SHARED = 1).", device=True))
+    "moe_y[n, top_k] (the shared expert, header MOE_SHARED = 1).", device=True,
+    handler="moe.Experts"))
 
 
 @register_kind

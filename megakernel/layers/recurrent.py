@@ -45,14 +45,16 @@ def core_operands(unit: tuple[str, str], replay: bool) -> tuple[tuple[str, str],
 def register_core_ops(code: int, prefix: str, kind: str, unit: tuple[str, str],
                       docs: tuple[str, str], notes: str,
                       how: tuple[str, str] = ("", ""),
-                      device: tuple[bool, bool] = (False, False)) -> tuple[OpCode, OpCode]:
+                      handler: tuple[str | None, str | None] = (None, None)
+                      ) -> tuple[OpCode, OpCode]:
     """Register a recurrent kind's two core ops: `<prefix>_CORE` (code, recurrent) and
     `<prefix>_REPLAY` (code + 1, ReplaySSM); they share the unit and the notes, `how` adds what
-    only one of them does, `device` says which the kernel implements."""
+    only one of them does, `handler` names each one's device handler class (OpSpec.handler; None:
+    the kernel does not implement it)."""
     return tuple(register(OpSpec(code + r, f"{prefix}_{('CORE', 'REPLAY')[r]}", kind, docs[r],
                                  core_operands(unit, bool(r)),
                                  notes=f"{notes} {how[r]}".rstrip(), reach=True,
-                                 device=device[r]))
+                                 device=handler[r] is not None, handler=handler[r]))
                  for r in (0, 1))
 
 

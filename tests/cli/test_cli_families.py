@@ -135,7 +135,8 @@ def test_kernel_backend_names_the_missing_device_handlers(capsys, monkeypatch, r
 
     for name in (core, "MLA"):
         op = isa.spec(getattr(isa.Op, name))
-        monkeypatch.setitem(registry._SPECS, int(op.code), dataclasses.replace(op, device=False))
+        monkeypatch.setitem(registry._SPECS, int(op.code),
+                            dataclasses.replace(op, device=False, handler=None))
     extra = ("--replay-window", "3") if replay else ()
     rc, _, err = _run(capsys, "generate", "--model", "kimi-linear-tiny", "--backend", "kernel",
                       *extra)

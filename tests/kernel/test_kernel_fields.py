@@ -91,7 +91,8 @@ def test_no_record_word_by_number_or_queue_read_around_the_helpers():
 
 def test_opcodes_are_not_tested_by_range_or_by_a_matvec_name():
     """Opcode sets come from the registry (fields.OpTable); an opcode is named in a comparison
-    only by its own handler's dispatch (EMBED, ATTN_PARTIAL, ARGMAX, the queue's END)."""
+    only by the loop's own dispatch (EMBED, ARGMAX, the queue's END) or by a handler class of
+    opcodes that are not matvecs."""
     for n, tree in _trees().items():
         for node in ast.walk(tree):
             if not isinstance(node, ast.Compare):
@@ -103,8 +104,9 @@ def test_opcodes_are_not_tested_by_range_or_by_a_matvec_name():
             assert all(isinstance(o, ast.Eq | ast.NotEq) for o in node.ops), \
                 f"{n}: opcode range test {_name(node)}"
             for op in named:
-                assert op in fields.OWN_HANDLERS, f"{n}: {_name(node)} (dispatch matvec opcodes " \
-                    "by the registry's `matvec` epilogue)"
+                assert op in fields.BUILTIN or isa.spec(getattr(isa.Op, op)).handler, \
+                    f"{n}: {_name(node)} (dispatch matvec opcodes by the registry's `matvec` " \
+                    "epilogue)"
 
 
 def test_field_helpers_follow_the_registry(monkeypatch):
@@ -200,3 +202,23 @@ def test_traced_kernel_reads_the_registry_words(monkeypatch, tmp_path, kernel_bu
     monkeypatch.setitem(registry._SPECS, am.code, dataclasses.replace(am, operands=tuple(ops)))
     ptx1 = Path(compile_to(s, str(tmp_path / "b"))[0]).read_text()
     assert ptx0 != ptx1
+
+
+def test_every_device_opcode_has_its_handler_class_or_epilogue():
+    """Each device opcode that is not a matvec names a kernel.handler.Handler class with `run`
+    (its declaration is where the loop finds it); a build makes one instance per class with that
+    class's opcodes of the build; a declared handler of a non-device opcode is refused."""
+    from megakernel.kernel.handler import Handler, handler_class, handlers_for
+
+    for s in isa.specs():
+        if s.device and s.matvec is None and s.name not in fields.BUILTIN:
+            cls = handler_class(s.handler)
+            assert issubclass(cls, Handler) and cls.run is not Handler.run, s.name
+    spec = spec_mod.make_spec(preset("kimi-linear-tiny"), 1, 1, "sm_90a", replay_window=4)
+    got = {type(h).__name__: {isa.spec(c).name for c in h.ops}
+           for h in handlers_for(spec, OpTable.for_spec(spec).handled)}
+    assert got == {"KimiDeltaAttention": {"KDA_REPLAY"},
+                   "LatentAttention": {"MLA_Q", "MLA", "MLA_O"},
+                   "MoERouter": {"ROUTER_SCORE", "ROUTER"}, "Experts": {"MOE_COMBINE"}}
+    with pytest.raises(ValueError, match="handler class is for device opcodes"):
+        dataclasses.replace(isa.spec(isa.Op.MLA), device=False)
