@@ -75,6 +75,11 @@ class GDNShape:
            cap: int = 0) -> GDNShape:
         return cls(*gdn, batch, tokens, num_warps, cap)
 
+    @classmethod
+    def for_spec(cls, spec) -> GDNShape:  # noqa: ANN001 (KernelSpec)
+        """The shape of a build (its KernelSpec.gdn)."""
+        return cls.of(spec.gdn, spec.batch, spec.tokens, spec.num_warps, spec.ring_cap)
+
     # ---- sizes ---------------------------------------------------------------------------------
     rep = property(lambda self: self.hv // self.hk)  # R: value heads per key head (per record)
     key_dim = property(lambda self: self.hk * self.dk)

@@ -43,6 +43,11 @@ class KDAShape(GDNShape):
         h, d, k = kda
         return cls(h, h, d, d, k, batch, tokens, num_warps, cap)
 
+    @classmethod
+    def for_spec(cls, spec) -> KDAShape:  # noqa: ANN001 (KernelSpec)
+        """The shape of a build (its KernelSpec.kda)."""
+        return cls.of(spec.kda, spec.batch, spec.tokens, spec.num_warps, spec.ring_cap)
+
     d = property(lambda self: self.dk)
 
     @property

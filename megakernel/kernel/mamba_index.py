@@ -77,6 +77,11 @@ class MambaShape:
            cap: int = 0) -> MambaShape:
         return cls(*mamba, batch, tokens, num_warps, cap)
 
+    @classmethod
+    def for_spec(cls, spec) -> MambaShape:  # noqa: ANN001 (KernelSpec)
+        """The shape of a build (its KernelSpec.mamba)."""
+        return cls.of(spec.mamba, spec.batch, spec.tokens, spec.num_warps, spec.ring_cap)
+
     # ---- sizes ---------------------------------------------------------------------------------
     rep = property(lambda self: self.heads // self.groups)  # R: heads per group (per record)
     d_inner = property(lambda self: self.heads * self.head_dim)  # ssm_out columns

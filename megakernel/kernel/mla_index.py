@@ -61,6 +61,11 @@ class MLAShape:
     def of(cls, mla: tuple[int, ...], batch: int, tokens: int, num_threads: int) -> MLAShape:
         return cls(*mla, batch, tokens, num_threads)
 
+    @classmethod
+    def for_spec(cls, spec) -> MLAShape:  # noqa: ANN001 (KernelSpec)
+        """The shape of a build (its KernelSpec.mla)."""
+        return cls.of(spec.mla, spec.batch, spec.tokens, spec.num_threads)
+
     # ---- sizes ---------------------------------------------------------------------------------
     rows = property(lambda self: self.batch * self.tokens)  # N
     dqk = property(lambda self: self.nope + self.rope)  # q head width in proj

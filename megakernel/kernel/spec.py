@@ -12,6 +12,7 @@ This module imports neither the DSL nor CUDA: the runtime and the CPU tests use 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -597,14 +598,16 @@ class KernelSpec:
     @property
     def matvec_ks(self) -> tuple[int, ...]:
         """Every K a matvec of the build has: H (QKV, GATEUP, PROJ, LMHEAD), Hq D (o_proj), I
-        (down), and the recurrent layers' out_proj inputs (GDN: Hv dv; Mamba2: H P)."""
-        ks = (self.hidden, self.heads * self.head_dim, self.inter)
-        g, m = self.gdn_shape, self.mamba_shape
-        return (ks + ((g.value_dim,) if g is not None else ())
-                + ((m.d_inner,) if m is not None else ())
-                + ((self.kda[0] * self.kda[1],) if self.kda else ())  # KDA out_proj: H d
-                + ((self.mla[0] * self.mla[4],) if self.mla else ())  # MLA o_proj: H dv
-                + ((self.moe[2],) if self.moe else ()))  # an expert's down: I_e
+        (down), then those of the other kinds' matrices as each declares them
+        (LayerKind.matvec_shapes: the recurrent and MLA out_proj inputs, an expert's I)."""
+        from megakernel.layers import all_kinds
+
+        ks = [self.hidden, self.heads * self.head_dim, self.inter]
+        for kd in all_kinds().values():
+            if kd.spec_field and getattr(self, kd.spec_field, ()):
+                for mats in kd.matvec_shapes(getattr(self, kd.spec_field), self.hidden).values():
+                    ks += [k for k, _ in mats if k not in ks]
+        return tuple(ks)
 
     @property
     def k_max(self) -> int:
@@ -641,41 +644,18 @@ class KernelSpec:
     def attn_queries(self) -> int:  # T * G queries per (sequence, kv head)
         return self.tokens * self.group
 
-    @property
-    def gdn_shape(self):  # noqa: ANN201 (gdn_index.GDNShape | None)
-        """The GDN handler's index arithmetic for this build (None: no GDN layers)."""
-        from megakernel.kernel.gdn_index import GDNShape
-
-        if not self.gdn:
+    def kind_shape(self, field: str):  # noqa: ANN201 (a *_index shape | None)
+        """The index arithmetic of a kind's handler for this build (KIND_SHAPES; None: the model
+        has no such layers)."""
+        if not getattr(self, field):
             return None
-        return GDNShape.of(self.gdn, self.batch, self.tokens, self.num_warps, self.ring_cap)
+        module, cls, _ = KIND_SHAPES[field]
+        return getattr(importlib.import_module(f"megakernel.kernel.{module}"), cls).for_spec(self)
 
-    @property
-    def kda_shape(self):  # noqa: ANN201 (kda_index.KDAShape | None)
-        """The KDA handler's index arithmetic for this build (None: no KDA layers)."""
-        from megakernel.kernel.kda_index import KDAShape
-
-        if not self.kda:
-            return None
-        return KDAShape.of(self.kda, self.batch, self.tokens, self.num_warps, self.ring_cap)
-
-    @property
-    def mamba_shape(self):  # noqa: ANN201 (mamba_index.MambaShape | None)
-        """The Mamba2 handler's index arithmetic for this build (None: no Mamba2 layers)."""
-        from megakernel.kernel.mamba_index import MambaShape
-
-        if not self.mamba:
-            return None
-        return MambaShape.of(self.mamba, self.batch, self.tokens, self.num_warps, self.ring_cap)
-
-    @property
-    def mla_shape(self):  # noqa: ANN201 (mla_index.MLAShape | None)
-        """The latent-attention handlers' index arithmetic (None: no MLA layers)."""
-        from megakernel.kernel.mla_index import MLAShape
-
-        if not self.mla:
-            return None
-        return MLAShape.of(self.mla, self.batch, self.tokens, self.num_threads)
+    gdn_shape = property(lambda self: self.kind_shape("gdn"))  # gdn_index.GDNShape | None
+    kda_shape = property(lambda self: self.kind_shape("kda"))  # kda_index.KDAShape | None
+    mamba_shape = property(lambda self: self.kind_shape("mamba"))  # mamba_index.MambaShape
+    mla_shape = property(lambda self: self.kind_shape("mla"))  # mla_index.MLAShape | None
 
     @property
     def ring_cap(self) -> int:
@@ -695,9 +675,8 @@ class KernelSpec:
         """Shared memory the recurrent core handlers and the latent-attention handlers (MLA)
         use (the largest of the model's kinds): a span from the start of the carve-up over the
         consumers' regions (x, acc, ..., none of them live across records)."""
-        shapes = (s for s in (self.gdn_shape, self.mamba_shape, self.kda_shape, self.mla_shape)
-                  if s is not None)
-        return max((4 * s.smem()["words"] for s in shapes), default=0)
+        shapes = (self.kind_shape(f) for f in KIND_SHAPES)
+        return max((4 * s.smem()["words"] for s in shapes if s is not None), default=0)
 
     # shared memory carve-up (bytes, every region 128-byte aligned)
     def smem_regions(self) -> dict[str, tuple[int, int]]:
@@ -781,26 +760,12 @@ class KernelSpec:
         if self.smem_bytes > SMEM_BUDGET:
             raise SpecError(f"the kernel needs {self.smem_bytes} B of shared memory > budget "
                             f"{SMEM_BUDGET}")
-        if self.gdn:
-            from megakernel.kernel.gdn_index import check_gdn
-
-            if check_gdn(self.gdn_shape):
-                raise SpecError(check_gdn(self.gdn_shape))
-        if self.kda:
-            from megakernel.kernel.kda_index import check_kda
-
-            if check_kda(self.kda_shape):
-                raise SpecError(check_kda(self.kda_shape))
-        if self.mla:
-            from megakernel.kernel.mla_index import check_mla
-
-            if check_mla(self.mla_shape):
-                raise SpecError(check_mla(self.mla_shape))
-        if self.mamba:
-            from megakernel.kernel.mamba_index import check_mamba
-
-            if check_mamba(self.mamba_shape):
-                raise SpecError(check_mamba(self.mamba_shape))
+        for field, (module, _, check) in KIND_SHAPES.items():
+            if getattr(self, field):
+                why = getattr(importlib.import_module(f"megakernel.kernel.{module}"), check)(
+                    self.kind_shape(field))
+                if why:
+                    raise SpecError(why)
         from megakernel.layers import all_kinds
 
         replay_codes = {k.replay_op for k in all_kinds().values() if k.recurrent}
@@ -853,6 +818,14 @@ def rope_layout_error(rotary: int, head_dim: int) -> str:
 
 # the layer kinds of a dense stack: what a spec without `ops` handles
 DENSE_KINDS = ("attention", "swiglu")
+# the kinds' index arithmetic (a pure-python *_index module each, shared by the device code and
+# its host emulation): spec field -> (module, shape class with for_spec, its check)
+KIND_SHAPES = {
+    "gdn": ("gdn_index", "GDNShape", "check_gdn"),
+    "kda": ("kda_index", "KDAShape", "check_kda"),
+    "mamba": ("mamba_index", "MambaShape", "check_mamba"),
+    "mla": ("mla_index", "MLAShape", "check_mla"),
+}
 # spec fields that enter a build's tag only when set (the tags of the builds before them hold)
 _TAG_IF_SET = ("paged", "kda", "mla", "moe")
 # the kinds' KernelSpec fields (LayerKind.spec_field), filled by make_spec
