@@ -49,3 +49,14 @@ def test_kda_handler_is_compiled_in(kimi_builds):
                for w in (0, WINDOW)}
         assert len(MATH_PTX.findall(ptx[0])) >= 8, arch
         assert len(MATH_PTX.findall(ptx[WINDOW])) > len(MATH_PTX.findall(ptx[0])), arch
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_the_real_kimi_preset_builds_for_both_archs(kernel_build, window):
+    """kimi-linear-48b-a3b at B = 1 (its gpu-check benchmark's build), recurrent and ReplaySSM
+    L = 16: every handler compiled in, within the budgets, on the default weight pipeline."""
+    cfg = preset("kimi-linear-48b-a3b")
+    builds = {arch: kernel_build(cfg, arch, 1, 1, replay_window=window) for arch in ARCHS}
+    for s in specs_within_budgets(builds).values():
+        assert set(s.handled_ops) == program_ops(cfg, bool(window)) and s.pipelined
+        assert s.kda == (32, 128, 4) and s.mla == (32, 512, 128, 64, 128)
