@@ -205,15 +205,8 @@ class DecodeMegakernel:
                 else:
                     self.matvec.run(op, rec, layer, weights, f32, bf16, i32, k_cache, v_cache,
                                     s_max, len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)
-            else:  # the handler classes' opcodes (handler.py)
-                if cutlass.const_expr(len(self.handlers) > 0):
-                    if none_of(op, self.ops.own):  # no handler in this build: fail the launch
-                        cute.arch.inline_ptx("trap;")
-                    for h in cutlass.range_constexpr(len(self.handlers)):
-                        if one_of(op, self.handlers[h].ops):
-                            self.handlers[h].run(op, st)
-                else:
-                    cute.arch.inline_ptx("trap;")
+            else:  # the handler classes' opcodes (handler.py), else a trap
+                self.dispatch(op, st, 0)
             if cutlass.const_expr(len(self.ops.ticket) > 0):
                 if none_of(op, self.ops.ticket):  # a ticket opcode signals from its merge
                     sync.signal_counter(counters, rec[common("SIGNAL_CID")], tidx, named)
@@ -231,6 +224,19 @@ class DecodeMegakernel:
             if tidx == 0:
                 self.pipe.check_done(mbar, j)
         sync.finish_step(counters, epoch, num_ctas, tidx, named)
+
+    @cute.jit
+    def dispatch(self, op: Int32, st: Step, i: int):
+        """Run `op` by handler i if it is one of its opcodes, else try handler i + 1 (an if/elif
+        chain unrolled at trace time); past the last handler: an opcode this build has no
+        handler for, which fails the launch."""
+        if cutlass.const_expr(i == len(self.handlers)):
+            cute.arch.inline_ptx("trap;")
+        else:
+            if one_of(op, self.handlers[i].ops):
+                self.handlers[i].run(op, st)
+            else:
+                self.dispatch(op, st, i + 1)
 
     def region(self, raw: cute.Tensor, name: str, dtype):
         off, nbytes = self.regions[name]

@@ -356,8 +356,8 @@ def test_stage_tables_cover_what_the_issue_asks():
     kimi = {(c.batch, c.tokens, c.replay_window) for c in STAGES[1].groups[0].cases
             if c.model == "kimi-linear-tiny" and c.executor_steps > 0}
     assert {(b, 1, w) for b in (1, 4) for w in (0, 4)} <= kimi
-    assert {c.batch for g in STAGES[1].groups if g.variant == "global" for c in g.cases
-            if c.model == "kimi-linear-tiny"} == {1}  # B = 4 is over the budget there
+    assert {(c.batch, c.tokens) for g in STAGES[1].groups if g.variant == "global"
+            for c in g.cases if c.model == "kimi-linear-tiny"} == {(1, 1)}  # over budget else
     from megakernel.gpu_check.cases import BENCH_CASES
 
     assert any(c.model == "kimi-linear-48b-a3b" and c.synthetic and c.batch == 1

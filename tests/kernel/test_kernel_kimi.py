@@ -2,8 +2,8 @@
 (KDA_CORE or KDA_REPLAY, MLA_Q / MLA / MLA_O, ROUTER_SCORE / ROUTER, the expert slabs,
 MOE_COMBINE), recurrent and by ReplaySSM (fold window 4), at (B, T) = (1, 1), (1, 4), (4, 1) on
 the weight pipeline and (1, 1) on the global-memory path, within the register/spill/local
-budgets (the session build cache). The global-memory path at B = 4 is over the register budget
-with all of Kimi's handlers in one kernel, so gpu-check runs Kimi's B = 4 cases piped only."""
+budgets (the session build cache). The global-memory path at B = 4 or T = 4 is over the register
+budget with all of Kimi's handlers in one kernel, so gpu-check runs those shapes piped only."""
 
 from __future__ import annotations
 
