@@ -74,8 +74,8 @@ from megakernel.models.weights import WeightError, check_weights, expected_shape
 
 from .layers import ReferenceLayer, layer_class
 from .layers.attention import KVLayerCache
-from .layers.mla import MLACache
 from .layers.common import MODES, ReferenceError, linear, model_norm, store
+from .layers.mla import MLACache
 from .layers.replay import (
     DEFAULT_WINDOW,
     commit_layer,
