@@ -21,7 +21,7 @@ from megakernel.isa import Op
 from megakernel.kernel.fields import word
 from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.memory import ld, st
-from megakernel.kernel.mla_index import LANES, LATENT_NORM_EPS
+from megakernel.kernel.mla_index import BATCH, LANES, LATENT_NORM_EPS
 from megakernel.kernel.spec import KernelSpec, attn_keys, attn_scale, kv_row, kv_slot
 from megakernel.kernel.sync import cta_sync
 
@@ -66,13 +66,19 @@ class LatentAttention(Handler):
         p, j = m.q_part(tidx)
         i0, i1 = m.part_rows(p)
         acc = cute.make_rmem_tensor((N,), Float32)
+        w = cute.make_rmem_tensor((BATCH,), Float32)
         for jc in cutlass.range(0, m.rank, m.rc, unroll=1):
             cta_sync(self.named)  # sQ staged / the previous pass's sums read
             acc.fill(0.0)
-            for i in cutlass.range(i0, i1, unroll=1):
-                w = ld(pW, kvb + Int64(m.w_uk(h, i, jc + j))).to(Float32)
-                for n in cutlass.range_constexpr(N):
-                    acc[n] = acc[n] + sS[sm["q"] + n * m.nope + i] * w
+            for ib in cutlass.range(i0, i1, BATCH, unroll=1):  # BATCH rows' loads in flight
+                for u in cutlass.range_constexpr(BATCH):
+                    w[u] = Float32(0.0)
+                    if ib + u < i1:
+                        w[u] = ld(pW, kvb + Int64(m.w_uk(h, ib + u, jc + j))).to(Float32)
+                for u in cutlass.range_constexpr(BATCH):
+                    if ib + u < i1:
+                        for n in cutlass.range_constexpr(N):
+                            acc[n] = acc[n] + sS[sm["q"] + n * m.nope + ib + u] * w[u]
             for n in cutlass.range_constexpr(N):
                 sS[sm["red"] + m.red(p, n, j)] = acc[n]
             cta_sync(self.named)
@@ -111,15 +117,7 @@ class LatentAttention(Handler):
         for k0 in cutlass.range(lo, hi, m.kc, unroll=1):
             nk = cutlass.min(hi - k0, Int32(m.kc))
             cta_sync(self.named)  # the new latents stored / the previous chunk consumed
-            for idx in cutlass.range(tidx, nk * m.width32, self.NT, unroll=1):
-                kk = idx // m.width32
-                d = idx - kk * m.width32
-                v = Float32(0.0)
-                if d < m.rank:
-                    v = ld(pK, m.c_elem(row0 + Int64(k0 + kk), d)).to(Float32)
-                elif d < m.width:
-                    v = ld(pV, m.kr_elem(row0 + Int64(k0 + kk), d - m.rank)).to(Float32)
-                sS[sm["lat"] + kk * m.ls + d] = v
+            self.stage_chunk(row0, k0, nk, pK, pV, sS, tidx)
             cta_sync(self.named)
             self.scores(b, s, n_splits, length, k0, proj, qlat, pF, sS, warp, lane)
             cta_sync(self.named)
@@ -128,7 +126,7 @@ class LatentAttention(Handler):
                 if qi < m.queries:
                     acc = o[u] * sS[sm["alpha"] + qi]
                     for kk in cutlass.range(nk, unroll=1):
-                        acc = acc + sS[sm["p"] + qi * m.kc + kk] * sS[sm["lat"] + kk * m.ls + j]
+                        acc = acc + sS[sm["p"] + qi * m.kc + kk] * sS[sm["lat"] + m.lat(kk, j)]
                     o[u] = acc
         for u in cutlass.range_constexpr(m.owned):
             qi, j = m.own(tidx, u)
@@ -141,57 +139,95 @@ class LatentAttention(Handler):
             st(pF, pml + m.pml(s, b * T + t, h) + 1, sS[sm["l"] + qi])
 
     @cute.jit
+    def stage_chunk(self, row0: Int64, k0: Int32, nk: Int32, pK: cute.Pointer, pV: cute.Pointer,
+                    sS: cute.Tensor, tidx: Int32):
+        """The chunk's nk cached latents [c | k_rope | 0] -> fp32 rows of shared memory: thread
+        tidx copies elements tidx + NT i, BATCH of them loaded before any is stored."""
+        m, nt = self.m, self.NT
+        total = nk * m.width32
+        v = cute.make_rmem_tensor((BATCH,), Float32)
+        for ib in cutlass.range(tidx, total, nt * BATCH, unroll=1):
+            for u in cutlass.range_constexpr(BATCH):
+                idx = ib + u * nt
+                kk = idx // m.width32
+                d = idx - kk * m.width32
+                v[u] = Float32(0.0)
+                if idx < total:
+                    if d < m.rank:
+                        v[u] = ld(pK, m.c_elem(row0 + Int64(k0 + kk), d)).to(Float32)
+                    elif d < m.width:
+                        v[u] = ld(pV, m.kr_elem(row0 + Int64(k0 + kk), d - m.rank)).to(Float32)
+            for u in cutlass.range_constexpr(BATCH):
+                idx = ib + u * nt
+                kk = idx // m.width32
+                if idx < total:
+                    sS[self.sm["lat"] + m.lat(kk, idx - kk * m.width32)] = v[u]
+
+    @cute.jit
     def store_latents(self, b: Int32, length: Int32, lo: Int32, hi: Int32, proj: Int32,
                       norm_w: Int64, row0: Int64, pW: cute.Pointer, pF: cute.Pointer,
                       pK: cute.Pointer, pV: cute.Pointer, warp: Int32, lane: Int32):
         """A warp per new position of the split: c = bf16(RMSNorm(c) NORM_W), k_rope =
         bf16(k_rope) from proj -> the latent cache."""
         m = self.m
+        nc, nr = m.rank // LANES, -(-m.rope // LANES)  # a lane's c and k_rope columns
         k_new, k_end = m.new_keys(lo, hi, length, cutlass.max)
+        x = cute.make_rmem_tensor((nc,), Float32)
+        g = cute.make_rmem_tensor((nc,), Float32)
+        kr = cute.make_rmem_tensor((nr,), Float32)
         for pos in cutlass.range(k_new + warp, k_end, self.NW, unroll=1):
             n = b * self.T + pos - length
+            for c in cutlass.range_constexpr(nc):  # every load in flight, then the sums
+                x[c] = ld(pF, proj + m.proj(n, m.lat_col(c * LANES + lane)))
+                g[c] = ld(pW, norm_w + Int64(c * LANES + lane)).to(Float32)
+            for c in cutlass.range_constexpr(nr):
+                kr[c] = Float32(0.0)
+                if c * LANES + lane < m.rope:
+                    kr[c] = ld(pF, proj + m.proj(n, m.lat_col(m.rank + c * LANES + lane)))
             ss = Float32(0.0)
-            for d in cutlass.range(lane, m.rank, LANES, unroll=1):
-                x = ld(pF, proj + m.proj(n, m.lat_col(d)))
-                ss = ss + x * x
+            for c in cutlass.range_constexpr(nc):
+                ss = ss + x[c] * x[c]
             ss = cute.arch.warp_reduction_sum(ss)
             rstd = Float32(1.0) / cute.math.sqrt(ss / Float32(m.rank) + Float32(LATENT_NORM_EPS))
             row = row0 + Int64(pos)
-            for d in cutlass.range(lane, m.rank, LANES, unroll=1):
-                x = ld(pF, proj + m.proj(n, m.lat_col(d)))
-                y = x * rstd * ld(pW, norm_w + Int64(d)).to(Float32)
-                st(pK, m.c_elem(row, d), y.to(BFloat16))
-            for d in cutlass.range(lane, m.rope, LANES, unroll=1):
-                x = ld(pF, proj + m.proj(n, m.lat_col(m.rank + d)))
-                st(pV, m.kr_elem(row, d), x.to(BFloat16))
+            for c in cutlass.range_constexpr(nc):
+                st(pK, m.c_elem(row, c * LANES + lane), (x[c] * rstd * g[c]).to(BFloat16))
+            for c in cutlass.range_constexpr(nr):
+                if c * LANES + lane < m.rope:
+                    st(pV, m.kr_elem(row, c * LANES + lane), kr[c].to(BFloat16))
 
     @cute.jit
     def scores(self, b: Int32, s: Int32, n_splits: Int32, length: Int32, k0: Int32, proj: Int32,
                qlat: Int32, pF: cute.Pointer, sS: cute.Tensor, warp: Int32, lane: Int32):
-        """A warp per query over the staged chunk (lane = key): the online softmax's (m, l),
-        alpha and the chunk's e^(score - m) in shared memory."""
+        """A warp per query over the staged chunk: lanes over the query's dims (its W32 / 32
+        values loaded at once), one accumulator per key of the chunk, each reduced over the warp
+        (lane kk keeps key kk's score); then the online softmax's (m, l), alpha and the chunk's
+        e^(score - m) in shared memory."""
         m, T, sm = self.m, self.T, self.sm
         for qi in cutlass.range(warp, m.queries, self.NW, unroll=1):
             t, h = m.query(qi)
             n = b * T + t
             _, ke = attn_keys(s, n_splits, length, t, 0, 1, T, cutlass.min, cutlass.max)
-            krow = sm["lat"] + lane * m.ls  # this lane's key row (lanes past KC: row KC - 1)
-            if cutlass.const_expr(m.kc < LANES):
-                krow = sm["lat"] + cutlass.min(lane, Int32(m.kc - 1)) * m.ls
-            dot = Float32(0.0)
-            for d0 in cutlass.range(0, m.width32, LANES, unroll=1):
-                d = d0 + lane  # this lane's query dim: [q_lat | bf16(q_rope) | 0 padding]
-                qv = Float32(0.0)
-                if d < m.rank:
-                    qv = ld(pF, qlat + m.qlat(n, h, d))
-                elif d < m.width:
-                    qv = ld(pF, proj + m.proj(n, m.q_col(h, m.nope + d - m.rank))).to(
-                        BFloat16).to(Float32)
-                for jj in cutlass.range_constexpr(LANES):
-                    dot = dot + cute.arch.shuffle_sync(qv, jj) * sS[krow + d0 + jj]
+            qv = cute.make_rmem_tensor((m.dim_steps,), Float32)
+            for c in cutlass.range_constexpr(m.dim_steps):  # [q_lat | bf16(q_rope) | 0 padding]
+                d = c * LANES + lane
+                if cutlass.const_expr((c + 1) * LANES <= m.rank):
+                    qv[c] = ld(pF, qlat + m.qlat(n, h, d))
+                else:
+                    qv[c] = Float32(0.0)
+                    if d < m.width:
+                        qv[c] = ld(pF, proj + m.proj(n, m.q_col(h, m.nope + d - m.rank))).to(
+                            BFloat16).to(Float32)
+            acc = cute.make_rmem_tensor((m.kc,), Float32)
+            acc.fill(0.0)
+            for c in cutlass.range_constexpr(m.dim_steps):
+                for kk in cutlass.range_constexpr(m.kc):
+                    acc[kk] = acc[kk] + qv[c] * sS[sm["lat"] + m.lat(kk, c * LANES + lane)]
             score = Float32(NEG_INF)
-            if (lane < m.kc) & (k0 + lane < ke):
-                score = dot * Float32(self.scale)
+            for kk in cutlass.range_constexpr(m.kc):
+                dot = cute.arch.warp_reduction_sum(acc[kk])
+                if (lane == kk) & (k0 + kk < ke):
+                    score = dot * Float32(self.scale)
             m_old = sS[sm["m"] + qi]
             m_new = cute.arch.fmax(m_old, cute.arch.warp_reduction_max(score))
             base = m_new
@@ -218,14 +254,28 @@ class LatentAttention(Handler):
         po, pml = rec[word(Op.MLA_O, "PO_OFF")], rec[word(Op.MLA_O, "PML_OFF")]
         kvb, out = Int64(rec[word(Op.MLA_O, "KVB_W")]), rec[word(Op.MLA_O, "OUT_OFF")]
         cta_sync(self.named)  # the scratch span is free
+        ms = cute.make_rmem_tensor((BATCH,), Float32)
+        ls = cute.make_rmem_tensor((BATCH,), Float32)
         for n in cutlass.range(tidx, N, self.NT, unroll=1):
             mx = Float32(NEG_INF)
-            for s in cutlass.range(n_splits, unroll=1):
-                mx = cute.arch.fmax(mx, ld(pF, pml + m.pml(s, n, h)))
             den = Float32(0.0)
-            for s in cutlass.range(n_splits, unroll=1):
-                den = den + ld(pF, pml + m.pml(s, n, h) + 1) * cute.math.exp(
-                    ld(pF, pml + m.pml(s, n, h)) - mx)
+            for sb in cutlass.range(0, n_splits, BATCH, unroll=1):  # max over the splits
+                for u in cutlass.range_constexpr(BATCH):
+                    ms[u] = Float32(NEG_INF)
+                    if sb + u < n_splits:
+                        ms[u] = ld(pF, pml + m.pml(sb + u, n, h))
+                for u in cutlass.range_constexpr(BATCH):
+                    mx = cute.arch.fmax(mx, ms[u])
+            for sb in cutlass.range(0, n_splits, BATCH, unroll=1):  # then the denominator
+                for u in cutlass.range_constexpr(BATCH):
+                    ms[u] = Float32(NEG_INF)
+                    ls[u] = Float32(0.0)
+                    if sb + u < n_splits:
+                        ms[u] = ld(pF, pml + m.pml(sb + u, n, h))
+                        ls[u] = ld(pF, pml + m.pml(sb + u, n, h) + 1)
+                for u in cutlass.range_constexpr(BATCH):
+                    if sb + u < n_splits:
+                        den = den + ls[u] * cute.math.exp(ms[u] - mx)
             sS[sm["mx"] + n] = mx
             sS[sm["den"] + n] = den
         cta_sync(self.named)
@@ -233,18 +283,28 @@ class LatentAttention(Handler):
             n = idx // m.rank
             j = idx - n * m.rank
             num = Float32(0.0)
-            for s in cutlass.range(n_splits, unroll=1):
-                num = num + ld(pF, po + m.po(s, n, h, j)) * cute.math.exp(
-                    ld(pF, pml + m.pml(s, n, h)) - sS[sm["mx"] + n])
+            for sb in cutlass.range(0, n_splits, BATCH, unroll=1):
+                for u in cutlass.range_constexpr(BATCH):
+                    ms[u] = Float32(NEG_INF)
+                    ls[u] = Float32(0.0)  # here: the split's o element
+                    if sb + u < n_splits:
+                        ms[u] = ld(pF, pml + m.pml(sb + u, n, h))
+                        ls[u] = ld(pF, po + m.po(sb + u, n, h, j))
+                for u in cutlass.range_constexpr(BATCH):
+                    if sb + u < n_splits:
+                        num = num + ls[u] * cute.math.exp(ms[u] - sS[sm["mx"] + n])
             sS[sm["o"] + idx] = num / sS[sm["den"] + n]
         cta_sync(self.named)
+        nc = m.rank // LANES  # a lane's columns of a W_UV row
         acc = cute.make_rmem_tensor((N,), Float32)
+        w = cute.make_rmem_tensor((nc,), Float32)
         for i in cutlass.range(warp, m.vdim, self.NW, unroll=1):
             acc.fill(0.0)
-            for j in cutlass.range(lane, m.rank, LANES, unroll=1):
-                w = ld(pW, kvb + Int64(m.w_uv(h, i, j))).to(Float32)
+            for c in cutlass.range_constexpr(nc):  # the row's loads in flight, then the sums
+                w[c] = ld(pW, kvb + Int64(m.w_uv(h, i, c * LANES + lane))).to(Float32)
+            for c in cutlass.range_constexpr(nc):
                 for n in cutlass.range_constexpr(N):
-                    acc[n] = acc[n] + sS[sm["o"] + n * m.rank + j] * w
+                    acc[n] = acc[n] + sS[sm["o"] + n * m.rank + c * LANES + lane] * w[c]
             for n in cutlass.range_constexpr(N):
                 tot = cute.arch.warp_reduction_sum(acc[n])
                 if lane == 0:

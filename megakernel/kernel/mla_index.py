@@ -11,18 +11,23 @@ accumulators a thread, the P parts summed in shared memory in order. W_UK_h is r
 
 MLA (sequence b, split s): keys [lo, hi) of the split (attention's rule, spec.attn_keys). First a
 warp per new position in [max(lo, length), hi) normalises its latent (RMSNorm, eps 1e-6, times
-NORM_W) and stores c and k_rope as bf16 into the cache. Then the keys go in chunks of KC: the
-chunk's latents are staged in shared memory as fp32 (read from global once for all heads; rows
-LS apart, zero-padded to W32, a multiple of 32), a warp per query (token t, head h) scores the
-chunk (lane = key; the query's dims come 32 at a time, a lane each, and are broadcast with a
-shuffle), updates the query's online softmax (m, l) and leaves e^(score - m) and the rescale
-alpha in shared memory; every thread then updates the o elements it owns in registers (element
-e = tidx + NT u of the [T, H, r] partial, u < OPT). A query with no visible key so far keeps
-m = -inf, l = 0, o = 0 (the executor's empty range).
+NORM_W; a lane's r / 32 columns and their weights loaded at once) and stores c and k_rope as bf16
+into the cache. Then the keys go in chunks of KC: the chunk's latents are staged in shared memory
+as fp32 (read from global once for all heads, BATCH loads a thread in flight; rows LS = W32 apart,
+zero-padded to W32, a multiple of 32), a warp per query (token t, head h) scores the chunk (lanes
+over the query's dims: lane l holds dims c 32 + l, all W32 / 32 of them loaded at once; one
+accumulator per chunk key over those dims, summed over the warp by a butterfly, and lane kk keeps
+key kk's score), updates the query's online softmax (m, l) and leaves e^(score - m) and the
+rescale alpha in shared memory; every thread then updates the o elements it owns in registers
+(element e = tidx + NT u of the [T, H, r] partial, u < OPT). A query with no visible key so far
+keeps m = -inf, l = 0, o = 0 (the executor's empty range).
 
 MLA_O (head h, all N rows): a thread per row forms the merge max M and denominator, threads over
 (row, column) merge o_lat into shared memory, then a warp per output dim i of W_UV_h (lanes over
-r: coalesced) reduces all N rows and lane 0 stores bf16.
+r: coalesced, the row's r / 32 loads a lane in flight) reduces all N rows and lane 0 stores bf16;
+the loops over the splits load BATCH splits at a time. MLA_Q's threads load BATCH rows of W_UK at
+a time. Every batch is consumed in the original order, so the sums are those of one load at a
+time.
 
 Plain arithmetic on ints here and in the host emulation (tests/kernel/test_kernel_mla_emulation.py),
 on Int32/Int64 in the kernel: the same functions index both.
@@ -40,8 +45,22 @@ LANES = 32
 # keeps the scratch span inside the consumers' regions (the 6-stage weight ring at B = 1)
 MLA_CHUNK_BYTES = 24 * 1024
 MLA_MAX_OWNED = 64  # o elements a thread holds in registers (OPT)
+# global loads a thread issues before it uses the first: a warp issues in order, so a loop that
+# uses each load in the trip that issues it pays a memory round trip per trip, this one per batch
+BATCH = 8
 
-__all__ = ["LANES", "LATENT_NORM_EPS", "MLAShape", "check_mla"]
+__all__ = ["BATCH", "LANES", "LATENT_NORM_EPS", "MLAShape", "check_mla", "key_chunk"]
+
+
+def key_chunk(width: int) -> int:
+    """KC, keys per staged chunk of latents W = `width` columns wide: a power of two <= 32 whose
+    fp32 rows (W32 words each) fit MLA_CHUNK_BYTES. Every chunk is scored in full (its stale
+    rows masked), so a split of k keys scores ceil(k / KC) KC of them."""
+    w32 = -(-width // LANES) * LANES
+    kc = LANES
+    while kc > 1 and 4 * kc * w32 > MLA_CHUNK_BYTES:
+        kc //= 2
+    return kc
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,7 @@ class MLAShape:
     dqk = property(lambda self: self.nope + self.rope)  # q head width in proj
     width = property(lambda self: self.rank + self.rope)  # W: latent columns of a position
     width32 = property(lambda self: -(-self.width // LANES) * LANES)  # W32: W padded to 32
+    dim_steps = property(lambda self: self.width32 // LANES)  # a query's dims per lane
     queries = property(lambda self: self.tokens * self.heads)  # T H queries per record
     num_warps = property(lambda self: self.num_threads // LANES)
 
@@ -91,16 +111,18 @@ class MLAShape:
 
     @property
     def ls(self) -> int:
-        """Words between staged latent rows: W32 + 1 (odd: lanes = keys hit distinct banks)."""
-        return self.width32 + 1
+        """Words between staged latent rows: W32 (every access of the staged chunk has its lanes
+        on consecutive columns of a row, so no bank is hit twice)."""
+        return self.width32
+
+    def lat(self, kk, d):
+        """Staged latent column d of chunk key kk (fp32 words from the chunk's start)."""
+        return kk * self.ls + d
 
     @property
     def kc(self) -> int:
-        """Keys per chunk: a power of two <= 32 whose staged latents fit MLA_CHUNK_BYTES."""
-        kc = LANES
-        while kc > 1 and 4 * kc * self.ls > MLA_CHUNK_BYTES:
-            kc //= 2
-        return kc
+        """Keys per chunk (`key_chunk`)."""
+        return key_chunk(self.width)
 
     @property
     def owned(self) -> int:

@@ -219,6 +219,8 @@ class MultiLatentAttention(LayerKind):
     # ---- program -----------------------------------------------------------------------------
     @classmethod
     def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
+        from megakernel.kernel.mla_index import key_chunk  # imports this module
+
         m, layer, key = blk.cfg, blk.layer, blk.key
         proj, c_p = proj_stage(ctx, blk, round_rows(cls.proj_rows(m)), wait)
         f32, bf, i32 = ctx.buf.f32, ctx.buf.bf16, ctx.buf.i32
@@ -234,10 +236,13 @@ class MultiLatentAttention(LayerKind):
                          wait=c_p, signal=c_q, w_bytes=dn * r * 2, l2_bytes=n * dn * 4,
                          store_bytes=n * r * 4, **ctx.matvec_flops(r, dn))
 
+        kc = key_chunk(lat)  # the kernel scores whole chunks of keys
+
         def mk_attn(u0: int, u1: int) -> Instr:
             b, sp = divmod(u0, s_n)
             cached, new = split_keys(sp, s_n, ctx.context, tokens)
-            keys = -(-(ctx.context + tokens) // s_n)
+            keys = cached + new
+            scored = -(-keys // kc) * kc
             return Instr(MLA, layer, dict(
                 B_IDX=b, SPLIT=sp, PROJ_OFF=f32["proj"].offset, QLAT_OFF=f32["qlat"].offset,
                 NORM_W=ctx.lay[f"{key}.lat_norm"].offset, LEN_OFF=i32["lengths"].offset,
@@ -245,7 +250,7 @@ class MultiLatentAttention(LayerKind):
                 w_bytes=cached * lat * 2,  # the split's cached latents: once for all heads
                 l2_bytes=tokens * hh * (r + m.qk_rope_head_dim) * 4 + new * lat * 4,
                 store_bytes=tokens * hh * (r + 2) * 4 + new * lat * 2,
-                fp32_flops=2.0 * tokens * hh * keys * (lat + r))
+                fp32_flops=2.0 * tokens * hh * (scored * lat + keys * r))
 
         def mk_o(u0: int, u1: int) -> Instr:
             return Instr(MLA_O, layer, dict(HEAD=u0, KVB_W=kvb, OUT_OFF=bf["attn"].offset,

@@ -3,11 +3,12 @@ run with the kernel's own index helpers (kernel/mla_index.py), against the CPU e
 
 The emulation walks each handler's loops with its thread mapping (MLA_Q: row parts x columns, the
 parts summed in order; MLA: a warp per new position for the latent norm, key chunks of KC staged
-as fp32 rows LS apart, a warp per query with lane = key, the o elements a thread owns; MLA_O: the
-merge, a warp per output dim) over flat fp32 arrays laid out as the arenas, in float32. The
-executor's ops run the same records on the same fresh random inputs (lengths, caches, proj): the
-truth. kimi-linear-tiny at B in {1, 4}, T in {1, 4}, split counts up to more splits than keys
-(empty ranges; with T = 4 also queries that see no key of a non-empty range).
+as fp32 rows LS apart, a warp per query with lanes over its dims and a register per chunk key
+summed by the warp's butterfly, the o elements a thread owns; MLA_O: the merge, a warp per output
+dim) over flat fp32 arrays laid out as the arenas, in float32. The executor's ops run the same
+records on the same fresh random inputs (lengths, caches, proj): the truth. kimi-linear-tiny at B
+in {1, 4}, T in {1, 4}, split counts up to more splits than keys (empty ranges; with T = 4 also
+queries that see no key of a non-empty range).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ S_MAX = 80  # cache positions per sequence
 def bf16(x):  # noqa: ANN001, ANN201
     """fp32 -> bf16 -> fp32 (round to nearest even), as `.to(BFloat16)` on the device."""
     return torch.from_numpy(np.asarray(x, dtype=F)).to(torch.bfloat16).float().numpy()
+
+
+def butterfly_sum(v: np.ndarray) -> np.ndarray:
+    """cute.arch.warp_reduction_sum over 32 lanes: v + v[lane ^ offset], offsets 16 .. 1."""
+    for off in (16, 8, 4, 2, 1):
+        v = (v + v[np.arange(LANES) ^ off]).astype(F)
+    return v
 
 
 # ---- the handlers' walks -------------------------------------------------------------------------
@@ -81,15 +89,15 @@ def emulate_mla(m: MLAShape, d: dict, slot: int, s_max: int, W: np.ndarray, F32:
     o = np.zeros((NT, m.owned), dtype=F)
     for k0 in range(lo, hi, kc):
         nk = min(hi - k0, kc)
-        lat = np.full((LANES, ls), np.nan, dtype=F)  # rows past nk: stale
+        lat = np.full(kc * ls, np.nan, dtype=F)  # the staged chunk; rows past nk: stale
         for kk in range(nk):
             for c in range(m.width32):
                 row = row0 + k0 + kk
-                lat[kk, c] = (K[m.c_elem(row, c)] if c < r else
-                              V[m.kr_elem(row, c - r)] if c < m.width else 0.0)
+                lat[m.lat(kk, c)] = (K[m.c_elem(row, c)] if c < r else
+                                     V[m.kr_elem(row, c - r)] if c < m.width else 0.0)
         p_ = np.zeros((m.queries, kc), dtype=F)
         alpha = np.zeros(m.queries, dtype=F)
-        for qi in range(m.queries):  # a warp each, lane = key
+        for qi in range(m.queries):  # a warp each
             t, h = m.query(qi)
             n = b * T + t
             ke = attn_keys(s, ns, length, t, 0, 1, T)[1]
@@ -99,11 +107,14 @@ def emulate_mla(m: MLAShape, d: dict, slot: int, s_max: int, W: np.ndarray, F32:
                     qv[c] = F32[qlat + m.qlat(n, h, c)]
                 else:
                     qv[c] = bf16(F32[proj + m.proj(n, m.q_col(h, m.nope + c - r))])
-            rows = lat[np.minimum(np.arange(LANES), kc - 1)]  # lane = key (past KC: KC - 1)
-            dot = np.zeros(LANES, dtype=F)
-            for c in range(m.width32):  # each lane's dot in the device's order
-                dot = dot + qv[c] * rows[:, c]
-            live = (np.arange(LANES) < kc) & (k0 + np.arange(LANES) < ke)
+            lanes = np.arange(LANES)
+            acc = np.zeros((kc, LANES), dtype=F)  # a register per chunk key, lanes over dims
+            for c in range(m.dim_steps):
+                for kk in range(kc):
+                    acc[kk] = acc[kk] + qv[c * LANES + lanes] * lat[m.lat(kk, c * LANES + lanes)]
+            dot = np.full(LANES, np.nan, dtype=F)  # lane kk: key kk's warp sum
+            dot[:kc] = [butterfly_sum(a)[0] for a in acc]
+            live = (lanes < kc) & (k0 + lanes < ke)
             score = np.where(live, dot * F(m.dqk ** -0.5), F(-np.inf)).astype(F)
             m_new = max(sm_m[qi], score.max())
             base = F(0.0) if m_new == -np.inf else m_new
@@ -118,7 +129,7 @@ def emulate_mla(m: MLAShape, d: dict, slot: int, s_max: int, W: np.ndarray, F32:
                 if qi < m.queries:
                     acc = F(o[tidx, u] * alpha[qi])
                     for kk in range(nk):
-                        acc = F(acc + F(p_[qi, kk] * lat[kk, j]))
+                        acc = F(acc + F(p_[qi, kk] * lat[m.lat(kk, j)]))
                     o[tidx, u] = acc
     for tidx in range(NT):
         for u in range(m.owned):

@@ -121,6 +121,16 @@ def test_real_plans_are_deadlock_free(name: str) -> None:
     assert len(checked) >= len({gpu(g).num_sms for g in gpus}) * 3
 
 
+def test_kimi_plan_is_within_1_5x_of_its_floor() -> None:
+    """kimi-linear-48b-a3b at B = 1 on H200: the cost model's step within 1.5x of the bytes /
+    read-bandwidth floor (the routed experts charged at their expected bytes), with MLA split
+    about once per SM (16 splits: 1.52x)."""
+    prog = compile_program(preset("kimi-linear-48b-a3b"), 1, gpu("h200"))
+    assert prog.n_splits == 64
+    assert prog.cost.predicted_s <= 1.5 * prog.cost.floor_s, (prog.cost.predicted_s,
+                                                             prog.cost.floor_s)
+
+
 @pytest.mark.parametrize("name,batch,window,layers", [
     ("qwen3.5-0.8b", 1, None, None), ("qwen3.5-9b", 64, 16, None), ("nemotron-h-8b", 1, 16, None),
     ("nemotron-h-8b", 64, None, None), ("kimi-linear-48b-a3b", 1, 16, 4)])
