@@ -15,11 +15,15 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel.isa import Op
+from megakernel.kernel.fields import word
 from megakernel.kernel.gdn import GatedDeltaRule, sigmoid, softplus
 from megakernel.kernel.gdn_index import LANES
-from megakernel.kernel.memory import ld, st
+from megakernel.kernel.handler import Step
+from megakernel.kernel.memory import ld, prefetch_l2, st
 from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
+
+GATE_ROWS = 4  # f_b / g_b rows a warp loads at once in the gates (their loads in flight)
 
 
 class KimiDeltaAttention(GatedDeltaRule):
@@ -34,8 +38,9 @@ class KimiDeltaAttention(GatedDeltaRule):
     def gates(self, b: Int32, h: Int32, proj: Int32, prm: Int32, conv_w: Int64,
               pW: cute.Pointer, pF: cute.Pointer, sS: cute.Tensor, tidx: Int32, warp: Int32,
               lane: Int32):
-        """beta[t] = sigmoid(b); lr = bf16(f_a x), bf16(g_a x); then a warp per (channel i, f or
-        g), the T tokens together (each f_b / g_b row read once): g[t][i] = -exp(A_log[h])
+        """beta[t] = sigmoid(b); lr = bf16(f_a x), bf16(g_a x); then a warp per GATE_ROWS
+        (channel i, f or g) rows at a time, the T tokens together (each f_b / g_b row read once,
+        all the rows' loads issued before the first sum): g[t][i] = -exp(A_log[h])
         softplus(f_b[h d + i] . lr_f + dt_bias[h d + i]), gate[t][i] = g_b[h d + i] . lr_g."""
         g, sm, T = self.g, self.sm, self.T
         for idx in cutlass.range(tidx, T * 2 * g.d, self.NT, unroll=1):
@@ -47,24 +52,56 @@ class KimiDeltaAttention(GatedDeltaRule):
         for t in cutlass.range(tidx, T, self.NT, unroll=1):
             sS[sm["beta"] + t] = sigmoid(ld(pF, proj + g.proj(b, t, g.beta_col(h))))
         cta_sync(self.named)
-        acc = cute.make_rmem_tensor((T,), Float32)
-        for p in cutlass.range(warp, 2 * g.d, self.NW, unroll=1):
-            which = p // g.d
-            i = p - which * g.d
-            for t in cutlass.range_constexpr(T):
-                acc[t] = Float32(0.0)
-            for c in cutlass.range(lane, g.d, LANES, unroll=1):
-                w = ld(pW, conv_w + Int64(g.low_rank_w(which, h, i, c))).to(Float32)
+        U, nc = GATE_ROWS, -(-g.d // LANES)  # rows a warp takes at once; a lane's columns
+        scale = -cute.math.exp(ld(pF, prm + h))  # -exp(A_log[h])
+        w = cute.make_rmem_tensor((U * nc,), Float32)
+        bias = cute.make_rmem_tensor((U,), Float32)
+        acc = cute.make_rmem_tensor((U * T,), Float32)
+        for p0 in cutlass.range(warp * U, 2 * g.d, self.NW * U, unroll=1):
+            for u in cutlass.range_constexpr(U):  # the U rows' loads in flight, then the sums
+                p = p0 + u
+                which = p // g.d
+                i = p - which * g.d
+                for c in cutlass.range_constexpr(nc):
+                    w[u * nc + c] = Float32(0.0)
+                    if (p < 2 * g.d) & (c * LANES + lane < g.d):
+                        w[u * nc + c] = ld(pW, conv_w + Int64(g.low_rank_w(
+                            which, h, i, c * LANES + lane))).to(Float32)
+                bias[u] = Float32(0.0)
+                if p < g.d:  # a decay row: its dt_bias
+                    bias[u] = ld(pF, prm + g.dt_bias(h, i))
+            for u in cutlass.range_constexpr(U):
+                which = (p0 + u) // g.d
                 for t in cutlass.range_constexpr(T):
-                    acc[t] = acc[t] + w * sS[sm["lr"] + g.low_rank(t, which, c)]
-            for t in cutlass.range_constexpr(T):
-                s = cute.arch.warp_reduction_sum(acc[t])
-                if lane == 0:
-                    if which == 0:
-                        sp = softplus(s + ld(pF, prm + g.dt_bias(h, i)))
-                        sS[sm["g"] + g.decay(t, i)] = -cute.math.exp(ld(pF, prm + h)) * sp
-                    else:
-                        sS[sm["gate"] + g.decay(t, i)] = s
+                    acc[u * T + t] = Float32(0.0)
+                for c in cutlass.range_constexpr(nc):
+                    if c * LANES + lane < g.d:
+                        for t in cutlass.range_constexpr(T):
+                            acc[u * T + t] = acc[u * T + t] + w[u * nc + c] * sS[
+                                sm["lr"] + g.low_rank(t, which, c * LANES + lane)]
+            for u in cutlass.range_constexpr(U):
+                p = p0 + u
+                which = p // g.d
+                i = p - which * g.d
+                for t in cutlass.range_constexpr(T):
+                    s = cute.arch.warp_reduction_sum(acc[u * T + t])
+                    if (lane == 0) & (p < 2 * g.d):
+                        if which == 0:
+                            sp = softplus(s + bias[u])
+                            sS[sm["g"] + g.decay(t, i)] = scale * sp
+                        else:
+                            sS[sm["gate"] + g.decay(t, i)] = s
+
+    @cute.jit
+    def prefetch(self, op: Int32, s: Step):
+        """GDN's state prefetch, and the head's f_b and g_b rows (weights, read once a record)."""
+        self.prefetch_state(s.rec, s.state, s.tidx)
+        g = self.g
+        conv_w = Int64(s.rec[word(Op.GDN_CORE, "CONV_W")])  # GDN's words (gdn.py)
+        h = s.rec[word(Op.GDN_CORE, "K_HEAD")]
+        for which in cutlass.range_constexpr(2):
+            prefetch_l2(s.weights, conv_w + Int64(g.low_rank_w(which, h, 0, 0)),
+                        g.d * g.d * 2, s.tidx)
 
     def out_gate(self, b: Int32, t: Int32, h: Int32, j: Int32, proj: Int32, pF: cute.Pointer,
                  sS: cute.Tensor) -> Float32:

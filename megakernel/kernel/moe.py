@@ -36,6 +36,7 @@ from megakernel.kernel.spec import VEC, KernelSpec
 from megakernel.kernel.sync import spin_counter
 
 EXPERT_OPS = (Op.EXPERT_GATEUP, Op.EXPERT_DOWN)
+COMBINE_BATCH = 4  # routed experts' outputs (8 fp32 each) a combine thread loads at once
 
 
 class Experts(Handler):
@@ -102,30 +103,44 @@ class Experts(Handler):
     def combine(self, rec: cute.Tensor, pF: cute.Pointer, pI: cute.Pointer, tidx: Int32,
                 nthreads: int):
         """h[n, cols] += sum over the top_k slots in increasing expert id of w * moe_y[n, s, cols]
-        + moe_y[n, top_k, cols] (shared), fp32 in that order; a thread per (row, 8 columns)."""
+        + moe_y[n, top_k, cols] (shared), fp32 in that order; a thread per (row, 8 columns).
+        The row's ids and weights are read once and the walk runs on registers, so the global
+        loads are the ids, then the routed outputs COMBINE_BATCH at a time."""
         r0, ncols = rec[word(Op.MOE_COMBINE, "ROW0")], rec[word(Op.MOE_COMBINE, "NROWS")]
         y_off, ids_off = rec[word(Op.MOE_COMBINE, "Y_OFF")], rec[word(Op.MOE_COMBINE, "IDS_OFF")]
         wts_off, out_off = rec[word(Op.MOE_COMBINE, "WTS_OFF")], rec[word(Op.MOE_COMBINE,
                                                                            "OUT_OFF")]
         nv = ncols // VEC
+        K = self.top_k
+        ids = cute.make_rmem_tensor((K,), Int32)
+        wts = cute.make_rmem_tensor((K,), cutlass.Float32)
+        picks = cute.make_rmem_tensor((K,), Int32)  # the top_k slots in increasing expert id
+        order_w = cute.make_rmem_tensor((K,), cutlass.Float32)  # their weights
         for idx in cutlass.range(tidx, self.N * nv, nthreads, unroll=1):
             n = idx // nv
             col = r0 + (idx - n * nv) * VEC
+            for s in cutlass.range_constexpr(K):  # the row's ids and weights, loads in flight
+                ids[s] = ld(pI, ids_off + n * K + s)
+                wts[s] = ld(pF, wts_off + n * K + s)
+            prev = Int32(mi.WALK_START[0])
+            for r in cutlass.range_constexpr(K):  # the selection walk, on registers
+                best = Int32(mi.WALK_START[1])
+                picks[r] = Int32(0)
+                order_w[r] = wts[0]
+                for s in cutlass.range_constexpr(K):
+                    if mi.takes(ids[s], prev, best):
+                        best = ids[s]
+                        picks[r] = Int32(s)
+                        order_w[r] = wts[s]
+                prev = best
             acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             acc.fill(0.0)
-            prev = Int32(mi.WALK_START[0])
-            for _r in cutlass.range(self.top_k, unroll=1):  # the next slot by expert id
-                best = Int32(mi.WALK_START[1])
-                pick = Int32(0)
-                for s in cutlass.range(self.top_k, unroll=1):
-                    x = ld(pI, ids_off + n * self.top_k + s)
-                    if mi.takes(x, prev, best):
-                        best = x
-                        pick = s
-                prev = best
-                wt = ld(pF, wts_off + n * self.top_k + pick)
-                y = load_f32x8(pF, y_off + (n * self.slots + pick) * self.H + col)
-                acc.store(acc.load() + y * wt)
+            for rb in cutlass.range_constexpr(0, K, COMBINE_BATCH):  # these y's in flight
+                ys = []
+                for r in cutlass.range_constexpr(rb, min(rb + COMBINE_BATCH, K)):
+                    ys.append(load_f32x8(pF, y_off + (n * self.slots + picks[r]) * self.H + col))
+                for r in cutlass.range_constexpr(rb, min(rb + COMBINE_BATCH, K)):
+                    acc.store(acc.load() + ys[r - rb] * order_w[r])
             if cutlass.const_expr(self.slots > self.top_k):
                 acc.store(acc.load() + load_f32x8(pF, y_off + (n * self.slots + self.top_k)
                                                   * self.H + col))
