@@ -1,46 +1,57 @@
 """Index arithmetic of the Mamba2 device handler (MAMBA_CORE; kernel/mamba2.py), no DSL.
 
-One record runs one (sequence b, group j) with its R = H / G heads h = j R + r, on one CTA:
+One record runs one (sequence b, group j) with its R = H / G heads h = j R + r, on one CTA. A warp
+issues in order, so every phase issues its global loads together before their first use (one
+memory round trip, not one per loop trip):
 
 1. conv: each of the unit's ch = R P + 2 N channels (x of its heads, then the group's B and C)
    reads its fp32 window (K - 1 values) and the T new inputs (proj columns after z), writes
    silu(conv + bias) of the T tokens to shared memory and its new window back: the window is read
-   once and written once. The same pass puts dt = softplus(dt + dt_bias) and e^{dt A},
-   A = -exp(A_log), per (token, head) in shared memory; after a barrier one warp per token forms
-   B . C.
+   once and written once. A thread takes the channels tidx + NT i (conv_channel), conv_batch of
+   them at once (their window, inputs, bias and taps loaded before the first sum). The gates
+   (dt = softplus(dt + dt_bias), e^{dt A}, A = -exp(A_log), per (token, head)) load their inputs
+   with the first conv batch and finish before its sums; the record's D and A per head go to
+   shared memory with them. After a barrier one warp per token forms B . C.
 2. state: the record's R heads' states S [P, N] are R P contiguous rows of N fp32 (head-major),
    held in registers in row tiles: LPR = min(32, N) lanes on a row (lane l has the columns
    l + LPR c, c < N / LPR: a warp load is 128 contiguous bytes), 32 / LPR rows per warp pass,
    RPT passes per thread (RPT * N / LPR <= REG_VALUES registers). Rows evolve on their own given
    x, B, C, dt, so a tile stays in registers for all T tokens: per token a row's S . C is a
    shuffle reduction over its LPR lanes (no barrier), y = e^{dt A} (S . C) + dt (B . C) x + D x
-   goes to shared memory, then S <- e^{dt A} S + x (dt B). Each state element is read once and
-   written once per step, the bytes layers/recurrent.py charges.
-3. output: one warp per token: g = y silu(z) over the group's R P columns, RMSNorm over them,
-   times w, to bf16.
+   goes to shared memory, then S <- e^{dt A} S + x (dt B). The next tile's loads are issued
+   before this tile's arithmetic (two register tiles), so the tiles' round trips overlap the
+   work (the last tile's trip reloads its own values, an L1 hit, rather than branch). Each state
+   element is read once and written once per step, the bytes layers/recurrent.py charges.
+3. output: every consumer thread takes the columns c = tidx + NT i of the group's R P (out_col;
+   its z and norm weights loaded first): g = y silu(z); per token the sum of g^2 over the
+   thread's columns in order, over the warp by a butterfly, then over the NW warps' partials in
+   warp order (ss [T][NW] in shared memory, one barrier); g rsqrt(mean(g^2) + eps) w to bf16.
 
 MAMBA_REPLAY (ReplaySSM, ring capacity CAP = L - 1 + T, L = KernelSpec.replay_window) runs the
 same conv, gates and output; with n = ring_count[b, j] committed entries (n < L) and the T new
 ones at n .. n + T - 1 (entry e: x_e [R P], B_e [N], dt_e [R]; Lam_h(t, e) = A_h sum dt_h over
 entries (e, t], summed over the segment as reference/layers/common.segsum):
 
-  r1. ring: the committed entries' B and dt come to shared memory (n (N + R) values, read once),
-      the T new entries are appended to the ring (x, B, dt: written once); lam[e][r] = A dt.
+  r1. ring: the committed entries' B and dt come to shared memory (n (N + R) values, read once,
+      RING_BATCH loads per thread in flight), the T new entries are appended to the ring (x, B,
+      dt: written once); lam[e][r] = A dt.
   r2. dots[t][e] = B_e . C_t for e <= n + t: one warp per (t, e).
   r3. per (token, entry, head) coef[t][e][r] = dt_e e^{Lam(n+t, e)} dots[t][e] (0 after n + t),
       decay[t][r] = e^{Lam(n+t, c)} (from the committed state), and the fold weights
       wf[e][r] = dt_e e^{Lam(n+T-1, e)}: one thread each, the decays summed over the segment.
-  r4. the committed state S_c in the row tiles of step 2, read once: per row the lanes of the
-      row share y_t = decay (S_c . C_t) + sum_e coef[t][e] x_e[row] + D x_t (lane l takes the
-      entries e = l mod LPR, so each committed x_e[row] is read from the ring once; the new ones
-      come from shared memory), one segmented reduction per token. When n + T >= L the tile is
-      folded, S <- decay[T-1] S_c + sum_e x_e[row] (wf[e] B_e), written once, and the count is
-      0; otherwise S_c is not written and the count is n + T.
+  r4. the committed state S_c in the row tiles of step 2, read once: lane l of a row holds
+      x_e[row] of its entries e = l mod LPR + LPR i (entry(), loaded with the tile's state, a
+      committed one from the ring, a new one from shared memory); per row the lanes of the row
+      share y_t = decay (S_c . C_t) + sum_e coef[t][e] x_e[row] + D x_t, one segmented reduction
+      per token. When n + T >= L the tile is folded, S <- decay[T-1] S_c + sum_e x_e[row]
+      (wf[e] B_e), entries in order, x_e[row] shuffled from the lane that holds it
+      (entry_lane), written once, and the count is 0; otherwise S_c is not written and the
+      count is n + T.
 
 Traffic per record and step: S_c read once and written only at a fold (one step in L / T), the n
-committed entries read once (B and dt to shared memory, x by the state tiles; a fold re-reads x
-from L1/L2), T entries written, the window read and written once: what layers/recurrent.py
-charges (state_read, ring_read, ring_written, state_written = state T / L).
+committed entries read once (B and dt to shared memory, x by the state tiles), T entries
+written, the window read and written once: what layers/recurrent.py charges (state_read,
+ring_read, ring_written, state_written = state T / L).
 
 Plain arithmetic on ints here and in the host emulation
 (tests/kernel/test_kernel_mamba_emulation.py), on Int32/Int64 in the kernel: the same functions
@@ -55,6 +66,8 @@ from megakernel.isa.records import ROW_ALIGN
 
 LANES = 32
 REG_VALUES = 16  # state values a thread holds (RPT rows x N / LPR columns)
+CONV_VALUES = 48  # conv inputs a thread holds in flight (conv_batch channels)
+RING_BATCH = 8  # ring B values a thread loads at once (r1)
 
 
 @dataclass(frozen=True)
@@ -113,19 +126,41 @@ class MambaShape:
 
     tile_rows = property(lambda self: self.num_warps * self.rpp * self.rpt)
     tiles = property(lambda self: self.rows // self.tile_rows)
+    threads = property(lambda self: self.num_warps * LANES)  # NT: the consumer threads
+
+    @property
+    def conv_batch(self) -> int:
+        """Channels whose conv inputs (window, T inputs, bias, taps) a thread loads at once: all
+        of its channels within CONV_VALUES registers."""
+        per = self.win + self.tokens + 1 + self.conv_k
+        return max(1, min(-(-self.ch // self.threads), CONV_VALUES // per))
+
+    conv_chunks = property(lambda self: -(-self.ch // (self.threads * self.conv_batch)))
+    gate_items = property(lambda self: -(-self.tokens * self.rep // self.threads))  # per thread
+    out_cols = property(lambda self: -(-self.rows // self.threads))  # output columns per thread
+    entries = property(lambda self: -(-self.cap // self.lpr))  # ring entries per lane (r4)
+
+    @property
+    def ring_batch(self) -> int:
+        """Ring B values a thread loads at once in r1 (all of them within RING_BATCH)."""
+        return max(1, min(-(-self.cap * self.state_size // self.threads), RING_BATCH))
+
+    dt_items = property(lambda self: -(-self.cap * self.rep // self.threads))  # ring dt (r1)
 
     # ---- shared memory (fp32 words from the start of the scratch span) --------------------------
     def smem(self) -> dict[str, int]:
         """name -> word offset, and "words" the total: x [T][ch] (conv outputs: x | B | C),
-        dt [T][R], da [T][R] (e^{dt A}), bc [T] (B . C), y [T][R P]; with a ring (cap > 0) also
-        bs [CAP][N] and dtr, lam, wf [CAP][R] (every entry's B, dt, A dt and fold weight),
+        dt [T][R], da [T][R] (e^{dt A}), d [R] and a [R] (the heads' D and A = -exp(A_log)),
+        bc [T] (B . C), y [T][R P], ss [T][NW] (the warps' sums of g^2); with a ring (cap > 0)
+        also bs [CAP][N] and dtr, lam, wf [CAP][R] (every entry's B, dt, A dt and fold weight),
         dots [T][CAP], coef [T][CAP][R] and decay [T][R] (steps r1-r3 above)."""
         t, r, cap = self.tokens, self.rep, self.cap
         out, off = {}, 0
         ring = (("bs", cap * self.state_size), ("dtr", cap * r), ("lam", cap * r),
                 ("wf", cap * r), ("dots", t * cap), ("coef", t * cap * r), ("decay", t * r))
-        for name, n in (("x", t * self.ch), ("dt", t * r), ("da", t * r), ("bc", t),
-                        ("y", t * self.rows), *(ring if cap else ())):
+        for name, n in (("x", t * self.ch), ("dt", t * r), ("da", t * r), ("d", r), ("a", r),
+                        ("bc", t), ("y", t * self.rows), ("ss", t * self.num_warps),
+                        *(ring if cap else ())):
             out[name] = off
             off += -(-n // 4) * 4  # 16-byte aligned
         out["words"] = off
@@ -200,6 +235,22 @@ class MambaShape:
     def col(self, lane, c):
         """State column n of a lane's c-th value."""
         return lane % self.lpr + c * self.lpr
+
+    def conv_channel(self, chunk, tidx, i):
+        """Record channel of a thread's i-th conv channel in conv chunk `chunk`."""
+        return (chunk * self.conv_batch + i) * self.threads + tidx
+
+    def out_col(self, tidx, i):
+        """Record column (of y, z, the norm weight and ssm_out) of a thread's i-th output."""
+        return tidx + i * self.threads
+
+    def entry(self, lane, i):
+        """Ring entry whose x a lane holds as its i-th (r4): lane mod LPR + LPR i."""
+        return lane % self.lpr + i * self.lpr
+
+    def entry_lane(self, lane, e):
+        """The lane of lane's row group that holds entry e (its index e // LPR there)."""
+        return lane - lane % self.lpr + e % self.lpr
 
 
 def check_mamba(m: MambaShape) -> str:

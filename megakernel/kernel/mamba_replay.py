@@ -1,12 +1,14 @@
 """MAMBA_REPLAY: Mamba2 by ReplaySSM for one (sequence, group) on one CTA (layers/mamba2.py).
 
 MAMBA_CORE's conv, gates and gated RMSNorm (kernel/mamba2.py, inherited), and in place of its
-state update: the committed entries' B and dt to shared memory and the T new entries appended to
-the ring (r1), B . C of every (token, entry) pair (r2), the decays and weights per (token, entry,
-head) (r3), then the committed state S_c through registers in MAMBA_CORE's row tiles: the T
-outputs from S_c plus the ring, and at a fold (n + T >= L) the state with every entry folded in
-(r4). Phases, traffic and indices: kernel/mamba_index.py; all math in fp32 in the executor's
-order of operations (reference/layers/replay.py ssd_replay, ssd_fold).
+state update: the committed entries' B and dt to shared memory (their loads batched) and the T
+new entries appended to the ring (r1), B . C of every (token, entry) pair (r2), the decays and
+weights per (token, entry, head) (r3), then the committed state S_c through registers in
+MAMBA_CORE's row tiles, each lane's entries' x of the tile's rows loaded with the tile (the next
+tile's loads in flight during this one's arithmetic): the T outputs from S_c plus the ring, and
+at a fold (n + T >= L) the state with every entry folded in, x_e shuffled from the lane that
+holds it (r4). Phases, traffic and indices: kernel/mamba_index.py; all math in fp32 in the
+executor's order of operations (reference/layers/replay.py ssd_replay, ssd_fold).
 """
 
 from __future__ import annotations
@@ -53,17 +55,17 @@ class Mamba2Replay(Mamba2):
         n = ld(pI, cnt)  # committed entries (< L: the last step folded at L)
         cta_sync(self.named)  # the scratch span is free: the previous record is done with it
         conv_w, norm_w = rec[word(Op.MAMBA_REPLAY, "CONV_W")], rec[word(Op.MAMBA_REPLAY, "NORM_W")]
-        self.conv(b, j, proj, Int64(conv_w), st0, pW, pF, pS, sS, tidx)
-        self.gates(b, j, proj, prm, pF, sS, tidx)
+        tidx, warp, lane = self.pinned(tidx, j)
+        self.conv_gates(b, j, proj, prm, Int64(conv_w), st0, pW, pF, pS, sS, tidx)
         cta_sync(self.named)
-        self.ring_in(b, j, prm, n, st0, pF, pS, sS, tidx)
+        self.ring_in(b, j, n, st0, pS, sS, tidx)
         cta_sync(self.named)
         self.dots(n, sS, warp, lane)
         cta_sync(self.named)
         self.weights(n, sS, tidx)
         cta_sync(self.named)
         fold = n + self.T >= self.L
-        self.replay_states(b, j, prm, n, fold, st0, pF, pS, sS, warp, lane)
+        self.replay_states(b, j, n, fold, st0, pS, sS, warp, lane)
         if tidx == 0:
             count = n + self.T
             if fold:
@@ -71,36 +73,56 @@ class Mamba2Replay(Mamba2):
             st(pI, cnt, count)
         cta_sync(self.named)
         self.output(b, j, proj, Int64(norm_w), rec[word(Op.MAMBA_REPLAY, "OUT_OFF")], pW, pF,
-                    pB, sS, warp, lane)
+                    pB, sS, tidx, warp, lane)
 
     # ---- r1-r3: the ring's B and dt, B . C, decays and weights in shared memory ---------------
     @cute.jit
-    def ring_in(self, b: Int32, j: Int32, prm: Int32, n: Int32, st0: Int64, pF: cute.Pointer,
-                pS: cute.Pointer, sS: cute.Tensor, tidx: Int32):
-        """bs[e] = B_e, dtr[e][r] = dt_e, lam[e][r] = A dt_e for the n committed entries (from
-        the ring) and the T new ones (from the conv and gates, appended to the ring with x)."""
+    def ring_in(self, b: Int32, j: Int32, n: Int32, st0: Int64, pS: cute.Pointer,
+                sS: cute.Tensor, tidx: Int32):
+        """bs[e] = B_e, dtr[e][r] = dt_e, lam[e][r] = A dt_e (A from shared memory) for the n
+        committed entries (from the ring) and the T new ones (from the conv and gates, appended
+        to the ring with x). A thread's committed dt loads and its first ring_batch B loads are
+        issued together, each batch's before its first use."""
         m, T, sm, N, R = self.m, self.T, self.sm, self.m.state_size, self.m.rep
-        for idx in cutlass.range(tidx, (n + T) * N, self.NT, unroll=1):
-            e = idx // N
-            c = idx - e * N
-            v = Float32(0.0)
+        RB = m.ring_batch
+        ne = n + T
+        dv = cute.make_rmem_tensor((m.dt_items,), Float32)
+        for i in cutlass.range_constexpr(m.dt_items):
+            idx = tidx + i * self.NT
+            e = idx // R
+            v = Float32(0.0)  # a scalar under the `if` (an rmem tensor there costs registers)
             if e < n:
-                v = ld(pS, st0 + Int64(m.ring_b(b, e, j, c)))
-            else:
-                v = sS[sm["x"] + (e - n) * m.ch + m.rows + c]
-                st(pS, st0 + Int64(m.ring_b(b, e, j, c)), v)
-            sS[sm["bs"] + idx] = v
-        for idx in cutlass.range(tidx, (n + T) * R, self.NT, unroll=1):
+                v = ld(pS, st0 + Int64(m.ring_dt(b, e, j, idx - e * R)))
+            dv[i] = v
+        bv = cute.make_rmem_tensor((RB,), Float32)
+        for i0 in cutlass.range(0, ne * N, self.NT * RB, unroll=1):
+            for i in cutlass.range_constexpr(RB):
+                idx = i0 + tidx + i * self.NT
+                e = idx // N
+                v = Float32(0.0)
+                if e < n:
+                    v = ld(pS, st0 + Int64(m.ring_b(b, e, j, idx - e * N)))
+                bv[i] = v
+            for i in cutlass.range_constexpr(RB):
+                idx = i0 + tidx + i * self.NT
+                e = idx // N
+                if idx < ne * N:
+                    v = bv[i]
+                    if e >= n:
+                        v = sS[sm["x"] + (e - n) * m.ch + m.rows + idx - e * N]
+                        st(pS, st0 + Int64(m.ring_b(b, e, j, idx - e * N)), v)
+                    sS[sm["bs"] + idx] = v
+        for i in cutlass.range_constexpr(m.dt_items):
+            idx = tidx + i * self.NT
             e = idx // R
             r = idx - e * R
-            v = Float32(0.0)
-            if e < n:
-                v = ld(pS, st0 + Int64(m.ring_dt(b, e, j, r)))
-            else:
-                v = sS[sm["dt"] + idx - n * R]
-                st(pS, st0 + Int64(m.ring_dt(b, e, j, r)), v)
-            sS[sm["dtr"] + idx] = v
-            sS[sm["lam"] + idx] = -cute.math.exp(ld(pF, prm + j * R + r)) * v
+            if idx < ne * R:
+                v = dv[i]
+                if e >= n:
+                    v = sS[sm["dt"] + idx - n * R]
+                    st(pS, st0 + Int64(m.ring_dt(b, e, j, r)), v)
+                sS[sm["dtr"] + idx] = v
+                sS[sm["lam"] + idx] = sS[sm["a"] + r] * v
         for idx in cutlass.range(tidx, T * m.rows, self.NT, unroll=1):
             t = idx // m.rows
             row = idx - t * m.rows
@@ -156,33 +178,53 @@ class Mamba2Replay(Mamba2):
 
     # ---- r4: the committed state through registers ----------------------------------------------
     @cute.jit
-    def entry_x(self, b: Int32, j: Int32, n: Int32, e: Int32, row: Int32, st0: Int64,
-                pS: cute.Pointer, sS: cute.Tensor) -> Float32:
-        """x_e[row]: a committed entry from the ring, a new one from the conv outputs."""
-        xv = Float32(0.0)
-        if e < n:
-            xv = ld(pS, st0 + Int64(self.m.ring_x(b, e, j, row)))
-        else:
-            xv = sS[self.sm["x"] + (e - n) * self.m.ch + row]
-        return xv
+    def load_entries(self, b: Int32, j: Int32, n: Int32, it: Int32, st0: Int64,
+                     pS: cute.Pointer, sS: cute.Tensor, warp: Int32, lane: Int32,
+                     xe: cute.Tensor):
+        """xe [RPT rows][ENTRIES] <- x_e[row] of the lane's entries e = entry(lane, i) in row
+        tile `it`: a committed entry from the ring, a new one from the conv outputs (0 past
+        the n + T entries)."""
+        m, E = self.m, self.m.entries
+        for k in cutlass.range_constexpr(m.rpt):
+            row = m.row(it, warp, lane, k)
+            for i in cutlass.range_constexpr(E):
+                e = m.entry(lane, i)
+                xv = Float32(0.0)  # a scalar under the `if` (an rmem tensor there: registers)
+                if e < n:
+                    xv = ld(pS, st0 + Int64(m.ring_x(b, e, j, row)))
+                else:
+                    if e < n + self.T:
+                        xv = sS[self.sm["x"] + (e - n) * m.ch + row]
+                xe[k * E + i] = xv
 
     @cute.jit
-    def replay_states(self, b: Int32, j: Int32, prm: Int32, n: Int32, fold, st0: Int64,
-                      pF: cute.Pointer, pS: cute.Pointer, sS: cute.Tensor, warp: Int32,
-                      lane: Int32):
-        """Per row tile: S_c [RPT rows][CPL columns] in registers; y_t[row] = the row's lanes'
-        sum of decay[t] S_c . C_t and coef[t][e] x_e[row] over the lane's entries
-        (e = lane mod LPR), + D x_t; at a fold S <- decay[T-1] S_c + sum_e x_e (wf[e] B_e),
-        stored once."""
+    def replay_states(self, b: Int32, j: Int32, n: Int32, fold, st0: Int64, pS: cute.Pointer,
+                      sS: cute.Tensor, warp: Int32, lane: Int32):
+        """Per row tile: S_c [RPT rows][CPL columns] and the lane's entries' x [RPT][ENTRIES] in
+        registers (the next tile's loads issued first, so their round trip overlaps this tile's
+        arithmetic); y_t[row] = the row's lanes' sum of decay[t] S_c . C_t and coef[t][e]
+        x_e[row] over the lane's entries, + D x_t (D from shared memory); at a fold S <-
+        decay[T-1] S_c + sum_e x_e (wf[e] B_e), entries in order, x_e[row] shuffled from the
+        lane of the row that holds it, stored once."""
         m, T, RPT, CPL, sm, R = self.m, self.T, self.m.rpt, self.m.cpl, self.sm, self.m.rep
-        ne = n + T
+        E, ne = m.entries, n + T
         s_reg = cute.make_rmem_tensor((RPT * CPL,), Float32)
+        nxt = cute.make_rmem_tensor((RPT * CPL,), Float32)
+        xe = cute.make_rmem_tensor((RPT * E,), Float32)
+        xn = cute.make_rmem_tensor((RPT * E,), Float32)
         part = cute.make_rmem_tensor((T,), Float32)
+        bv = cute.make_rmem_tensor((CPL,), Float32)
+        self.load_tile(b, j, Int32(0), st0, pS, warp, lane, nxt)
+        self.load_entries(b, j, n, Int32(0), st0, pS, sS, warp, lane, xn)
         for it in cutlass.range(m.tiles, unroll=1):
-            for k in cutlass.range_constexpr(RPT):
-                row = m.row(it, warp, lane, k)
-                for c in cutlass.range_constexpr(CPL):
-                    s_reg[k * CPL + c] = ld(pS, st0 + Int64(m.state(b, j, row, m.col(lane, c))))
+            for q in cutlass.range_constexpr(RPT * CPL):
+                s_reg[q] = nxt[q]
+            for q in cutlass.range_constexpr(RPT * E):
+                xe[q] = xn[q]
+            if cutlass.const_expr(m.tiles > 1):  # the last trip reloads its own tile (L1 hit)
+                nt = cutlass.min(it + 1, m.tiles - 1)
+                self.load_tile(b, j, nt, st0, pS, warp, lane, nxt)
+                self.load_entries(b, j, n, nt, st0, pS, sS, warp, lane, xn)
             for k in cutlass.range_constexpr(RPT):
                 row = m.row(it, warp, lane, k)
                 r = row // m.head_dim
@@ -192,31 +234,35 @@ class Mamba2Replay(Mamba2):
                         sc = sc + s_reg[k * CPL + c] * sS[sm["x"] + t * m.ch + m.rows
                                                           + m.state_size + m.col(lane, c)]
                     part[t] = sS[sm["decay"] + t * R + r] * sc
-                for e in cutlass.range(lane % m.lpr, ne, m.lpr, unroll=1):
-                    xv = self.entry_x(b, j, n, e, row, st0, pS, sS)
-                    for t in cutlass.range_constexpr(T):
-                        part[t] = part[t] + sS[sm["coef"] + (t * self.cap + e) * R + r] * xv
+                for i in cutlass.range_constexpr(E):
+                    e = m.entry(lane, i)
+                    if e < ne:
+                        for t in cutlass.range_constexpr(T):
+                            part[t] = part[t] + sS[sm["coef"] + (t * self.cap + e) * R + r] * xe[
+                                k * E + i]
                 for t in cutlass.range_constexpr(T):
                     y = cute.arch.warp_reduction_sum(part[t], threads_in_group=m.lpr)
-                    y = y + ld(pF, prm + m.heads + j * R + r) * sS[sm["x"] + t * m.ch + row]
+                    y = y + sS[sm["d"] + r] * sS[sm["x"] + t * m.ch + row]
                     if lane % m.lpr == 0:
                         sS[sm["y"] + t * m.rows + row] = y
             if fold:
                 for k in cutlass.range_constexpr(RPT):
-                    row = m.row(it, warp, lane, k)
-                    r = row // m.head_dim
+                    r = m.row(it, warp, lane, k) // m.head_dim
                     dec = sS[sm["decay"] + (T - 1) * R + r]
                     for c in cutlass.range_constexpr(CPL):
                         s_reg[k * CPL + c] = dec * s_reg[k * CPL + c]
-                    for e in cutlass.range(ne, unroll=1):
-                        xv = self.entry_x(b, j, n, e, row, st0, pS, sS)
-                        w = sS[sm["wf"] + e * R + r]
+                for i in cutlass.range_constexpr(E):
+                    for e in cutlass.range(i * m.lpr, cutlass.min(ne, (i + 1) * m.lpr), unroll=1):
+                        src = m.entry_lane(lane, e)
                         for c in cutlass.range_constexpr(CPL):
-                            s_reg[k * CPL + c] = s_reg[k * CPL + c] + xv * (
-                                w * sS[sm["bs"] + e * m.state_size + m.col(lane, c)])
-                    for c in cutlass.range_constexpr(CPL):
-                        st(pS, st0 + Int64(m.state(b, j, row, m.col(lane, c))),
-                           s_reg[k * CPL + c])
+                            bv[c] = sS[sm["bs"] + e * m.state_size + m.col(lane, c)]
+                        for k in cutlass.range_constexpr(RPT):
+                            r = m.row(it, warp, lane, k) // m.head_dim
+                            xv = cute.arch.shuffle_sync(xe[k * E + i], src)
+                            w = sS[sm["wf"] + e * R + r]
+                            for c in cutlass.range_constexpr(CPL):
+                                s_reg[k * CPL + c] = s_reg[k * CPL + c] + xv * (w * bv[c])
+                self.store_tile(b, j, it, st0, pS, warp, lane, s_reg)
 
     # ---- L2 prefetch of S_c and the committed x entries (before the dependency wait) ---------
     @cute.jit

@@ -2,8 +2,10 @@
 own index helpers (kernel/mamba_index.py), against the CPU executor's step.
 
 The emulation walks the handler's phases with its thread mapping (a thread per conv channel and
-per (token, head) gate, a warp per token for B . C and the output norm, state rows on LPR lanes
-with RPT rows per thread in row tiles, the segmented shuffle reductions as butterflies) over flat
+per (token, head) gate, the heads' D and A in shared memory, a warp per token for B . C, state
+rows on LPR lanes with RPT rows per thread in row tiles, the segmented shuffle reductions as
+butterflies, the output norm's sum of squares by thread, warp and then the warps' partials in
+order through shared memory) over flat
 fp32 arrays laid out as the state arena, proj, ssm_out and the shared scratch span, in float32 as
 the device code computes. The executor runs the same program step; its proj (the last Mamba2
 layer's), the state block of that layer before the step, and its outputs after it are the ground
@@ -13,8 +15,9 @@ head shapes (SHAPES: N = 128 with four row tiles and a 3-tap conv; N = 8, four r
 
 MAMBA_REPLAY (kernel/mamba_replay.py) the same way, step after step with L = 4 from staggered
 ring positions: the ring's B and dt, B . C per (token, entry) as warp reductions, the segment
-sums, the entries spread over a row's lanes, the fold; the whole state block (window, S_c, ring
-x, B, dt), the layer's ring_count and ssm_out against the executor's.
+sums, the entries' x spread over a row's lanes in registers (entry), the fold taking each x_e
+from the lane that holds it (entry_lane); the whole state block (window, S_c, ring x, B, dt),
+the layer's ring_count and ssm_out against the executor's.
 """
 
 from __future__ import annotations
@@ -81,24 +84,38 @@ def emulate_conv_gates(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray,
         h = j * m.rep + idx - t * m.rep
         aa = F(F32[proj + m.proj(b, t, m.dt_col(h))] + F32[prm + 2 * m.heads + h])
         sp = aa if aa > SOFTPLUS_LINEAR else F(np.log1p(np.exp(aa, dtype=F), dtype=F))
+        a = F(-np.exp(F32[prm + h], dtype=F))  # A = -exp(A_log)
         sS[sm["dt"] + idx] = sp
-        sS[sm["da"] + idx] = np.exp(F(-np.exp(F32[prm + h], dtype=F) * sp), dtype=F)
+        sS[sm["da"] + idx] = np.exp(F(a * sp), dtype=F)
+        if idx < m.rep:  # token 0's items: the heads' A and D
+            sS[sm["a"] + idx] = a
+            sS[sm["d"] + idx] = F32[prm + m.heads + h]
     return sS
 
 
 def emulate_output(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, sS: np.ndarray,
                    out: np.ndarray, eps: float) -> None:
-    """Mamba2.output: a warp per token, the gated group RMSNorm of y into out (bf16 as fp32)."""
-    b, j, proj = d["B_IDX"], d["GROUP"], d["PROJ_OFF"]
+    """Mamba2.output: thread tidx takes the columns out_col(tidx, i); per token the gated group
+    RMSNorm of y into out (bf16 as fp32), the sum of g^2 over a thread's columns in order, the
+    warp's butterfly, then the warps' partials (ss in the scratch span) in warp order."""
+    b, j, proj, sm = d["B_IDX"], d["GROUP"], d["PROJ_OFF"], m.smem()
+    nw = m.num_warps
     for t in range(m.tokens):
-        y = sS[m.smem()["y"] + t * m.rows : m.smem()["y"] + (t + 1) * m.rows]
+        y = sS[sm["y"] + t * m.rows : sm["y"] + (t + 1) * m.rows]
         assert np.isfinite(y).all(), "a row of y was never written"
         z = np.array([F32[proj + m.proj(b, t, m.z_col(j, c))] for c in range(m.rows)], dtype=F)
         g = F(y * silu(z))
-        part = np.zeros(LANES, dtype=F)
-        for c in range(m.rows):
-            part[c % LANES] = F(part[c % LANES] + F(g[c] * g[c]))
-        ss = butterfly(part, LANES)[0]
+        part = np.zeros(m.threads, dtype=F)
+        for tidx in range(m.threads):
+            for i in range(m.out_cols):
+                c = m.out_col(tidx, i)
+                if c < m.rows:
+                    part[tidx] = F(part[tidx] + F(g[c] * g[c]))
+        sS[sm["ss"] + t * nw : sm["ss"] + (t + 1) * nw] = butterfly(
+            part.reshape(nw, LANES), LANES)[:, 0]
+        ss = F(0.0)
+        for q in range(nw):
+            ss = F(ss + sS[sm["ss"] + t * nw + q])
         rstd = F(1.0) / np.sqrt(F(F(ss / F(m.rows)) + F(eps)), dtype=F)
         for c in range(m.rows):
             out[d["OUT_OFF"] + m.out(b, t, j, c)] = F(F(g[c] * rstd)
@@ -123,7 +140,7 @@ def emulate_core(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.n
                  out: np.ndarray, eps: float) -> None:
     """One MAMBA_CORE record, as kernel/mamba2.py runs it: W bf16 weights (as fp32), F32 the
     fp32 arena, S the state arena (updated), out the bf16 arena as fp32 (written)."""
-    b, j, prm, st0, T, sm = d["B_IDX"], d["GROUP"], d["PARAM_OFF"], d["STATE"], m.tokens, m.smem()
+    b, j, st0, T, sm = d["B_IDX"], d["GROUP"], d["STATE"], m.tokens, m.smem()
     sS = emulate_conv_gates(m, d, W, F32, S)
     # B . C: a warp per token, lanes strided over n
     for t in range(T):
@@ -134,7 +151,7 @@ def emulate_core(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.n
         sS[sm["bc"] + t] = butterfly(part, LANES)[0]
     # phase 2: states, per row tile; registers [warp][lane][RPT][CPL]
     lane = LANE[None, :]
-    D = F32[prm + m.heads + j * m.rep : prm + m.heads + (j + 1) * m.rep]
+    D = sS[sm["d"] : sm["d"] + m.rep]  # from gates
     for it in range(m.tiles):
         rows, cols = tile_regs(m, it)
         addr = st0 + m.state(b, j, rows[..., None], cols[:, :, None, :])  # [NW, 32, RPT, CPL]
@@ -163,7 +180,7 @@ def emulate_replay(m: MambaShape, window: int, d: dict, W: np.ndarray, F32: np.n
                    S: np.ndarray, I32: np.ndarray, out: np.ndarray, eps: float) -> None:
     """One MAMBA_REPLAY record, as kernel/mamba_replay.py runs it (S: the state arena with the
     ring, I32: the i32 arena with ring_count; both updated)."""
-    b, j, prm, st0, T, sm = d["B_IDX"], d["GROUP"], d["PARAM_OFF"], d["STATE"], m.tokens, m.smem()
+    b, j, st0, T, sm = d["B_IDX"], d["GROUP"], d["STATE"], m.tokens, m.smem()
     N, R, cap, cnt = m.state_size, m.rep, m.cap, d["COUNT_OFF"] + m.count(b, j)
     n = int(I32[cnt])
     assert 0 <= n < window and n + T <= cap
@@ -186,7 +203,7 @@ def emulate_replay(m: MambaShape, window: int, d: dict, W: np.ndarray, F32: np.n
             v = sS[sm["dt"] + idx - n * R]
             S[st0 + m.ring_dt(b, e, j, r)] = v
         sS[sm["dtr"] + idx] = v
-        sS[sm["lam"] + idx] = F(-np.exp(F32[prm + j * R + r], dtype=F) * v)
+        sS[sm["lam"] + idx] = F(sS[sm["a"] + r] * v)
     for idx in range(T * m.rows):
         t, row = divmod(idx, m.rows)
         S[st0 + m.ring_x(b, n + t, j, row)] = sS[sm["x"] + t * m.ch + row]
@@ -220,22 +237,22 @@ def emulate_replay(m: MambaShape, window: int, d: dict, W: np.ndarray, F32: np.n
         for r in range(R):
             sS[sm["wf"] + e * R + r] = F(sS[sm["dtr"] + e * R + r]
                                          * np.exp(lam_sum(e + 1, ne - 1, r), dtype=F))
-    # r4: the committed state in row tiles; lane l of a row takes the entries e = l mod LPR
+    # r4: the committed state in row tiles; lane l of a row holds x_e[row] of its entries
+    # e = entry(l, i) = l mod LPR + LPR i in registers xe [NW, 32, RPT, ENTRIES]
     fold = ne >= window
     lane = LANE[None, :, None]
-    D = F32[prm + m.heads + j * R : prm + m.heads + (j + 1) * R]
+    D = sS[sm["d"] : sm["d"] + R]  # from gates
     for it in range(m.tiles):
         rows, cols = tile_regs(m, it)
         addr = st0 + m.state(b, j, rows[..., None], cols[:, :, None, :])
         regs = S[addr].astype(F)
         head = rows // m.head_dim
-
-        def x_of(e: int, rows: np.ndarray = rows) -> np.ndarray:
-            """x_e of the rows: a committed entry from the ring, a new one from the conv."""
-            if e < n:
-                return S[st0 + m.ring_x(b, e, j, rows)]
-            return sS[sm["x"] + (e - n) * m.ch + rows]
-
+        xe = np.zeros(rows.shape + (m.entries,), dtype=F)  # load_entries, 0 past n + T
+        for i in range(m.entries):
+            e = np.broadcast_to(m.entry(lane, i), rows.shape)
+            old, new = e < n, (e >= n) & (e < ne)
+            xe[..., i][old] = S[st0 + m.ring_x(b, e[old], j, rows[old])]
+            xe[..., i][new] = sS[sm["x"] + (e[new] - n) * m.ch + rows[new]]
         part = []
         for t in range(T):
             cc = sS[sm["x"] + t * m.ch + m.rows + N + cols][:, :, None, :]
@@ -243,12 +260,13 @@ def emulate_replay(m: MambaShape, window: int, d: dict, W: np.ndarray, F32: np.n
             for c in range(m.cpl):
                 sc = (sc + regs[..., c] * cc[..., c]).astype(F)
             part.append(F(sS[sm["decay"] + t * R + head] * sc))
-        for e in range(ne):
-            mine = np.broadcast_to(lane % m.lpr == e % m.lpr, rows.shape)
-            xv = x_of(e)
+        for i in range(m.entries):  # the lane's entries in order
+            e = np.broadcast_to(m.entry(lane, i), rows.shape)
+            live = e < ne
             for t in range(T):
-                add = F(part[t] + F(sS[sm["coef"] + (t * cap + e) * R + head] * xv))
-                part[t] = np.where(mine, add, part[t])
+                cf = np.zeros(rows.shape, dtype=F)
+                cf[live] = sS[sm["coef"] + (t * cap + e[live]) * R + head[live]]
+                part[t] = np.where(live, F(part[t] + F(cf * xe[..., i])), part[t])
         for t in range(T):
             y = lpr_reduce(m, part[t])
             y = F(y + F(D[head] * sS[sm["x"] + t * m.ch + rows]))
@@ -256,10 +274,12 @@ def emulate_replay(m: MambaShape, window: int, d: dict, W: np.ndarray, F32: np.n
             sS[sm["y"] + t * m.rows + rows[lead]] = y[lead]
         if fold:
             regs = F(sS[sm["decay"] + (T - 1) * R + head][..., None] * regs)
-            for e in range(ne):
-                w = sS[sm["wf"] + e * R + head][..., None]
-                bb = sS[sm["bs"] + e * N + cols][:, :, None, :]
-                regs = F(regs + F(x_of(e)[..., None] * F(w * bb)))
+            for i in range(m.entries):
+                for e in range(i * m.lpr, min(ne, (i + 1) * m.lpr)):
+                    xv = xe[..., i][:, m.entry_lane(LANE, e)]  # the shuffle from its lane
+                    w = sS[sm["wf"] + e * R + head][..., None]
+                    bb = sS[sm["bs"] + e * N + cols][:, :, None, :]
+                    regs = F(regs + F(xv[..., None] * F(w * bb)))
             S[addr] = regs
     I32[cnt] = 0 if fold else ne
     emulate_output(m, d, W, F32, sS, out, eps)
