@@ -107,7 +107,12 @@ def _check_steps(name: str, batch: int, tokens: int, window: int | None, n_split
     recurrent states, conv windows, ring counts, lengths and the KV cache. With several splits
     the merge reassociates the softmax, which now and then flips a bf16 rounding of the attention
     output (as in the dense executor): the states and conv windows after it are then held to
-    REL_TOL x the bf16 reference's own error against the fp32 reference instead of STATE_TOL."""
+    REL_TOL x the bf16 reference's own error against the fp32 reference instead of STATE_TOL.
+    A conv window that is not bit-equal is held to the same bound with one split too: the
+    executor's per-slab fp32 products equal the reference's whole-matrix ones only where the
+    CPU's BLAS reduces a slab's rows in the same order as the whole matrix's, which depends on
+    the machine (seen: a 1-ulp residual difference flipping one bf16 rounding of a normed input
+    on an AVX-512 machine, nemotron-h-tiny B = 4)."""
     seed = 10 * batch + tokens + (window or 0) + (n_splits or 0)
     cfg, g, ref16, c16, ref32, c32, ex, first = _setup(_weights(name), batch, tokens, window,
                                                        seed, name=name, n_splits=n_splits)
@@ -126,16 +131,17 @@ def _check_steps(name: str, batch: int, tokens: int, window: int | None, n_split
             err = (ex.recurrent_state(layer) - lc.state).abs().max().item()
             conv = ex.state_region(layer, "conv")
             worst_state = max(worst_state, err)
-            if n_splits is None:
-                assert torch.equal(conv, lc.conv), f"step {step}: conv window of layer {layer}"
-            else:  # relative to the bf16 reference's own error (docstring)
-                for what, e, own in (("state", err, (lc.state - l32c.state).abs().max()),
-                                     ("conv", (conv - lc.conv).abs().max(),
-                                      (lc.conv - l32c.conv).abs().max())):
-                    worst_rel = max(worst_rel, float(e / own))
-                    assert e <= REL_TOL * own, (
-                        f"step {step}: {what} of layer {layer} differs by {float(e):.3g} > "
-                        f"{REL_TOL} x the bf16 reference's own error {float(own):.3g}")
+            # relative to the bf16 reference's own error (docstring); with one split the
+            # states are held to STATE_TOL below
+            checks = [] if torch.equal(conv, lc.conv) else [
+                ("conv", (conv - lc.conv).abs().max(), (lc.conv - l32c.conv).abs().max())]
+            if n_splits is not None:
+                checks.append(("state", err, (lc.state - l32c.state).abs().max()))
+            for what, e, own in checks:
+                worst_rel = max(worst_rel, float(e / own))
+                assert e <= REL_TOL * own, (
+                    f"step {step}: {what} of layer {layer} differs by {float(e):.3g} > "
+                    f"{REL_TOL} x the bf16 reference's own error {float(own):.3g}")
             if window:
                 cnt = ex.region("i32", "ring_count")[ex.prog.buffers.row("rec", layer)]
                 assert torch.equal(cnt.long(), lc.count[:, None].expand_as(cnt))
@@ -159,7 +165,7 @@ def _check_steps(name: str, batch: int, tokens: int, window: int | None, n_split
                     f"splits={ex.prog.n_splits}",
                     f"max |logits - bf16 ref| {worst:.3g}, max |state - ref| {worst_state:.3g}"
                     + (f", state and conv / bf16 ref's own error <= {worst_rel:.3g}"
-                       if n_splits else ""))
+                       if worst_rel else ""))
 
 
 @pytest.mark.parametrize("name", MODELS)
