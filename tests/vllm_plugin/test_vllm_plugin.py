@@ -22,6 +22,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process:
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 
 from megakernel.models import preset  # noqa: E402
 from megakernel.models.weights import random_weights, save_checkpoint  # noqa: E402
@@ -35,11 +36,24 @@ ARCHS = {"llama-tiny": "MegakernelLlamaForCausalLM", "qwen3-tiny": "MegakernelQw
          "qwen2-tiny": "MegakernelQwen2ForCausalLM"}
 
 
+def _vec_isa(*args, **kw) -> str:  # noqa: ANN002, ANN003
+    """vLLM-CPU's attention ISA with "amx" replaced by "vec": on a CPU with AMX tiles vLLM picks
+    its AMX page layout, which the plugin does not read (its decode steps then stay on vLLM's
+    model, with a warning); both engines of the comparison are served with the vec layout."""
+    isa = _ATTN_ISA(*args, **kw)
+    return "vec" if isa == "amx" else isa
+
+
+_ATTN_ISA = cpu_attn._get_attn_isa
+
+
 def _serve(path: str, prompts: list[list[int]], arch: str | None):  # noqa: ANN202
     kw = {"hf_overrides": {"architectures": [arch]}} if arch else {}
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-              max_model_len=256, block_size=32, num_gpu_blocks_override=32, max_logprobs=2,
-              seed=0, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_attn, "_get_attn_isa", _vec_isa)
+        llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                  max_model_len=256, block_size=32, num_gpu_blocks_override=32, max_logprobs=2,
+                  seed=0, **kw)
     params = [SamplingParams(temperature=0, max_tokens=m, logprobs=2, ignore_eos=True,
                              detokenize=False) for m in MAX_TOKENS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
