@@ -121,6 +121,10 @@ class Attention(LayerKind):
     kv_cache = True
     flow = {"QKV": None, "ATTN_PARTIAL": "QKV", "OPROJ": "ATTN_PARTIAL"}
 
+    @classmethod
+    def split_heads(cls, cfg: AttentionConfig) -> int:
+        return cfg.num_kv_heads
+
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod
     def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001

@@ -93,6 +93,9 @@ class LayerKind:
     config: ClassVar[type] = object
     recurrent: ClassVar[bool] = False  # conv window, state and ReplaySSM ring per layer
     kv_cache: ClassVar[bool] = False  # a K/V (or latent) cache slot per layer
+    # kv_cache kinds' split-KV attention: (most splits, fewest keys a split) per (sequence, kv
+    # head of `split_heads`); the compiler's default split count stays within them
+    splits: ClassVar[tuple[int, int]] = (16, 64)
     fp32_params: ClassVar[tuple[str, ...]] = ()  # local names kept fp32 by transformers
     # opcode name -> the opcode(s) of the same block it waits on (None: the block's input)
     flow: ClassVar[dict[str, object]] = {}
@@ -173,6 +176,12 @@ class LayerKind:
                   ) -> dict[str, torch.Tensor]:
         """Host-computed fp32 constants (CONST regions it needs) by region name."""
         return {}
+
+    @classmethod
+    def split_heads(cls, cfg: Any) -> int:
+        """KV heads a sequence's cache is split for (kv_cache kinds): one attention partial per
+        (sequence, kv head, split)."""
+        raise NotImplementedError
 
     @classmethod
     def kv(cls, blk: Block, model: ModelConfig, batch: int, max_seq_len: int

@@ -131,6 +131,14 @@ class MultiLatentAttention(LayerKind):
     kv_cache = True
     flow = {"PROJ": None, "MLA_Q": "PROJ", "MLA": "MLA_Q", "MLA_O": "MLA", "OPROJ": "MLA_O"}
     spec_field = "mla"
+    # a split attends all H heads of its sequence (one latent kv head), H times a dense split's
+    # work per key: about one split per SM at B = 1, each at least two of the kernel's key
+    # chunks (kernel/mla_index.key_chunk: 8 keys at Kimi's rank 512)
+    splits = (64, 16)
+
+    @classmethod
+    def split_heads(cls, cfg: MLAConfig) -> int:
+        return 1
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001

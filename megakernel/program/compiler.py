@@ -182,24 +182,15 @@ def check_memory(cfg, buf: BufferPlan, lay: WeightLayout, gpu: GPU) -> None:  # 
             f"batch or the max sequence length")
 
 
-# MLA splits: every split attends all heads of its sequence over its keys, so a split has H
-# times a dense split's work per key; it gets more splits (about one per SM at B = 1), each at
-# least two of the kernel's key chunks (kernel/mla_index.py: 8 keys at Kimi's rank 512)
-MLA_MAX_SPLITS = 64
-MLA_MIN_KEYS = 16
-
-
 def default_splits(cfg, batch: int, gpu: GPU, context: int) -> int:  # noqa: ANN001
-    """Attention splits per (sequence, kv head): about one partial per SM, >= 64 keys each, at
-    most 16; MLA (one latent kv head per sequence): about one per SM, >= MLA_MIN_KEYS keys each,
-    at most MLA_MAX_SPLITS."""
-    if cfg.has_kind("attention"):
-        hkv, most, keys = cfg.kind_config("attention").num_kv_heads, 16, 64
-    elif cfg.has_kind("mla"):
-        hkv, most, keys = 1, MLA_MAX_SPLITS, MLA_MIN_KEYS
-    else:
+    """Attention splits per (sequence, kv head) of the model's cache kind: about one partial per
+    SM, within the kind's `splits` (most splits, fewest keys a split); 1 without a cache."""
+    blk = next((b for b in cfg.blocks if kind(b.kind).kv_cache), None)
+    if blk is None:
         return 1
-    per = max(1, round(gpu.num_sms / (batch * hkv)))
+    k = kind(blk.kind)
+    most, keys = k.splits
+    per = max(1, round(gpu.num_sms / (batch * k.split_heads(blk.cfg))))
     return max(1, min(per, most, max(1, context // keys)))
 
 
