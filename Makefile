@@ -7,7 +7,7 @@ ARCHS   ?= sm_90a,sm_100a
 MODEL   ?= llama-3.2-1b
 OUTDIR  ?= out
 
-.PHONY: setup test demo lint bench build gpu-builds gpu-check gpu-check-simulate clean \
+.PHONY: setup test test-slow demo lint bench build gpu-builds gpu-check gpu-check-simulate clean \
 	setup-vllm test-vllm
 
 $(STAMP): pyproject.toml
@@ -24,8 +24,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The fast lane (under 5 minutes on 2 cores) and the rest: tests/lanes.py decides from what a test
+# uses (kernel builds beyond one per arch, subprocesses, transformers checkpoints, long runs).
 test: $(STAMP)
-	$(VPY) -m pytest -q -ra
+	$(VPY) -m pytest -q -ra -m "not slow"
+
+test-slow: $(STAMP)
+	$(VPY) -m pytest -q -ra -m slow
 
 demo: $(STAMP)
 	$(VPY) -m megakernel demo

@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megakernel.arch import ARCHS  # noqa: E402
 from megakernel.cli import check_names  # noqa: E402
-from megakernel.kernel.spec import ARCHS  # noqa: E402
 from megakernel.models import presets  # noqa: E402
 from megakernel.progress import stage  # noqa: E402
 

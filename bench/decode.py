@@ -12,7 +12,7 @@ Measured in one run (CUDA events; random bf16 weights):
   measure.stream_build_dir(--build-dir)); copy: device-to-device copy (bytes read + written);
   the yardstick is the larger of the two ("achievable");
 - kernel: `decode_step` captured in a CUDA graph, replayed (the program feeds its own tokens back);
-- torch eager: a static-cache bf16 decode step in plain torch ops (measure.TorchDecode);
+- torch eager: a static-cache bf16 decode step in plain torch ops (torch_decode.TorchDecode);
 - torch.compile: the same step, mode="reduce-overhead" (measure.compile_timing: a failed compile
   is recorded and the eager step timed instead, flagged);
 - time to first token: the context-long prompts prefilled on the kernel itself (ttft_ms);
@@ -38,20 +38,22 @@ sys.path.insert(0, str(ROOT))
 
 from megakernel.cli import check_names  # noqa: E402  (after the sys.path insert)
 from megakernel.measure import (  # noqa: E402  (after the sys.path insert)
-    HAZY_H200_S,
-    TARGETS,
     ClockSampler,
-    Target,
-    TorchDecode,
     clocks,
     compile_timing,
     copy_bandwidth,
-    evaluate_targets,
-    metric,
     read_bandwidth,
-    targets_text,
     timed,
 )
+from megakernel.targets import (  # noqa: E402
+    HAZY_H200_S,
+    TARGETS,
+    Target,
+    evaluate_targets,
+    metric,
+    targets_text,
+)
+from megakernel.torch_decode import TorchDecode  # noqa: E402
 
 __all__ = ["HAZY_H200_S", "TARGETS", "Target", "evaluate_targets", "metric", "targets_text"]
 
@@ -63,8 +65,8 @@ def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Name
     """One batch size: the kernel (CUDA-graph replays) and the torch baselines, same bytes;
     `window` > 0: the recurrent layers by ReplaySSM with that fold window (no torch baselines:
     they implement the dense families' recurrent-free step only)."""
-    from megakernel.measure import TORCH_DECODE_FAMILIES
-    from megakernel.torch_op import Megakernel
+    from megakernel.kernel_backend import Megakernel
+    from megakernel.torch_decode import TORCH_DECODE_FAMILIES
 
     s_max = args.context + args.iters * 8 + 64
     res: dict = {"batch": batch, "replay_window": window}

@@ -26,10 +26,13 @@ from typing import Any
 
 import torch
 
+from megakernel.backends import AUTO
+from megakernel.backends import BACKENDS as _GENERATORS
 from megakernel.engine import PREFILL_CHUNK
-from megakernel.runtime import ArgumentError, KernelUnavailable
+from megakernel.launch_checks import ArgumentError
+from megakernel.runtime import KernelUnavailable
 
-BACKENDS = ("auto", "kernel", "cpu-executor", "reference")
+BACKENDS = (AUTO, *_GENERATORS)  # "auto", then megakernel.backends' table
 
 
 class GenerationError(ArgumentError):
@@ -57,8 +60,9 @@ def bucket(n: int, max_batch: int) -> int:
 def _kernel_available(cfg, replay: bool = False) -> str | None:  # noqa: ANN001
     """None when the kernel can run `cfg` here (`replay`: with a ReplaySSM window), else why
     not."""
-    from megakernel.kernel.spec import SpecError, check_kernel_support
-    from megakernel.torch_op import ENV_BUILD_DIR
+    from megakernel.device_state import ENV_BUILD_DIR
+    from megakernel.errors import SpecError
+    from megakernel.kernel.model_spec import check_kernel_support
 
     if not torch.cuda.is_available():
         return "no CUDA GPU"
@@ -88,23 +92,23 @@ class LLM:
         if replay_window is not None and (replay_window < 1 or not cfg.recurrent_layers()):
             raise GenerationError(f"replay_window {replay_window} needs a model with recurrent "
                                   f"layers and L >= 1")
-        if backend == "auto":
+        if backend == AUTO:
             why = _kernel_available(cfg, bool(replay_window))
             backend = "kernel" if why is None else "cpu-executor"
             print(f"megakernel: backend {backend}" + (f" ({why})" if why else ""),
                   file=sys.stderr)
         elif backend == "kernel":
-            from megakernel.kernel.spec import check_kernel_support
-            from megakernel.torch_op import _require_gpu
+            from megakernel.kernel.model_spec import check_kernel_support
+            from megakernel.kernel_backend import require_gpu
 
             # SpecError names the layer kinds it cannot run
             check_kernel_support(cfg, bool(replay_window))
-            _require_gpu()  # KernelUnavailable
+            require_gpu()  # KernelUnavailable
         self.cfg, self.weights, self.backend = cfg, weights, backend
         self.max_batch, self.max_seq_len, self.replay_window = max_batch, max_seq_len, replay_window
         self.tokenizer, self.build_dir = tokenizer, build_dir
         self._programs: dict[tuple[int, int], object] = {}  # (batch, tokens) -> Program
-        self._kernels: dict[int, object] = {}  # batch -> torch_op.Megakernel
+        self._kernels: dict[int, object] = {}  # batch -> kernel_backend.Megakernel
         self._packed = None
 
     # ---- input ---------------------------------------------------------------------------------
@@ -173,7 +177,8 @@ class LLM:
             g = self._kernel(b).generate_program(padded, steps, eos, live=live,
                                                  chunk_tokens=PREFILL_CHUNK)
         else:
-            from megakernel.engine import executor_steppers, program_generate
+            from megakernel.engine import program_generate
+            from megakernel.executor.generate import executor_steppers
             from megakernel.program.pack import pack_weights
 
             if self._packed is None:
@@ -198,7 +203,7 @@ class LLM:
         return self._programs[key]
 
     def _kernel(self, batch: int):  # noqa: ANN202
-        from megakernel.torch_op import Megakernel
+        from megakernel.kernel_backend import Megakernel
 
         if batch not in self._kernels:
             self._kernels[batch] = Megakernel(self.cfg, self.weights, batch=batch,
@@ -222,10 +227,11 @@ def load(model: str | Path, backend: str = "auto", max_batch: int = 8, max_seq_l
     cfg, weights = load_model(str(model), seed=seed, dtype=torch.bfloat16)
     tokenizer = None
     if Path(model).is_dir():
-        from megakernel.cli import CliError, _tokenizer
+        from megakernel.cli import CliError
+        from megakernel.generate_cli import load_tokenizer
 
         try:
-            tokenizer = _tokenizer(str(model))
+            tokenizer = load_tokenizer(str(model))
         except CliError:
             tokenizer = None  # token ids only
     return LLM(cfg, weights, backend, max_batch, max_seq_len, replay_window, tokenizer,

@@ -72,13 +72,14 @@ def _executor_vs_reference(steps: int) -> list[dict[str, Any]]:
 
 
 def _build(model: str, build_dir: str | None, predicted_us: float) -> list[dict[str, Any]]:
+    from megakernel.arch import ARCHS
     from megakernel.kernel.build import build, report_line
     from megakernel.models import resolve
 
     cfg = resolve(model)
     with tempfile.TemporaryDirectory(prefix="megakernel-demo-") as tmp:
         t0 = time.perf_counter()
-        manifests = build(cfg, ["sm_90a", "sm_100a"], build_dir or tmp, batch=1, tokens=1)
+        manifests = build(cfg, list(ARCHS), build_dir or tmp, batch=1, tokens=1)
         dt = time.perf_counter() - t0
     print(f"[3/3] AOT build of the CuTe DSL megakernel for {model}, batch 1, on this CPU in "
           f"{dt:.1f} s (resources read from the cubins):")
@@ -94,11 +95,11 @@ def _gpu_run(model: str, steps: int) -> dict[str, Any]:
     """On a GPU: the kernel against the reference on the GPU, tokens/s of each."""
     import torch
 
+    from megakernel.kernel_backend import generate as kernel_generate
     from megakernel.models import resolve
     from megakernel.models.weights import random_weights
     from megakernel.reference.model import ReferenceModel
     from megakernel.reference.model import generate as reference_generate
-    from megakernel.torch_op import generate as kernel_generate
 
     cfg = resolve(model)
     w = random_weights(cfg, seed=0)

@@ -19,7 +19,6 @@ chunk program's arenas into the single program's. Caches and states start empty.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -128,51 +127,3 @@ def program_generate(single: Stepper, prompts: list[list[int]], steps: int,
     done.total_s = time.perf_counter() - t0
     done.steps[1] = n1
     return done
-
-
-# ---- steppers -----------------------------------------------------------------------------------
-class ExecutorStepper:
-    """A program on the CPU executor (`check`: its race detector and write counts)."""
-
-    def __init__(self, prog, packed, check: bool = False, seed: int = 0,  # noqa: ANN001
-                 arenas: dict[str, torch.Tensor] | None = None) -> None:
-        from megakernel.executor import Executor
-
-        self.prog, self.tokens = prog, prog.tokens
-        self.ex = Executor(prog, packed, check=check, arenas=arenas)
-        self.ex.state.zero_()  # recurrent state and conv windows start empty
-        self.seed = seed
-
-    def step(self, tokens: torch.Tensor | None) -> torch.Tensor:
-        self.seed += 1
-        return self.ex.step(tokens, seed=self.seed)
-
-    def arenas(self) -> dict[str, torch.Tensor]:
-        return {n: self.ex.arena_tensor(n) for n in STATE_ARENAS}
-
-    def sync(self) -> None:
-        pass
-
-
-def executor_steppers(cfg, packed, batch: int, max_seq_len: int,  # noqa: ANN001
-                      replay_window: int | None = None, chunk_tokens: int = 1,
-                      check: bool = False, seed: int = 0,
-                      compile_fn: Callable[..., object] | None = None
-                      ) -> tuple[ExecutorStepper, ExecutorStepper | None]:
-    """(single, chunk) steppers on fresh, empty arenas; the two share the KV cache tensors.
-    `compile_fn(tokens)` returns the program for T tokens (cached by the caller)."""
-    from megakernel.executor.generate import executor_gpu
-    from megakernel.program.compiler import compile_program
-
-    if compile_fn is None:
-        def compile_fn(tokens: int) -> object:
-            return compile_program(cfg, batch, executor_gpu(), tokens=tokens,
-                                   max_seq_len=max_seq_len, replay_window=replay_window)
-
-    single = ExecutorStepper(compile_fn(1), packed, check=check, seed=seed)
-    chunk = None
-    if chunk_tokens > 1:
-        kv = {n: single.ex.arena_tensor(n) for n in ("k", "v")}
-        chunk = ExecutorStepper(compile_fn(chunk_tokens), packed, check=check,
-                                seed=seed + 10_000, arenas=kv)
-    return single, chunk

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from megakernel.errors import UserError
 
-class NonFiniteError(ValueError):
+
+class NonFiniteError(UserError, ValueError):
     """A step produced NaN or Inf logits: the model's numbers overflow (a user error, exit 2)."""
 
 

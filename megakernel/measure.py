@@ -1,5 +1,6 @@
 """Measure on a GPU what the cost model assumes: HBM read and copy bandwidth, clocks, and the
-torch.compile decode-step baseline the kernel is judged against.
+timing of the torch.compile decode-step baseline the kernel is judged against (the step itself:
+torch_decode.py; the targets the ratios are judged by: targets.py).
 
 Needs torch and cuda-python only (never the DSL). Every function returns a plain dict and, when a
 GPU, a build or a tool is missing, a dict with an "error" field instead of raising, so a GPU
@@ -11,25 +12,22 @@ check records what it could measure. For megakernel.gpu_check:
 - `copy_bandwidth()`: device-to-device copy, bytes read + written per second;
 - `clocks()` / `ClockSampler`: SM and memory clocks, read only (nvidia-smi, else NVML);
 - `compile_timing(step, args)`: a step compiled with mode="reduce-overhead", eager if that fails
-  (flagged); `TorchDecode`: the static-cache bf16 decode step it is used on.
+  (flagged).
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import math
 import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 STREAM_SUBDIR = "stream"
 GiB = 1 << 30
@@ -257,7 +255,7 @@ class ClockSampler:
         return out
 
 
-# ---- torch baselines ----------------------------------------------------------------------------
+# ---- torch.compile timing ------------------------------------------------------------------------
 def compile_timing(step: Callable[..., object], args: tuple, iters: int = 50,
                    mode: str = "reduce-overhead") -> dict:
     """Seconds per `step(*args)` compiled with torch.compile(mode); if compiling or running the
@@ -288,171 +286,3 @@ def compile_timing(step: Callable[..., object], args: tuple, iters: int = 50,
     except Exception as e:
         res.update(_error(e))
     return res
-
-
-TORCH_DECODE_FAMILIES = ("llama", "qwen3", "qwen2")  # what TorchDecode implements
-
-
-class TorchDecode:
-    """One decode step (T = 1) of the dense families (Llama, Qwen3, Qwen2) in plain torch ops
-    with bf16 weights and a static KV cache [L, B, Hkv, S_max, D] (graph-safe: no host syncs),
-    the rounding points of the reference's bf16 mode. The torch.compile baseline's step."""
-
-    def __init__(self, cfg, w: dict[str, torch.Tensor], batch: int, s_max: int,  # noqa: ANN001
-                 device: str | torch.device = "cuda"):
-        self.cfg, self.b = cfg, batch
-        self.w = {k: v.to(device, torch.bfloat16) for k, v in w.items()}
-        L, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        self.k = torch.zeros(L, batch, hkv, s_max, d, dtype=torch.bfloat16, device=device)
-        self.v = torch.zeros_like(self.k)
-        inv = torch.tensor(cfg.rope.inv_freq(d), dtype=torch.float64)
-        ang = torch.arange(s_max, dtype=torch.float64)[:, None] * inv
-        self.cos = torch.cat((ang.cos(), ang.cos()), -1).float().to(device)
-        self.sin = torch.cat((ang.sin(), ang.sin()), -1).float().to(device)
-        self.mask_pos = torch.arange(s_max, device=device)
-
-    def norm(self, x, w):  # noqa: ANN001, ANN201
-        x = x.float()
-        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-                * w.float()).to(torch.bfloat16)
-
-    def rope(self, x, pos):  # noqa: ANN001, ANN201
-        c, s = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
-        x1, x2 = x.chunk(2, -1)
-        return x * c + torch.cat((-x2, x1), -1) * s
-
-    def logits(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """tok [B] int64, pos [B] int64 (cache position of the new token) -> fp32 [B, V];
-        writes this token's k, v into the cache."""
-        cfg, w = self.cfg, self.w
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = w["model.embed_tokens.weight"][tok].float()  # [B, H]
-        bidx = torch.arange(self.b, device=tok.device)
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            x = self.norm(h, w[p + "input_layernorm.weight"])
-            q = F.linear(x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
-            k = F.linear(x, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
-            v = F.linear(x, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
-            q, k = q.float().view(self.b, hq, d), k.float().view(self.b, hkv, d)
-            v = v.view(self.b, hkv, d)
-            if cfg.qk_norm:
-                q = self.norm(q, w[p + "self_attn.q_norm.weight"]).float()
-                k = self.norm(k, w[p + "self_attn.k_norm.weight"]).float()
-            q, k = self.rope(q, pos).to(torch.bfloat16), self.rope(k, pos).to(torch.bfloat16)
-            self.k[i, bidx, :, pos] = k
-            self.v[i, bidx, :, pos] = v
-            mask = self.mask_pos[None, :] <= pos[:, None]  # [B, S]
-            o = F.scaled_dot_product_attention(
-                q[:, :, None, :], self.k[i], self.v[i], attn_mask=mask[:, None, None, :],
-                enable_gqa=True)  # [B, Hq, 1, D]
-            h = h + F.linear(o.reshape(self.b, hq * d), w[p + "self_attn.o_proj.weight"]).float()
-            x = self.norm(h, w[p + "post_attention_layernorm.weight"])
-            g = F.linear(x, w[p + "mlp.gate_proj.weight"]).float()
-            u = F.linear(x, w[p + "mlp.up_proj.weight"]).float()
-            a = (F.silu(g) * u).to(torch.bfloat16)
-            h = h + F.linear(a, w[p + "mlp.down_proj.weight"]).float()
-        x = self.norm(h, w["model.norm.weight"])
-        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-        return F.linear(x, head).float()
-
-    def step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """tok [B], pos [B] -> the greedy next tokens [B]."""
-        return torch.argmax(self.logits(tok, pos), dim=-1)
-
-
-# Hazy Research's low-latency megakernel, Llama-3.2-1B, B = 1 on an H200: 759.83 us/step
-HAZY_H200_S = 760e-6
-
-
-# ---- targets of the first measurements: ratios measured in one run ------------------------------
-@dataclass(frozen=True)
-class Target:
-    """`metric` of the (model, batch) run must be >= `bound`; `gpu`: the device it is set for
-    (a substring of the device name; elsewhere it is reported, not judged)."""
-
-    model: str
-    batch: int
-    metric: str  # "bw_fraction" | "vs_hazy" | "vs_compile"
-    bound: float
-    gpu: str | None
-    doc: str
-
-
-TARGETS = (
-    Target("llama-3.2-1b", 1, "bw_fraction", 0.85, "H200",
-           "bytes/step / kernel time vs the measured achievable bandwidth (max of read, copy)"),
-    Target("llama-3.2-1b", 1, "vs_hazy", 1.10, "H200", "Hazy's 760 us / kernel time"),
-    Target("llama-3.2-1b", 1, "vs_compile", 1.4, "H200", "torch.compile step / kernel step"),
-    Target("qwen3-0.6b", 1, "vs_compile", 2.0, None, "torch.compile step / kernel step"),
-    # hybrid models (issue 12): bandwidth at B = 1, ReplaySSM against the recurrent update
-    Target("qwen3.5-0.8b", 1, "bw_fraction", 0.80, None,
-           "bytes/step / kernel time vs the measured achievable bandwidth"),
-    Target("nemotron-h-8b", 1, "bw_fraction", 0.80, None,
-           "bytes/step / kernel time vs the measured achievable bandwidth"),
-    Target("nemotron-h-8b", 1, "replay_speedup", 1.0, None,
-           "recurrent step / fastest ReplaySSM step at the same B (no slower)"),
-    Target("nemotron-h-8b", 64, "replay_speedup", 1.3, None,
-           "recurrent step / fastest ReplaySSM step at the same B"),
-    # Kimi Linear (issue 13): the routed experts' bytes, weights made on the GPU
-    Target("kimi-linear-48b-a3b", 1, "bw_fraction", 0.70, None,
-           "bytes/step / kernel time vs the measured achievable bandwidth"),
-)
-
-
-def metric(name: str, run: dict, res: dict) -> tuple[float | None, str]:
-    """(value, note) of one target metric from a run's measurements; None when not measured."""
-    k_ms = run.get("kernel", {}).get("ms")
-    if not k_ms:
-        return None, "kernel not measured"
-    k_s = k_ms / 1e3
-    if name == "bw_fraction":
-        bw = res.get("achievable_GBps")
-        if not bw:
-            return None, "no achievable bandwidth measured"
-        return run["bytes_per_step"] / k_s / (bw * 1e9), f"of {bw:.0f} GB/s"
-    if name == "vs_hazy":
-        return HAZY_H200_S / k_s, "vs 760 us"
-    if name == "vs_compile":
-        c = run.get("torch_compile", {})
-        if not c.get("ms"):
-            return None, f"no torch.compile timing ({c.get('error') or 'not run'})"
-        flag = "" if c.get("compiled") else f" (EAGER: compile failed: {c.get('error')})"
-        return c["ms"] / k_ms, "vs torch.compile" + flag
-    if name == "replay_speedup":
-        rep = [r for r in res.get("runs", []) if r["batch"] == run["batch"]
-               and r.get("replay_window") and r.get("kernel", {}).get("ms")]
-        if not rep:
-            return None, "no ReplaySSM run at this batch (--replay-windows)"
-        best = min(rep, key=lambda r: r["kernel"]["ms"])
-        return k_ms / best["kernel"]["ms"], f"vs ReplaySSM L={best['replay_window']}"
-    raise ValueError(f"unknown target metric {name!r}")
-
-
-def evaluate_targets(res: dict, targets=TARGETS) -> list[dict]:  # noqa: ANN001
-    """Each target of this run's model: its measured value and met (True / False, None when it
-    was not measured or the device is not the target's)."""
-    out = []
-    for t in targets:
-        if t.model != res["model"]:
-            continue
-        run = next((r for r in res["runs"] if r["batch"] == t.batch
-                    and not r.get("replay_window")), None)  # the recurrent update's row
-        value, note = metric(t.metric, run, res) if run else (None, f"B={t.batch} not run")
-        on_gpu = t.gpu is None or t.gpu in res["device"]
-        met = value >= t.bound if value is not None and math.isfinite(value) and on_gpu else None
-        if not on_gpu:
-            note += f"; the target is for {t.gpu}"
-        out.append({"target": f"{t.model} B={t.batch} {t.metric} >= {t.bound:g}",
-                    "measured": value, "bound": t.bound, "met": met, "note": note,
-                    "doc": t.doc})
-    return out
-
-
-def targets_text(rows: list[dict]) -> str:
-    lines = []
-    for r in rows:
-        v = "n/a" if r["measured"] is None else f"{r['measured']:.3f}"
-        state = {True: "met", False: "NOT MET", None: "not judged"}[r["met"]]
-        lines.append(f"{r['target']:40s} measured {v:>7s}  {state}  ({r['note']})")
-    return "\n".join(lines)

@@ -11,7 +11,7 @@ SM's idle fraction, and the assumptions. `--json` adds one JSON object as the la
 `--timeline OUT.png` draws the predicted per-SM timeline of the step (megakernel/timeline.py),
 beside the measured one of `--timeline-records FILE` (the timeline build's records, .npz or
 .json). `--refit FILE` with such a records file fits the per-instruction fixed cost and latency
-(`--fit`) to its busy intervals and finish times (refit.fit_timeline).
+(`--fit`) to its busy intervals and finish times (refit_timeline.fit_timeline).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--refit", default=None, metavar="FILE.json",
                    help="fit cost parameters to measured step times: a gpu-check report "
-                        "(gpu_check.json) or a list of measurements (program/refit.py)")
+                        "(gpu_check.json) or a list of measurements (program/measurements.py)")
     p.add_argument("--fit", default="mem_latency,fixed_per_instr",
                    help="comma list of parameters --refit fits (default mem_latency,"
                         "fixed_per_instr; also launch, l2_latency)")
@@ -222,13 +222,14 @@ def run_refit_timeline(args: argparse.Namespace) -> int:
     """`plan --refit RECORDS`: fit per-instruction costs to a timeline build's records."""
     from megakernel import timeline
     from megakernel.program import refit
+    from megakernel.program.refit_timeline import describe_timeline, fit_timeline
 
     start = refit.load_params(args.params) if args.params else None
     fit = tuple(f.strip() for f in args.fit.split(",") if f.strip())
     data = timeline.load_records(args.refit)
     prog = timeline_program(args, data, start)
-    result = refit.fit_timeline(prog, timeline.decode(data["records"]), fit, start=start)
-    print("\n".join(refit.describe_timeline(result)))
+    result = fit_timeline(prog, timeline.decode(data["records"]), fit, start=start)
+    print("\n".join(describe_timeline(result)))
     if args.save_params:
         Path(args.save_params).write_text(json.dumps(
             {"cost_params": dataclasses.asdict(result.params)}, indent=2) + "\n")
@@ -239,12 +240,13 @@ def run_refit_timeline(args: argparse.Namespace) -> int:
 def run_refit(args: argparse.Namespace) -> int:
     """`plan --refit FILE`: fit, print the fitted parameters and the before/after table."""
     from megakernel.program import refit
+    from megakernel.program.measurements import load_measurements
 
     if is_timeline_file(args.refit):
         return run_refit_timeline(args)
     start = refit.load_params(args.params) if args.params else None
     fit = tuple(f.strip() for f in args.fit.split(",") if f.strip())
-    result = refit.refit(refit.load_measurements(args.refit), fit, start=start)
+    result = refit.refit(load_measurements(args.refit), fit, start=start)
     print("\n".join(refit.describe(result)))
     if args.save_params:
         refit.save_params(result, args.save_params)

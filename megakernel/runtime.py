@@ -8,8 +8,7 @@ problem:
 - the device: compute capability -> arch (9.0 -> sm_90a, 10.0 -> sm_100a), SM count >= CTAs of
   the program (all CTAs must be co-resident: they spin on each other), shared-memory opt-in limit,
   and, before the first launch, the driver's occupancy (blocks per SM x SMs >= CTAs);
-- every tensor argument: dtype, shape (against the build's static config), contiguity, device,
-  batch and length within what the build serves.
+- every tensor argument, the program header and its records: launch_checks.py.
 The launch goes on torch's current stream with the cooperative attribute (co-residency is then
 guaranteed or the launch fails), so it is stream-ordered with torch work and graph-capturable.
 A step whose counter wait does not complete within 10 s (a deadlock) ends with CUDA's "an illegal
@@ -27,23 +26,20 @@ from typing import Any
 import torch
 
 from megakernel import isa
+from megakernel.arch import ARCHS, CAPABILITY_ARCH
+from megakernel.errors import UserError
+from megakernel.launch_checks import ArgumentError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
-CAPABILITY_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-ARCHS = tuple(CAPABILITY_ARCH.values())
 
 
-class KernelUnavailable(RuntimeError):
+class KernelUnavailable(UserError, RuntimeError):
     """The kernel cannot run here (no GPU, unsupported GPU, no build for it, no cuda-python)."""
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """A build directory or manifest that this runtime refuses (stale, wrong arch, damaged)."""
-
-
-class ArgumentError(ValueError):
-    """A tensor or scalar argument of a launch that does not match the build."""
 
 
 # ---- manifest -----------------------------------------------------------------------------------
@@ -187,282 +183,6 @@ def check_device(m: Manifest, dev: DeviceInfo, num_ctas: int,
             f"occupancy is {blocks_per_sm} block(s) of {m.block[0]} threads with {m.smem} B of "
             f"dynamic shared memory per SM x {dev.sm_count} SMs = "
             f"{blocks_per_sm * dev.sm_count} < {num_ctas}")
-
-
-# ---- argument validation (CPU-only logic; runs before any CUDA call) ----------------------------
-INT32_LIMIT = 1 << 31
-TENSOR_ARGS = ("program", "counters", "weights", "f32", "bf16", "i32", "k_cache", "v_cache",
-               "state")
-_DTYPES = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def validate_args(spec: dict[str, Any], tensors: dict[str, torch.Tensor], *, lengths_off: int,
-                  max_seq_len: int | None = None, require_cuda: bool = True) -> None:
-    """Check every tensor argument against the build's static config; raises ArgumentError.
-
-    `max_seq_len`: the program header's S_MAX. The kernel takes S_max from the cache's S
-    dimension and finds the rope sin table at ROPE_OFF + S_max * D/2, where the program put it
-    for S_MAX: a cache of any other length would read the wrong table (or past it), so it is
-    refused here, before any CUDA call.
-    """
-    from megakernel.kernel.spec import PARAMS
-
-    dt = {p.name: _DTYPES[p.dtype] for p in PARAMS if p.kind == "ptr"}
-    for name in TENSOR_ARGS:
-        if name not in tensors:
-            raise ArgumentError(f"missing tensor argument {name!r}")
-        t = tensors[name]
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != dt[name]:
-            raise ArgumentError(f"{name} must be {dt[name]}, got {t.dtype}")
-    prog = tensors["program"]
-    if prog.dim() != 3 or prog.shape[2] != isa.RECORD_WORDS or prog.shape[0] < 1:
-        raise ArgumentError(f"program must be [num_sms, queue_len, {isa.RECORD_WORDS}] int32, "
-                            f"got shape {tuple(prog.shape)}")
-    for name in ("counters", "weights", "f32", "bf16", "i32"):
-        if tensors[name].dim() != 1 or tensors[name].numel() == 0:
-            raise ArgumentError(f"{name} must be a non-empty 1-D arena, got shape "
-                                f"{tuple(tensors[name].shape)}")
-    if tensors["state"].dim() != 1:  # empty for a model without recurrent layers
-        raise ArgumentError(f"state must be a 1-D fp32 arena, got shape "
-                            f"{tuple(tensors['state'].shape)}")
-    if tensors["counters"].numel() < isa.COUNTER_BASE:
-        raise ArgumentError(f"counters must have at least {isa.COUNTER_BASE} words")
-    for name in ("f32", "bf16", "i32"):  # the kernel's arena offsets are int32 element offsets
-        if tensors[name].numel() >= INT32_LIMIT:
-            raise ArgumentError(f"{name} arena has {tensors[name].numel()} elements; the kernel "
-                                f"addresses it with int32 offsets (< 2^31)")
-    # the cache has a slot per attention layer (KernelSpec.kv_layers)
-    L = len(spec.get("attn_layers") or ()) or spec["layers"]
-    B = spec["batch"]
-    if spec.get("paged"):
-        check_pages(spec, tensors, L)
-    for name, (Hkv, D) in kv_layout(spec).items() if not spec.get("paged") else ():
-        t = tensors[name]
-        if t.dim() != 5:
-            raise ArgumentError(f"{name} must be [L, B, Hkv, S_max, D] = [{L}, {B}, {Hkv}, "
-                                f"S_max, {D}], got shape {tuple(t.shape)}")
-        if t.shape[1] > B:
-            raise ArgumentError(f"{name} holds batch {t.shape[1]} but the kernel was built for "
-                                f"batch {B}; rebuild with --batch {t.shape[1]}")
-        if (t.shape[0], t.shape[1], t.shape[2], t.shape[4]) != (L, B, Hkv, D):
-            raise ArgumentError(f"{name} must be [L, B, Hkv, S_max, D] = [{L}, {B}, {Hkv}, "
-                                f"S_max, {D}], got shape {tuple(t.shape)}")
-    if (tensors["k_cache"].shape[:4] != tensors["v_cache"].shape[:4]
-            and not spec.get("paged")):
-        raise ArgumentError(f"k_cache {tuple(tensors['k_cache'].shape)} and v_cache "
-                            f"{tuple(tensors['v_cache'].shape)} differ")
-    if (max_seq_len is not None and not spec.get("paged")
-            and tensors["k_cache"].shape[3] != max_seq_len):
-        raise ArgumentError(f"the KV cache has S_max = {tensors['k_cache'].shape[3]} positions "
-                            f"but the program was compiled for max_seq_len {max_seq_len} (its "
-                            f"rope tables are laid out for it); allocate the cache with "
-                            f"{max_seq_len} positions or recompile the program")
-    for name in TENSOR_ARGS:
-        if not tensors[name].is_contiguous():
-            raise ArgumentError(f"{name} must be contiguous (got strides "
-                                f"{tuple(tensors[name].stride())})")
-    if lengths_off < 0 or lengths_off + B > tensors["i32"].numel():
-        raise ArgumentError(f"lengths_off {lengths_off} + batch {B} is outside the i32 arena "
-                            f"({tensors['i32'].numel()} elements)")
-    if require_cuda:
-        devs = {str(tensors[n].device) for n in TENSOR_ARGS}
-        bad = [n for n in TENSOR_ARGS if tensors[n].device.type != "cuda"]
-        if bad:
-            raise ArgumentError(f"the kernel needs CUDA tensors; {', '.join(bad)} "
-                                f"{'is' if len(bad) == 1 else 'are'} on "
-                                f"{tensors[bad[0]].device}")
-        if len(devs) != 1:
-            raise ArgumentError(f"all tensors must be on one device, got {sorted(devs)}")
-        for n in TENSOR_ARGS:
-            if tensors[n].data_ptr() % 16:
-                raise ArgumentError(f"{n} must be 16-byte aligned (data_ptr % 16 = "
-                                    f"{tensors[n].data_ptr() % 16})")
-
-
-def kv_layout(spec: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """(heads, last dim) of k_cache and v_cache [L, B, heads, S_max, dim]: (Hkv, D) for both, or
-    with MLA layers the latent cache (layers/mla.py): c (1, r) and k_rope (1, dr)."""
-    if spec.get("mla"):
-        _, r, _, dr, _ = spec["mla"]
-        return {"k_cache": (1, r), "v_cache": (1, dr)}
-    return {"k_cache": (spec["kv_heads"], spec["head_dim"]),
-            "v_cache": (spec["kv_heads"], spec["head_dim"])}
-
-
-def check_pages(spec: dict[str, Any], tensors: dict[str, torch.Tensor], slots: int) -> None:
-    """A paged build's caches: K [slots, num_blocks, Hkv, D, block_size] and V [slots,
-    num_blocks, Hkv, block_size, D] of the pool the build bakes in (kernel/paged_index.py)."""
-    nb, bs = spec["paged"][0], spec["paged"][1]
-    Hkv, D = spec["kv_heads"], spec["head_dim"]
-    for name, want in (("k_cache", (slots, nb, Hkv, D, bs)), ("v_cache", (slots, nb, Hkv, bs, D))):
-        if tuple(tensors[name].shape) != want:
-            raise ArgumentError(f"{name} must be the paged build's pages {list(want)}, got shape "
-                                f"{tuple(tensors[name].shape)}")
-
-
-def check_header(header: dict[str, int], spec: dict[str, Any]) -> None:
-    """The program header's constants a build bakes in (KernelSpec): the RMSNorm form, the RoPE
-    dims, the output gate and its buffer's offset, the ReplaySSM window and ring capacity, the
-    page pool of a paged build (and no pages for a contiguous one), the MoE shape and expert
-    stride of a build with MoE layers; ArgumentError naming the first mismatch."""
-    rotary = (spec.get("rotary") or spec["head_dim"]) if spec.get("rope", True) else 0
-    gated = bool(spec.get("output_gate"))
-    want = {"NORM_KIND": int(bool(spec.get("norm_one_plus"))), "ROTARY_DIM": rotary,
-            "OUTPUT_GATE": int(gated)}
-    if gated:
-        want["F32_GATE_OFF"] = spec["gate_off"]
-    window = spec.get("replay_window", 0)
-    want["REPLAY_WINDOW"] = window
-    if window:
-        want["RING_CAP"] = window - 1 + spec["tokens"]  # KernelSpec.ring_cap
-    if spec.get("paged"):
-        from megakernel.kernel.paged_index import PagedShape
-
-        want.update(PagedShape.of(tuple(spec["paged"]), spec["kv_heads"],
-                                  spec["head_dim"]).header())
-    else:
-        want["PAGED"] = 0
-    if spec.get("moe"):  # KernelSpec.moe (layers/moe.MoE.kernel_constants)
-        from megakernel.kernel.moe_index import x_stride
-
-        e, top_k, inter, n_group, topk_group, shared, norm, scale_bits = spec["moe"]
-        want.update(MOE_E=e, MOE_TOPK=top_k, MOE_I=inter, MOE_N_GROUP=n_group,
-                    MOE_TOPK_GROUP=topk_group, MOE_SHARED=shared, MOE_NORM=norm,
-                    MOE_SCALE_F32_BITS=scale_bits, MOE_X_STRIDE=x_stride(inter, spec["hidden"]))
-    for k, v in want.items():
-        if header.get(k, 0) != v:
-            raise ArgumentError(f"program header {k}={header.get(k)} but the kernel build has "
-                                f"{v}: the program is for another model or build")
-
-
-def check_records(records: torch.Tensor, spec: dict[str, Any]) -> None:
-    """The alignment the kernel's 16-byte vector accesses assume, on every record (host, once).
-
-    Weight slabs, bf16 inputs and embedding rows: offsets and K multiples of 8 elements; fp32
-    inputs/outputs of 16-byte vectors: multiples of 4; partial o rows: whole heads. Also what the
-    build bakes in as constants and the epilogues assume: each matvec's K and row range against
-    the build's model shapes (a program compiled for another model is refused here), QKV slabs of
-    whole heads, GATEUP slabs of whole (gate, up) block pairs, attention indices within B, Hkv.
-    """
-    from megakernel.isa import GATEUP_BLOCK, Op, decode
-    from megakernel.layers import all_kinds
-    from megakernel.layers.frame import padded_vocab
-
-    if records.dtype != torch.int32 or records.dim() != 3:
-        raise ArgumentError("records must be int32 [num_sms, queue_len, 16]")
-    H, Inter, V, D = spec["hidden"], spec["inter"], spec["vocab"], spec["head_dim"]
-    Hq, Hkv, B, N = spec["heads"], spec["kv_heads"], spec["batch"], spec["batch"] * spec["tokens"]
-    slots = Hq // Hkv * (2 if spec.get("output_gate") else 1) + 2  # KernelSpec.qkv_slots
-    # (K, matrix rows) of each matvec opcode's matrices in the build's model
-    shapes = {Op.QKV: [(H, Hkv * slots * D)], Op.OPROJ: [(Hq * D, H)],
-              Op.GATEUP: [(H, 2 * Inter)], Op.UP_RELU2: [(H, Inter)], Op.DOWN: [(Inter, H)],
-              Op.LMHEAD: [(H, padded_vocab(V))]}
-    gdn, mamba = recurrent_shape(spec, "gdn"), recurrent_shape(spec, "mamba")
-    # the other kinds' matrices (recurrent input projections and out_proj, MLA, experts), as each
-    # kind declares them from its constants (LayerKind.matvec_shapes)
-    for kd in all_kinds().values():
-        if kd.spec_field and spec.get(kd.spec_field):
-            for name, mats in kd.matvec_shapes(tuple(spec[kd.spec_field]), H).items():
-                shapes.setdefault(getattr(Op, name), []).extend(mats)
-    handled = set(spec.get("ops") or (s.code for s in isa.specs() if s.device))
-    for sm, queue in enumerate(records.tolist()):
-        for pos, rec in enumerate(queue):
-            if rec[0] == Op.END:
-                break
-            try:
-                d = decode(rec)
-            except ValueError as e:
-                raise ArgumentError(f"SM {sm} record {pos}: {e}") from None
-            op = d["OPCODE"]
-            where = f"SM {sm} record {pos} ({op.name})"
-            if op not in handled or (isa.spec(op).matvec and op not in shapes):
-                raise ArgumentError(f"{where}: the kernel build has no handler for {op.name}; "
-                                    "the program is for another model or build")
-            need: dict[str, int] = {}
-            if isa.spec(op).matvec is not None:
-                need = {"W": 8, "K": 8, "IN_OFF": 8, "NROWS": 16}
-                if d["NORM_OFF"] >= 0:
-                    need["NORM_OFF"] = 8
-                if not any(d["K"] == k and 0 <= d["ROW0"] and d["ROW0"] + d["NROWS"] <= rows
-                           for k, rows in shapes[op]):
-                    raise ArgumentError(
-                        f"{where}: K={d['K']}, rows [{d['ROW0']}, {d['ROW0'] + d['NROWS']}) do "
-                        f"not fit the build's {' or '.join(f'[{r}, {k}]' for k, r in shapes[op])}"
-                        f" matrix; the program is for another model or build")
-                if op == Op.PROJ and d["OUT_W"] not in (r for _, r in shapes[op]):
-                    raise ArgumentError(f"{where}: OUT_W={d['OUT_W']} is not a projection "
-                                        f"width of the build's recurrent layers "
-                                        f"({', '.join(str(r) for _, r in shapes[op])})")
-                if op == Op.QKV and (d["NROWS"] % D or d["ROW0"] % D):
-                    raise ArgumentError(f"{where}: a QKV slab of {d['NROWS']} rows at row "
-                                        f"{d['ROW0']} is not whole heads of {D}")
-                if op in (Op.GATEUP, Op.EXPERT_GATEUP) and (
-                        d["NROWS"] % (2 * GATEUP_BLOCK) or d["ROW0"] % (2 * GATEUP_BLOCK)):
-                    raise ArgumentError(f"{where}: a GATEUP slab of {d['NROWS']} rows at row "
-                                        f"{d['ROW0']} is not whole {GATEUP_BLOCK}-row gate/up "
-                                        f"block pairs")
-            elif op in (Op.GDN_CORE, Op.GDN_REPLAY):
-                if not (0 <= d["B_IDX"] < B and 0 <= d["K_HEAD"] < gdn.hk and d["STATE"] >= 0):
-                    raise ArgumentError(f"{where}: sequence {d['B_IDX']}, key head "
-                                        f"{d['K_HEAD']}, state offset {d['STATE']} outside the "
-                                        f"build's B={B}, Hk={gdn.hk}")
-            elif op in (Op.MAMBA_CORE, Op.MAMBA_REPLAY):
-                if not (0 <= d["B_IDX"] < B and 0 <= d["GROUP"] < mamba.groups
-                        and d["STATE"] >= 0):
-                    raise ArgumentError(f"{where}: sequence {d['B_IDX']}, group {d['GROUP']}, "
-                                        f"state offset {d['STATE']} outside the build's B={B}, "
-                                        f"G={mamba.groups}")
-            elif op in (Op.MLA_Q, Op.MLA_O):
-                if not 0 <= d["HEAD"] < spec["mla"][0]:
-                    raise ArgumentError(f"{where}: head {d['HEAD']} outside the build's "
-                                        f"H={spec['mla'][0]}")
-            elif op == Op.MLA:
-                if not (0 <= d["B_IDX"] < B and 0 <= d["SPLIT"] < d["N_SPLITS"]):
-                    raise ArgumentError(f"{where}: sequence {d['B_IDX']}, split {d['SPLIT']}/"
-                                        f"{d['N_SPLITS']} outside the build's B={B}")
-            elif op == Op.EMBED:
-                if d["K"] != H or not 0 <= d["N0"] <= d["N1"] <= N:
-                    raise ArgumentError(f"{where}: rows [{d['N0']}, {d['N1']}) of K={d['K']} do "
-                                        f"not fit the build's N={N}, H={H}")
-                need = {"W": 8, "K": 8, "OUT_OFF": 4}
-            elif op == Op.ATTN_PARTIAL:
-                need = {"PO_OFF": 4}
-                if not (0 <= d["B_IDX"] < B and 0 <= d["KV_HEAD"] < Hkv
-                        and 0 <= d["SPLIT"] < d["N_SPLITS"]):
-                    raise ArgumentError(f"{where}: sequence {d['B_IDX']}, kv head "
-                                        f"{d['KV_HEAD']}, split {d['SPLIT']}/{d['N_SPLITS']} "
-                                        f"outside the build's B={B}, Hkv={Hkv}")
-            for k, m in need.items():
-                if d[k] % m:
-                    raise ArgumentError(f"SM {sm} record {pos} ({op.name}): {k}={d[k]} is not a "
-                                        f"multiple of {m}; the kernel's vector accesses need it")
-
-
-def recurrent_shape(spec: dict[str, Any], field: str):  # noqa: ANN201
-    """A manifest spec's index arithmetic of a recurrent kind (`field` "gdn": GDNShape, "mamba":
-    MambaShape; None when the build has no such layers)."""
-    from megakernel.kernel.gdn_index import GDNShape
-    from megakernel.kernel.mamba_index import MambaShape
-    from megakernel.kernel.spec import LANES
-
-    if not spec.get(field):
-        return None
-    cls = {"gdn": GDNShape, "mamba": MambaShape}[field]
-    return cls.of(tuple(spec[field]), spec["batch"], spec["tokens"],
-                  spec.get("num_threads", 256) // LANES)
-
-
-def check_lengths(spec: dict[str, Any], lengths: list[int], s_max: int) -> None:
-    """Host-side view of the cache: every sequence has room for this step's T tokens."""
-    T, B = spec["tokens"], spec["batch"]
-    if len(lengths) > B:
-        raise ArgumentError(f"{len(lengths)} sequences but the kernel was built for batch {B}")
-    for b, n in enumerate(lengths):
-        if n < 0 or n + T > s_max:
-            raise ArgumentError(f"sequence {b}: {n} cached + {T} new tokens exceed the cache "
-                                f"length {s_max}")
 
 
 # ---- the driver-API launcher --------------------------------------------------------------------

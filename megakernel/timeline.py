@@ -14,7 +14,7 @@ LEGEND's step), written by a minimal PNG encoder (zlib + struct).
 
 For a GPU run (gpu-check): `build_timeline(cfg, arch, root)` builds the variant into
 `timeline_build_dir(root, ...)`, `Megakernel(cfg, weights, batch, build_dir=that dir)` loads it
-(torch_op attaches the records: `attach_records`), `run_timeline(mk)` runs one step and returns
+(and attaches the records: `attach_records`), `run_timeline(mk)` runs one step and returns
 the records as a JSON-ready dict, `save_records` / `load_records` keep them (.npz or .json).
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from megakernel.kernel.spec import (
+from megakernel.kernel.limits import (
     TIMELINE_FIELDS,
     TIMELINE_WORDS,
     timeline_int32_words,
@@ -209,7 +209,7 @@ def timeline_build_dir(root: str | Path, cfg, batch: int = 1, tokens: int = 1,  
                        arch: str = "sm_90a") -> Path:
     """Where `build_timeline` puts the variant: root/<spec tag>/ (the tag ends in -timeline),
     holding <arch>/manifest.json; pass it as Megakernel(build_dir=...)."""
-    from megakernel.kernel.spec import make_spec
+    from megakernel.kernel.model_spec import make_spec
 
     return Path(root) / make_spec(cfg, batch, tokens, arch, timeline=True).tag
 
@@ -224,7 +224,7 @@ def build_timeline(cfg, arch: str, root: str | Path, batch: int = 1,  # noqa: AN
     return build_arch(cfg, arch, out, batch, tokens, timeline=True)
 
 
-def attach_records(state) -> Any:  # noqa: ANN001, ANN401 (torch_op.DeviceState -> Tensor)
+def attach_records(state) -> Any:  # noqa: ANN001, ANN401 (device_state.DeviceState -> Tensor)
     """Give the program a timeline tail: `state.program` becomes a view of the records at the
     head of a zeroed buffer that also holds the timeline records; returns those as an int64
     tensor [num_sms, queue_len, TIMELINE_WORDS] (a view of the same buffer)."""
@@ -239,7 +239,7 @@ def attach_records(state) -> Any:  # noqa: ANN001, ANN401 (torch_op.DeviceState 
     return buf[head:].view(torch.int64).view(n, q, TIMELINE_WORDS)
 
 
-def run_timeline(mk, tokens=None) -> dict[str, Any]:  # noqa: ANN001 (torch_op.Megakernel)
+def run_timeline(mk, tokens=None) -> dict[str, Any]:  # noqa: ANN001 (kernel_backend.Megakernel)
     """One step of a Megakernel loaded from a timeline build (after its prefill): zero the
     records, step, read them back. Returns a JSON-ready dict: model, batch, tokens, device,
     num_sms, queue_len, fields (TIMELINE_FIELDS), records (nested lists [num_sms][queue_len]

@@ -4,7 +4,7 @@ One class for every model family: `ReferenceModel` runs `cfg.blocks` (megakernel
 block `h += op(norm(h))` with `op` the reference layer of the block's kind (reference/layers/).
 Plain and readable over fast: one block at a time, attention one sequence at a time. Runs on any
 torch device that supports float64 (CPU, CUDA); on CUDA keep TF32 matmuls off (torch's default),
-or "fp32" mode is no longer fp32.
+or "fp32" mode does not compute in fp32.
 
 API
     model = ReferenceModel(cfg, weights, mode="fp32" | "bf16", device="cpu",

@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny Hugging Face oracle models saved and reloaded through our loader.
+"""Shared fixtures: tiny Hugging Face oracle models saved and reloaded through our loader, the
+fast lane's one kernel build per arch (`lane_build`).
 
-Also collects numerics measurements (`record_numerics`) and prints them at the end of the run, so
-the measured errors appear in every test log without `-s`.
+Also decides each test's lane (tests/lanes.py: `slow` from what the test uses; `make test` runs
+the rest) and collects numerics measurements (`record_numerics`), printed at the end of the run
+so that the measured errors appear in every test log without `-s`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from megakernel.models import ModelConfig
+from tests import lanes
 
 _NUMERICS: list[tuple[str, str]] = []
 
@@ -43,6 +46,38 @@ def pytest_sessionstart(session) -> None:  # noqa: ANN001 (pytest hook)
         pytest.exit("; ".join(problems) + f". Install it (make setup); for the DSL only, "
                     f"{WITHOUT_DSL}=1 runs the suite with the DSL's tests skipped.",
                     returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+# fixtures the fast lane may use although they build the kernel: its one small build per arch
+FAST_FIXTURES = frozenset({"lane_build"})
+LANES = pytest.StashKey[dict]()  # nodeid -> (slow reasons, megakernel packages its module imports)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 (pytest hook)
+    """Mark `slow` every test that uses a slow resource (tests/lanes.py), with the reason; keep
+    what each test touches for test_lanes.py's coverage check."""
+    info = {}
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = fixtures.name2fixturedefs if fixtures else {}
+        funcs = [getattr(item, "function", None)] + [
+            d[-1].func for name, d in defs.items() if d and name not in FAST_FIXTURES]
+        names = lanes.uses(funcs, extra=set(getattr(item, "fixturenames", ())) - FAST_FIXTURES)
+        reasons = lanes.slow_reasons(names)
+        if item.get_closest_marker("slow"):  # `make test-slow` runs what a test marks itself
+            reasons = reasons or ["marked slow"]
+        elif reasons:
+            item.add_marker(pytest.mark.slow(reason=", ".join(reasons)))
+        info[item.nodeid] = (reasons, lanes.packages(item.module) if hasattr(item, "module")
+                             else set())
+    config.stash[LANES] = info
+
+
+@pytest.fixture(scope="session")
+def lane_info(request) -> dict:  # noqa: ANN001
+    """nodeid -> (slow reasons, megakernel packages its module imports) of this collection."""
+    return request.config.stash[LANES]
 
 
 @pytest.fixture(autouse=True, scope="session")

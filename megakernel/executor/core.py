@@ -1,4 +1,4 @@
-"""CPU executor of a megakernel program: rung 2 of the ladder (DESIGN.md §1), for every family.
+"""CPU executor of a megakernel program: rung 2 of the ladder (docs/TESTING.md), for every family.
 
 It runs the encoded int32 records (not the compiler's Python objects) on the same flat buffers the
 kernel gets (weight arena, fp32/bf16/int32 arenas, KV cache, persistent state, counters), rounding

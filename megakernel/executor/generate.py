@@ -1,12 +1,15 @@
 """The "cpu-executor" generation backend: greedy generation whose prefill and decode steps run
-the program on the CPU executor (megakernel.engine)."""
+the program on the CPU executor (megakernel.engine), and its steppers (`executor_steppers`), which
+the Python API's cpu-executor backend drives too."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from megakernel.engine import PREFILL_CHUNK
-from megakernel.executor.core import ExecutorError
+from megakernel.engine import PREFILL_CHUNK, STATE_ARENAS, program_generate
+from megakernel.executor.core import Executor, ExecutorError
 from megakernel.program.gpus import GPU
 from megakernel.program.gpus import gpu as gpu_by_name
 
@@ -28,7 +31,6 @@ def generate(cfg, weights: dict[str, torch.Tensor], prompts: list[list[int]], st
     per step with per-row feeding; the output at a prompt's last token is its first new token.
     `replay_window`: None runs recurrent layers by the recurrent update, L by ReplaySSM.
     """
-    from megakernel.engine import executor_steppers, program_generate
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
 
@@ -50,3 +52,49 @@ def generate(cfg, weights: dict[str, torch.Tensor], prompts: list[list[int]], st
                                       max_seq_len, replay_window, chunk_tokens, check, seed,
                                       compile_fn)
     return program_generate(single, prompts, steps, chunk=chunk).tokens
+
+
+# ---- steppers -----------------------------------------------------------------------------------
+class ExecutorStepper:
+    """An engine.Stepper: a program on the CPU executor (`check`: its race detector and write
+    counts)."""
+
+    def __init__(self, prog, packed, check: bool = False, seed: int = 0,  # noqa: ANN001
+                 arenas: dict[str, torch.Tensor] | None = None) -> None:
+        self.prog, self.tokens = prog, prog.tokens
+        self.ex = Executor(prog, packed, check=check, arenas=arenas)
+        self.ex.state.zero_()  # recurrent state and conv windows start empty
+        self.seed = seed
+
+    def step(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        self.seed += 1
+        return self.ex.step(tokens, seed=self.seed)
+
+    def arenas(self) -> dict[str, torch.Tensor]:
+        return {n: self.ex.arena_tensor(n) for n in STATE_ARENAS}
+
+    def sync(self) -> None:
+        pass
+
+
+def executor_steppers(cfg, packed, batch: int, max_seq_len: int,  # noqa: ANN001
+                      replay_window: int | None = None, chunk_tokens: int = 1,
+                      check: bool = False, seed: int = 0,
+                      compile_fn: Callable[..., object] | None = None
+                      ) -> tuple[ExecutorStepper, ExecutorStepper | None]:
+    """(single, chunk) steppers on fresh, empty arenas; the two share the KV cache tensors.
+    `compile_fn(tokens)` returns the program for T tokens (cached by the caller)."""
+    from megakernel.program.compiler import compile_program
+
+    if compile_fn is None:
+        def compile_fn(tokens: int) -> object:
+            return compile_program(cfg, batch, executor_gpu(), tokens=tokens,
+                                   max_seq_len=max_seq_len, replay_window=replay_window)
+
+    single = ExecutorStepper(compile_fn(1), packed, check=check, seed=seed)
+    chunk = None
+    if chunk_tokens > 1:
+        kv = {n: single.ex.arena_tensor(n) for n in ("k", "v")}
+        chunk = ExecutorStepper(compile_fn(chunk_tokens), packed, check=check,
+                                seed=seed + 10_000, arenas=kv)
+    return single, chunk

@@ -21,20 +21,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from megakernel.gpu_check.cases import STAGES, VARIANTS, Case, variant_dir
+from megakernel.gpu_check.cases import STAGES, Case, variant_dir
 from megakernel.gpu_check.compare import MIN_PREFIX, common_prefix, greedy_check, top2_margin
 from megakernel.gpu_check.driver import BUDGET_S, SIMULATE_BUDGET_S
 from megakernel.gpu_check.prepare import prepare
 from megakernel.gpu_check.report import markdown, measurements
+from megakernel.kernel.variants import VARIANTS, variants
 
 __all__ = ["STAGES", "VARIANTS", "Case", "MIN_PREFIX", "common_prefix", "greedy_check",
            "top2_margin", "variant_dir", "variants", "prepare", "gpu_check", "add_arguments",
            "run", "markdown", "measurements"]
-
-
-def variants() -> tuple[tuple[str, int | None], ...]:
-    """(name, smem_stages) of every build variant (None: the deepest ring that fits)."""
-    return tuple((n, o.get("smem_stages")) for n, o in VARIANTS.items())
 
 
 def gpu_check(out: Path, build_dir: Path, stages: list[int] | None = None,

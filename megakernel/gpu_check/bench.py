@@ -34,7 +34,7 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
     """Steps at `context` cached tokens, captured in a CUDA graph; time per step (median of 5
     groups of CUDA-event-timed replays) next to the cost model's prediction and the floor."""
     from megakernel.gpu_check.case import config
-    from megakernel.torch_op import Megakernel
+    from megakernel.kernel_backend import Megakernel
 
     cfg = config(c.model, simulate)
     dev = "cpu" if simulate else "cuda"
@@ -101,9 +101,10 @@ def torch_compile_baseline(c: Case, weights, simulate: bool, context: int = 1024
         return {"case": c.name, "simulated": True, "note": "no GPU: not timed"}
     from megakernel import measure
     from megakernel.models import preset
+    from megakernel.torch_decode import TorchDecode
 
     cfg = preset(c.model)
-    td = measure.TorchDecode(cfg, weights.get(cfg), c.batch, context + 64)
+    td = TorchDecode(cfg, weights.get(cfg), c.batch, context + 64)
     tok = torch.ones(c.batch, dtype=torch.int64, device="cuda")
     pos = torch.full((c.batch,), context, dtype=torch.int64, device="cuda")
     return {"case": c.name, **measure.compile_timing(td.logits, (tok, pos))}
@@ -114,8 +115,8 @@ def timeline(c: Case, build_dir: Path, weights, simulate: bool) -> dict[str, Any
     if simulate:
         return {"case": c.name, "simulated": True, "note": "no GPU: no records"}
     from megakernel import timeline as tl
+    from megakernel.kernel_backend import Megakernel
     from megakernel.models import preset
-    from megakernel.torch_op import Megakernel
 
     cfg = preset(c.model)
     mk = Megakernel(cfg, weights.get(cfg), batch=c.batch, tokens=1, max_seq_len=1024 + 64,

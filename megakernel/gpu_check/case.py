@@ -81,8 +81,8 @@ def _to_cpu(obj):  # noqa: ANN001, ANN202
 
 def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool = False,
              seed: int = 0) -> dict[str, Any]:
+    from megakernel.kernel_backend import Megakernel
     from megakernel.reference.model import ReferenceModel
-    from megakernel.torch_op import Megakernel
 
     t0 = time.perf_counter()
     cfg = config(c.model, simulate)
@@ -104,7 +104,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     ref16.prefill(cache16, prompts)
     ref32.prefill(cache32, prompts)
     ex = _executor(mk, cache16) if c.executor_steps else None
-    paged = PagedRun(c, mk, cache16, build_dir, simulate) if c.paged else None
+    paged = PagedRun(c, mk, _to_cpu(cache16), build_dir, simulate) if c.paged else None
     mk.prog.buffers.poison_scratch(mk.f32, mk.bf16)  # before the first kernel step
     res: dict[str, Any] = dict(
         case=c.name, model=c.model, layers=cfg.num_layers, batch=c.batch, tokens=c.tokens,

@@ -61,15 +61,6 @@ class Case:
         return cls(**d)
 
 
-# name -> KernelSpec overrides (megakernel.kernel.spec.make_spec keywords) of each build variant
-VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},  # the deepest shared-memory weight ring that fits, L2 lookahead on
-    "global": {"smem_stages": 0},  # no loader warp: weights read from global memory
-    "timeline": {"timeline": True},  # stamps per-instruction times (benchmark stage only)
-    "nolookahead": {"l2_window": 0},  # the default without the L2 lookahead (its A/B)
-}
-
-
 def variant_dir(build_dir: str | Path, name: str) -> Path:
     """Build set of a variant: the default one is build_dir itself (what `Megakernel` finds)."""
     return Path(build_dir) if name == "default" else Path(build_dir) / name

@@ -1,6 +1,6 @@
 """How gpu-check judges a kernel's outputs: every bound comes from the reference's own error.
 
-DESIGN.md section 4: a bf16 result x is right when max |x - fp32| <= 2 max |ref_bf16 - fp32|
+docs/TESTING.md, Numerics: a bf16 result x is right when max |x - fp32| <= 2 max |ref_bf16 - fp32|
 + noise, with noise = 2 max |(t + 0.3) - 0.3 - t| over the fp32 truth t (fp32 rounding at its
 scale). The band is the tolerance; nothing here is derived from the kernel's own error, so a kernel
 that returns zeros, negated or shifted logits fails the band, and its tokens are compared where

@@ -52,14 +52,14 @@ def bench_items(build_dir: Path, arch: str | None) -> list[dict[str, Any]]:
     """The benchmark stage: bandwidths and clocks first, then the decode benchmarks (default
     variant; the global one and the one without the L2 lookahead on the first case), the
     torch.compile baselines at B = 1 (dense families) and one step's timeline."""
-    from megakernel.measure import TORCH_DECODE_FAMILIES
     from megakernel.models import preset
+    from megakernel.torch_decode import TORCH_DECODE_FAMILIES
 
     first = BENCH_CASES[0]
     out = [item("measure", first, "default", 60)]
     out += [item("bench", c, "default", 45) for c in BENCH_CASES]
     out += [item("bench", first, v, 45) for v in ("global", "nolookahead")]
-    # the torch.compile baseline (measure.TorchDecode) is of the dense families only
+    # the torch.compile baseline (torch_decode.TorchDecode) is of the dense families only
     out += [item("compile", c, "default", 90) for c in BENCH_CASES
             if c.batch == 1 and preset(c.model).family in TORCH_DECODE_FAMILIES]
     out.append(item("timeline", first, "timeline", 45))
@@ -71,8 +71,8 @@ def have_build(build_dir: Path, it: dict[str, Any], arch: str | None) -> bool:
     """The item's variant has a build for its case and this GPU's arch (None: simulated)."""
     if arch is None:
         return True
-    from megakernel.gpu_check.cases import VARIANTS
-    from megakernel.kernel.spec import make_spec
+    from megakernel.kernel.model_spec import make_spec
+    from megakernel.kernel.variants import VARIANTS
     from megakernel.models import preset
 
     c = Case.from_dict(it["case"])

@@ -22,11 +22,11 @@ from megakernel.gpu_check import compare
 
 
 class PagedRun:
-    def __init__(self, c, mk, cache16, build_dir, simulate: bool) -> None:  # noqa: ANN001
-        from megakernel.gpu_check.case import _to_cpu
+    def __init__(self, c, mk, cache16_cpu, build_dir, simulate: bool) -> None:  # noqa: ANN001
+        from megakernel.device_state import allocate_state
         from megakernel.program.compiler import compile_program
         from megakernel.program.paged import load_pages
-        from megakernel.torch_op import allocate_state, register_program
+        from megakernel.torch_op import register_program
 
         self.pool, self.mk, self.c = c.pool(), mk, c
         self.live = c.batch - 1 if c.batch > 1 else c.batch  # the last sequence: padding
@@ -42,7 +42,7 @@ class PagedRun:
         self.table = torch.randperm(nb, generator=g)[: c.batch * mb].view(c.batch, mb)
         k, v = (torch.randn(t.shape, generator=g).to(torch.bfloat16)
                 for t in (self.st.k_cache, self.st.v_cache))
-        load_pages(k, v, self.prog.buffers.kv_slot, _to_cpu(cache16), self.table[: self.live],
+        load_pages(k, v, self.prog.buffers.kv_slot, cache16_cpu, self.table[: self.live],
                    self.pool.block_size)
         self.st.k_cache.copy_(k)
         self.st.v_cache.copy_(v)
@@ -94,8 +94,10 @@ class PagedRun:
 def _register_build(mk, prog, c, build_dir, pool) -> int:  # noqa: ANN001
     """The paged build of the case (prepared next to the contiguous one), checked against the
     paged program."""
-    from megakernel.runtime import check_header, check_records, device_info
-    from megakernel.torch_op import find_build, register_build
+    from megakernel.device_state import find_build
+    from megakernel.launch_checks import check_header, check_records
+    from megakernel.runtime import device_info
+    from megakernel.torch_op import register_build
 
     m = find_build(mk.cfg, c.batch, c.tokens, device_info(mk.device).arch, build_dir,
                    paged=pool)

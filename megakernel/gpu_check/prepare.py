@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from megakernel.gpu_check.cases import VARIANTS, Case, stage_cases, variant_dir
+from megakernel.gpu_check.cases import Case, stage_cases, variant_dir
+from megakernel.kernel.variants import VARIANTS
 
 
 def wanted() -> list[tuple[Case, str]]:
@@ -24,7 +25,7 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
     (or a variant that cannot serve a case) is reported and skipped. Returns the manifests and the
     failures ('variant case arch: error')."""
     from megakernel.kernel.build import build_arch
-    from megakernel.kernel.spec import make_spec
+    from megakernel.kernel.model_spec import make_spec
     from megakernel.models import preset
 
     out, failed, done = [], [], set()

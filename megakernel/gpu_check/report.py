@@ -128,7 +128,7 @@ def measurements(d: dict[str, Any]) -> list[dict[str, Any]]:
     if d.get("simulated"):
         return []
     try:
-        from megakernel.program.refit import from_gpu_check
+        from megakernel.program.measurements import from_gpu_check
 
         rows = [b for b in d.get("bench", []) if b.get("variant", "default") in ("default",
                                                                                  "global")]
@@ -151,12 +151,12 @@ def lookahead_ab(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _targets(d: dict[str, Any]) -> list[dict[str, Any]]:
-    """The first measurements' targets (megakernel.measure.TARGETS), judged on this run's
+    """The first measurements' targets (megakernel.targets.TARGETS), judged on this run's
     default-variant decode steps and torch.compile baselines; none when simulated."""
     if d.get("simulated"):
         return []
     try:
-        from megakernel.measure import TARGETS, evaluate_targets
+        from megakernel.targets import TARGETS, evaluate_targets
 
         bws = [d.get("read_bandwidth_GBps"), d.get("copy_bandwidth_GBps")]
         out = []

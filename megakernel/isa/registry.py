@@ -10,8 +10,9 @@ Properties:
     slab        the record names a weight slab (W, ROW0, NROWS, K): NROWS rows of K bf16 starting at
                 element W of the weight arena, which the loader streams before the wait (a slab
                 opcode is a matvec opcode, so these are at the same words in every one)
-    matvec      the name of the matvec epilogue, for opcodes run by the parametrised matvec handler
-                (their operands start with `MATVEC`, so the handler reads them at fixed words)
+    matvec      the epilogue class of an opcode run by the parametrised matvec handler,
+                "module.Class" in megakernel.kernel (kernel/epilogue.py; its operands start with
+                `MATVEC`, so the handler reads them at fixed words)
     reach       bytes the record reads that do not depend on the step (cached keys/values, a
                 recurrent state) are fetched when the CTA reaches it, before the wait
     ticket      SIGNAL_CID is a ticket: the last of its signallers runs a merge and then signals
@@ -87,7 +88,7 @@ class OpSpec:
     operands: tuple[tuple[str, str], ...]
     notes: str = ""  # longer semantics for the ISA table
     slab: bool = False
-    matvec: str | None = None
+    matvec: str | None = None  # the epilogue class, "module.Class" in megakernel.kernel
     reach: bool = False
     ticket: bool = False
     device: bool = False

@@ -24,14 +24,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel import isa
 from megakernel.isa import Op
-from megakernel.kernel.fields import common, word
-from megakernel.kernel.handler import Handler, Step
-from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
-from megakernel.kernel.paged_index import k_elem, page_base, slot_block, table_entry, v_elem
-from megakernel.kernel.spec import (
-    LANES,
-    VEC,
-    KernelSpec,
+from megakernel.kernel.dense_index import (
     attn_keys,
     attn_query,
     attn_scale,
@@ -40,6 +33,12 @@ from megakernel.kernel.spec import (
     kv_row,
     kv_slot,
 )
+from megakernel.kernel.fields import common, word
+from megakernel.kernel.handler import Handler, Step
+from megakernel.kernel.limits import LANES, VEC
+from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
+from megakernel.kernel.paged_index import k_elem, page_base, slot_block, table_entry, v_elem
+from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
 
 NEG_INF = -math.inf

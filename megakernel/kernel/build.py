@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 
 from megakernel import isa
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.spec import ARCHS, PARAMS, KernelSpec, make_spec
+from megakernel.arch import ARCHS
+from megakernel.kernel import fingerprint, limits
+from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.spec import PARAMS, KernelSpec
 from megakernel.kernel.tools import PtxEntry, parse_ptx_entry, resource_report
 from megakernel.models import ModelConfig, resolve
 
@@ -75,22 +77,22 @@ def check_resources(res: dict, spec: KernelSpec) -> None:
     if res["local_bytes"] or res["local_stores"] or res["local_loads"]:
         problems.append(f"local memory ({res['local_bytes']} B, {res['local_stores']} STL, "
                         f"{res['local_loads']} LDL)")
-    if res["registers"] > spec_mod.REGISTER_BUDGET:
-        problems.append(f"{res['registers']} registers > budget {spec_mod.REGISTER_BUDGET}")
+    if res["registers"] > limits.REGISTER_BUDGET:
+        problems.append(f"{res['registers']} registers > budget {limits.REGISTER_BUDGET}")
     if res["registers"] * spec.block_threads > 65536:
         problems.append(f"{res['registers']} registers x {spec.block_threads} threads do not fit "
                         f"one SM's register file")
-    if spec.smem_bytes > spec_mod.SMEM_BUDGET:
+    if spec.smem_bytes > limits.SMEM_BUDGET:
         problems.append(f"dynamic shared memory {spec.smem_bytes} B > budget "
-                        f"{spec_mod.SMEM_BUDGET}")
-    if spec.smem_bytes + res["shared_bytes"] > spec_mod.SMEM_OPTIN:
+                        f"{limits.SMEM_BUDGET}")
+    if spec.smem_bytes + res["shared_bytes"] > limits.SMEM_OPTIN:
         problems.append(f"shared memory {spec.smem_bytes} + {res['shared_bytes']} B > the "
-                        f"{spec_mod.SMEM_OPTIN} B a CTA may opt into")
-    per_sm = spec.smem_bytes + res["shared_bytes"] + spec_mod.SMEM_RESERVED_PER_BLOCK
-    if per_sm > spec_mod.SMEM_PER_SM:
+                        f"{limits.SMEM_OPTIN} B a CTA may opt into")
+    per_sm = spec.smem_bytes + res["shared_bytes"] + limits.SMEM_RESERVED_PER_BLOCK
+    if per_sm > limits.SMEM_PER_SM:
         problems.append(f"shared memory per SM {spec.smem_bytes} dynamic + {res['shared_bytes']} "
-                        f"static + {spec_mod.SMEM_RESERVED_PER_BLOCK} reserved by the driver = "
-                        f"{per_sm} B > the SM's {spec_mod.SMEM_PER_SM} B: the CTA cannot be "
+                        f"static + {limits.SMEM_RESERVED_PER_BLOCK} reserved by the driver = "
+                        f"{per_sm} B > the SM's {limits.SMEM_PER_SM} B: the CTA cannot be "
                         f"resident")
     if problems:
         raise BuildError(f"{spec.arch} build breaks the kernel rules: " + "; ".join(problems))
@@ -141,7 +143,7 @@ def _newest(d: str, pattern: str) -> str:
 
 
 def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
-               tokens: int = 1, num_threads: int = spec_mod.NUM_THREADS,
+               tokens: int = 1, num_threads: int = limits.NUM_THREADS,
                smem_stages: int | None = None, timeline: bool = False,
                l2_window: int = -1, replay_window: int = 0,
                paged=None) -> dict:  # noqa: ANN001 (PagedKV | None)
@@ -188,7 +190,7 @@ def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path) -> dict:
         "params": [{"name": p.name, "kind": p.kind, "dtype": p.dtype, "size": p.size,
                     "doc": p.doc} for p in PARAMS],
         "program_format_version": isa.FORMAT_VERSION,
-        "fingerprint": spec_mod.fingerprint(spec, dsl),
+        "fingerprint": fingerprint.fingerprint(spec, dsl),
         "dsl_version": dsl,
         "spec": spec.to_dict(),
         "model": cfg.name,
@@ -196,7 +198,7 @@ def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path) -> dict:
         "batch": batch,
         "tokens": tokens,
         "resources": res,
-        "budgets": {"registers": spec_mod.REGISTER_BUDGET, "smem_bytes": spec_mod.SMEM_BUDGET},
+        "budgets": {"registers": limits.REGISTER_BUDGET, "smem_bytes": limits.SMEM_BUDGET},
         "compile_seconds": round(seconds, 3),
     }
     (dest / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -13,9 +13,10 @@ would give):
 
 `OpTable` holds the opcodes one build handles (those its model's program uses) and the
 compile-time opcode sets the device code branches on, from the registry's properties: the slab
-opcodes (streamed by the loader and the lookahead), the matvec opcodes by epilogue, the ticket
-opcodes (which signal from their merge). `one_of(op, codes)` makes such a set a predicate, an OR
-of equalities: on a traced Int32 in the kernel, on an int in the host mirrors and the tests.
+opcodes (streamed by the loader and the lookahead), the matvec opcodes by epilogue class, the
+ticket opcodes (which signal from their merge). `one_of(op, codes)` makes such a set a
+predicate, an OR of equalities: on a traced Int32 in the kernel, on an int in the host mirrors
+and the tests.
 """
 
 from __future__ import annotations
@@ -23,17 +24,16 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Iterable
+from pathlib import Path
 
 from megakernel import isa
 
 MATVEC_NAMES = tuple(n for n, _ in isa.MATVEC)
 SLAB_NAMES = ("W_LO", "W_HI", "NROWS", "K")
 # what the kernel implements: the frame's opcodes the persistent loop runs itself, the other
-# opcodes by the handler class their declaration names (OpSpec.handler, kernel/handler.py), the
-# matvec opcodes by epilogue
+# opcodes by the class their declaration names: a handler (OpSpec.handler, kernel/handler.py) or,
+# for a matvec, an epilogue (OpSpec.matvec, kernel/epilogue.py)
 BUILTIN = ("END", "EMBED", "ARGMAX")
-EPILOGUES = ("qkv", "residual", "gateup", "relu2", "proj", "lmhead", "expert_gateup",
-             "expert_down")
 
 
 class FieldError(ValueError):
@@ -109,8 +109,10 @@ class OpTable:
         self.matvec = tuple(s.code for s in specs if s.matvec is not None)
         self.ticket = tuple(s.code for s in specs if s.ticket)
         self.own = tuple(s.code for s in specs if s.handler)  # run by handler classes
-        self.by_epilogue = {e: tuple(s.code for s in specs if s.matvec == e)
-                            for e in EPILOGUES}
+        self.by_epilogue: dict[str, tuple[int, ...]] = {}
+        for s in specs:
+            if s.matvec is not None:
+                self.by_epilogue[s.matvec] = self.by_epilogue.get(s.matvec, ()) + (s.code,)
         if set(self.slab) != set(self.matvec):  # the loader streams exactly the matvec slabs
             raise FieldError(f"slab opcodes {self.slab} are not the matvec opcodes "
                              f"{self.matvec} (the kernel streams slabs for the matvec handler)")
@@ -122,27 +124,37 @@ class OpTable:
         SwiGLU one."""
         return cls(spec.handled_ops)
 
-    def epilogue(self, name: str) -> tuple[int, ...]:
-        """The handled matvec opcodes with epilogue `name` (empty: not compiled in)."""
-        return self.by_epilogue[name]
+    def epilogue(self, path: str) -> tuple[int, ...]:
+        """The handled matvec opcodes whose epilogue is class `path` (empty: not compiled in)."""
+        return self.by_epilogue.get(path, ())
 
 
 def implemented(s) -> bool:  # noqa: ANN001 (isa OpSpec)
-    """The kernel has code for opcode declaration `s`: the loop's own, a handler class, or a
-    matvec epilogue it compiles."""
-    return s.name in BUILTIN or s.handler is not None or s.matvec in EPILOGUES
+    """The kernel has code for opcode declaration `s`: the loop's own, or the handler or
+    epilogue class it names (a class of that name in that module under megakernel/kernel; read
+    as text: this module imports no DSL)."""
+    return s.name in BUILTIN or class_defined(s.handler) or class_defined(s.matvec)
+
+
+def class_defined(path: str | None) -> bool:
+    """"module.Class" names a class defined in megakernel/kernel/module.py."""
+    if not path or path.count(".") != 1:
+        return False
+    module, name = path.split(".")
+    src = Path(__file__).parent / f"{module}.py"
+    return src.is_file() and f"\nclass {name}(" in src.read_text()
 
 
 def handled_by(op: int) -> str:
     """Who runs `op` in the kernel (for the dispatch test and messages)."""
     s = isa.spec(op)
-    return "loop" if s.name in BUILTIN else s.handler or f"matvec:{s.matvec}"
+    return "loop" if s.name in BUILTIN else s.handler or s.matvec
 
 
 def check_registry() -> None:
     """What the device code assumes of the registry (run at import): the shared matvec and slab
-    operands each at one word; opcodes sharing an epilogue have the same operands (the epilogue
-    reads its extra operands by one opcode's names)."""
+    operands each at one word; opcodes sharing an epilogue class have the same operands (the
+    epilogue reads its extra operands by one opcode's names)."""
     for name in MATVEC_NAMES:
         mv(name)
     for name in SLAB_NAMES:
@@ -151,7 +163,7 @@ def check_registry() -> None:
     if unimplemented:
         raise FieldError(f"device opcodes {unimplemented} have no handler class, epilogue or "
                          "loop code")
-    for e in EPILOGUES:
+    for e in {s.matvec for s in isa.specs() if s.matvec is not None}:
         ops = [s for s in isa.specs() if s.matvec == e]
         if len({s.names for s in ops}) > 1:
             raise FieldError(f"opcodes with epilogue {e!r} differ in operands: "

@@ -54,7 +54,7 @@ class GatedDeltaRule(Handler):
 
     @staticmethod
     def shape_of(spec: KernelSpec):  # noqa: ANN205 (gdn_index.GDNShape)
-        return spec.gdn_shape
+        return spec.shape("gdn")
 
     def __init__(self, spec: KernelSpec):
         self.spec = spec

@@ -57,8 +57,8 @@ SOFTPLUS_LINEAR = 20.0  # softplus(x) = x above this (torch's threshold)
 
 @dataclass(frozen=True)
 class GDNShape:
-    """A build's GDN constants: KernelSpec.gdn = (Hk, Hv, dk, dv, K), batch, tokens, warps, and
-    the ReplaySSM ring capacity (0: the recurrent update)."""
+    """A build's GDN constants: spec.constants("gdn") = (Hk, Hv, dk, dv, K), batch, tokens,
+    warps, and the ReplaySSM ring capacity (0: the recurrent update)."""
 
     hk: int
     hv: int
@@ -77,8 +77,8 @@ class GDNShape:
 
     @classmethod
     def for_spec(cls, spec) -> GDNShape:  # noqa: ANN001 (KernelSpec)
-        """The shape of a build (its KernelSpec.gdn)."""
-        return cls.of(spec.gdn, spec.batch, spec.tokens, spec.num_warps, spec.ring_cap)
+        """The shape of a build (its kind's KernelSpec constants)."""
+        return cls.of(spec.constants("gdn"), spec.batch, spec.tokens, spec.num_warps, spec.ring_cap)
 
     # ---- sizes ---------------------------------------------------------------------------------
     rep = property(lambda self: self.hv // self.hk)  # R: value heads per key head (per record)

@@ -15,7 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from megakernel.kernel.spec import fingerprint, make_spec
+from megakernel.kernel.fingerprint import fingerprint
+from megakernel.kernel.model_spec import make_spec
 from megakernel.models import ModelConfig
 
 ENV_CACHE = "MEGAKERNEL_CACHE_DIR"

@@ -31,7 +31,7 @@ class KimiDeltaAttention(GatedDeltaRule):
 
     @staticmethod
     def shape_of(spec: KernelSpec):  # noqa: ANN205 (kda_index.KDAShape)
-        return spec.kda_shape
+        return spec.shape("kda")
 
     # ---- phase 2: gates ----------------------------------------------------------------------
     @cute.jit

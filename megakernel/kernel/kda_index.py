@@ -33,7 +33,7 @@ from megakernel.kernel.gdn_index import GDNShape, check_gdn
 
 @dataclass(frozen=True)
 class KDAShape(GDNShape):
-    """A build's KDA constants as a GDN shape with Hk = Hv = H, dk = dv = d (KernelSpec.kda =
+    """A build's KDA constants as a GDN shape with Hk = Hv = H, dk = dv = d (spec.constants("kda") =
     (H, d, K)): GDN's conv channels, window, state, ring k / u, count, tiles and output index
     KDA's buffers unchanged."""
 
@@ -45,8 +45,8 @@ class KDAShape(GDNShape):
 
     @classmethod
     def for_spec(cls, spec) -> KDAShape:  # noqa: ANN001 (KernelSpec)
-        """The shape of a build (its KernelSpec.kda)."""
-        return cls.of(spec.kda, spec.batch, spec.tokens, spec.num_warps, spec.ring_cap)
+        """The shape of a build (its kind's KernelSpec constants)."""
+        return cls.of(spec.constants("kda"), spec.batch, spec.tokens, spec.num_warps, spec.ring_cap)
 
     d = property(lambda self: self.dk)
 

@@ -24,9 +24,10 @@ from cutlass import Int32, Int64
 
 from megakernel.isa import Op
 from megakernel.kernel.fields import OpTable, common, one_of, slab_word
+from megakernel.kernel.limits import PREFETCH_CHUNK
 from megakernel.kernel.memory import join64, record_word
 from megakernel.kernel.moe import Experts
-from megakernel.kernel.spec import PREFETCH_CHUNK, KernelSpec
+from megakernel.kernel.spec import KernelSpec
 
 
 class Lookahead:

@@ -31,11 +31,11 @@ from megakernel.kernel.sync import cta_sync
 
 
 class Mamba2(Handler):
-    """The MAMBA_CORE handler of a build (its shapes baked in: KernelSpec.mamba_shape)."""
+    """The MAMBA_CORE handler of a build (its shapes baked in: spec.shape("mamba2"))."""
 
     def __init__(self, spec: KernelSpec):
         self.spec = spec
-        self.m = spec.mamba_shape
+        self.m = spec.shape("mamba2")
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.NT, self.NW, self.T = spec.num_threads, spec.num_warps, spec.tokens
         self.eps = spec.eps

@@ -72,7 +72,8 @@ RING_BATCH = 8  # ring B values a thread loads at once (r1)
 
 @dataclass(frozen=True)
 class MambaShape:
-    """A build's Mamba2 constants: KernelSpec.mamba = (H, P, N, G, K), batch, tokens, warps, and
+    """A build's Mamba2 constants: spec.constants("mamba2") = (H, P, N, G, K), batch, tokens,
+    warps, and
     the ReplaySSM ring capacity (0: the recurrent update)."""
 
     heads: int
@@ -92,8 +93,9 @@ class MambaShape:
 
     @classmethod
     def for_spec(cls, spec) -> MambaShape:  # noqa: ANN001 (KernelSpec)
-        """The shape of a build (its KernelSpec.mamba)."""
-        return cls.of(spec.mamba, spec.batch, spec.tokens, spec.num_warps, spec.ring_cap)
+        """The shape of a build (its kind's KernelSpec constants)."""
+        return cls.of(spec.constants("mamba2"), spec.batch, spec.tokens, spec.num_warps,
+                      spec.ring_cap)
 
     # ---- sizes ---------------------------------------------------------------------------------
     rep = property(lambda self: self.heads // self.groups)  # R: heads per group (per record)

@@ -10,9 +10,9 @@ Loop nest (per CTA):
                 stage x (RMSNorm(h) * w -> bf16, or a copy of a bf16 input)
                 GEMV: warp = R rows (x K-slice), lane = 8 consecutive inputs (16-byte loads),
                       fp32 FMA, warp-shuffle sum, += into sAcc[ks][n][row]
-            epilogue (by the registry's `matvec` name of the opcode): residual add | silu(gate)
-                  * up | (+ bias) qk-norm + RoPE + q / KV cache | logits of rows < V + running
-                  argmax
+            epilogue (the class the opcode's declaration names, OpSpec.matvec; epilogue.py):
+                  residual add | silu(gate) * up | (+ bias) qk-norm + RoPE + q / KV cache |
+                  logits of rows < V + running argmax | ...
 
 When a chunk has fewer row groups than warps, warps also split K (ks) and the epilogue sums the
 K-slices in a fixed order, so results do not depend on timing. Rows of activations beyond N are
@@ -28,69 +28,51 @@ tile's 8 weight rows as B, K split over the warps) and sums the warps' partials 
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from megakernel import isa
 from megakernel.isa import Op
+from megakernel.kernel.dense_index import (
+    acc_index,
+    chunk_ksplit,
+    k_slice,
+    mma_c_coord,
+    mma_operand_word,
+    mma_red_index,
+    ring_slot,
+    row_major,
+    tile_warp,
+)
+from megakernel.kernel.epilogue import Chunk, epilogues_for
 from megakernel.kernel.fields import OpTable, mv, one_of, word
+from megakernel.kernel.limits import LANES, MMA_K_ALIGN, MMA_M, MMA_N, VEC
 from megakernel.kernel.memory import (
     join64,
-    ld,
     load_bf16x8,
     load_f32x8,
     load_smem_bf16x8,
     load_smem_words4,
     load_weights8,
     smem_words,
-    st,
     store_smem_bf16x8,
     weight_atom,
 )
 from megakernel.kernel.moe import Experts
-from megakernel.kernel.paged_index import k_elem, page_base, slot_block, v_elem
 from megakernel.kernel.pipeline import Pipeline
-from megakernel.kernel.spec import (
-    LANES,
-    MMA_K_ALIGN,
-    MMA_M,
-    MMA_N,
-    VEC,
-    KernelSpec,
-    acc_index,
-    chunk_ksplit,
-    gate_index,
-    k_slice,
-    kv_row,
-    kv_slot,
-    lm_row_live,
-    mma_c_coord,
-    mma_operand_word,
-    mma_red_index,
-    qkv_bias_index,
-    qkv_slot,
-    ring_slot,
-    rope_pair,
-    row_major,
-    tile_warp,
-)
+from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
-
-F32_NEG_INF = -math.inf
 
 
 class Matvec:
-    """The matvec opcodes (QKV, OPROJ, GATEUP, UP_RELU2, DOWN, PROJ, LMHEAD): one GEMV, the epilogue
-    chosen by the runtime opcode through the registry's `matvec` property (only the epilogues of
-    opcodes the build handles are compiled in: OpTable.for_spec)."""
+    """The matvec opcodes (QKV, OPROJ, GATEUP, UP_RELU2, DOWN, PROJ, LMHEAD, the experts'): one
+    GEMV, then the epilogue class the opcode's declaration names (OpSpec.matvec; only those of
+    opcodes the build handles are compiled in)."""
 
     def __init__(self, spec: KernelSpec):
         self.spec = spec
         self.ops = OpTable.for_spec(spec)
-        self.QKV_ROWS = spec.qkv_rows  # rows of a layer's packed QKV matrix (bias follows it)
         self.N, self.T, self.B = spec.rows, spec.tokens, spec.batch
         self.NO, self.NB, self.R = spec.no, spec.nb, spec.rows_per_group
         self.KC, self.RC = spec.k_chunk, spec.row_chunk
@@ -98,11 +80,12 @@ class Matvec:
         self.NT, self.NW = spec.num_threads, spec.num_warps
         self.H, self.I, self.V, self.D = spec.hidden, spec.inter, spec.vocab, spec.head_dim
         self.Hq, self.Hkv, self.G = spec.heads, spec.kv_heads, spec.group
-        self.E = spec.head_dim // LANES  # head elements per lane in the QKV epilogue
         self.eps = spec.eps
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.pipe = Pipeline(spec) if spec.pipelined else None
         self.moe = Experts(spec)  # the expert records' run-time binding (moe.py)
+        # the handled opcodes' epilogue classes (OpSpec.matvec), one instance each
+        self.epilogues = epilogues_for(self, self.ops.handled)
 
     # ---- entry --------------------------------------------------------------------------------
     @cute.jit
@@ -115,8 +98,11 @@ class Matvec:
         norm_off, in_off, out_off = rec[mv("NORM_OFF")], rec[mv("IN_OFF")], rec[mv("OUT_OFF")]
         w_base, slot, work_off, live = self.bind(op, rec, w_base, pI)
         for n0 in cutlass.range(0, live, self.NO):
-            self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, pI, slot, work_off, live,
-                               sRstd, sBest, tidx, warp, lane)
+            self.pass_prologue(op, norm_off, in_off, k, n0, pF, pI, slot, work_off, live, sRstd,
+                               warp, lane)
+            self.begin_pass(op, self.chunk(rec, layer, row0, n0, out_off, pW, pF, pB, pI, pK, pV,
+                                           s_max, len_off, slot, work_off, live, sAcc, sBest,
+                                           tidx, warp, lane))
             for rc0 in cutlass.range(0, nrows, self.RC):
                 nr = cutlass.min(Int32(self.RC), nrows - rc0)
                 ng = nr // self.R
@@ -133,12 +119,12 @@ class Matvec:
                     cta_sync(self.named)
                     self.gemv(pW, w_base, k, rc0, kc0, kc, ng, ksplit, nrp, sX, sAcc, warp, lane)
                 cta_sync(self.named)
-                self.epilogue(op, rec, layer, row0, rc0, nr, n0, ksplit, nrp, out_off, pW, pF,
-                              pB, pI, pK, pV, s_max, len_off, slot, work_off, live, sAcc, sBest,
-                              tidx, warp, lane)
-            if cutlass.const_expr(self.ops.epilogue("lmhead")):
-                if one_of(op, self.ops.epilogue("lmhead")):
-                    self.store_partial_argmax(n0, rec, pF, sBest, tidx)
+                self.epilogue(op, self.chunk(rec, layer, row0, n0, out_off, pW, pF, pB, pI, pK,
+                                             pV, s_max, len_off, slot, work_off, live, sAcc,
+                                             sBest, tidx, warp, lane, rc0, nr, ksplit, nrp))
+            self.end_pass(op, self.chunk(rec, layer, row0, n0, out_off, pW, pF, pB, pI, pK, pV,
+                                         s_max, len_off, slot, work_off, live, sAcc, sBest,
+                                         tidx, warp, lane))
             cta_sync(self.named)
 
     @cute.jit
@@ -169,8 +155,11 @@ class Matvec:
         # the loader binds the same record to the same slab and passes (moe.py)
         _w, slot, work_off, live = self.bind(op, rec, Int64(0), pI)
         for n0 in cutlass.range(0, live, self.NO):
-            self.pass_prologue(op, row0, norm_off, in_off, k, n0, pF, pI, slot, work_off, live,
-                               sRstd, sBest, tidx, warp, lane)
+            self.pass_prologue(op, norm_off, in_off, k, n0, pF, pI, slot, work_off, live, sRstd,
+                               warp, lane)
+            self.begin_pass(op, self.chunk(rec, layer, row0, n0, out_off, pW, pF, pB, pI, pK, pV,
+                                           s_max, len_off, slot, work_off, live, sAcc, sBest,
+                                           tidx, warp, lane))
             for rc0 in cutlass.range(0, nrows, self.RC):
                 nr = cutlass.min(Int32(self.RC), nrows - rc0)
                 cta_sync(self.named)  # previous epilogue done with sAcc
@@ -199,75 +188,58 @@ class Matvec:
                             self.mma_reduce(sRed, buf, rows, t0, nr, sAcc, tidx)
                         j += 1
                 cta_sync(self.named)
-                self.epilogue(op, rec, layer, row0, rc0, nr, n0, ksplit, nr, out_off, pW, pF,
-                              pB, pI, pK, pV, s_max, len_off, slot, work_off, live, sAcc, sBest,
-                              tidx, warp, lane)
-            if cutlass.const_expr(self.ops.epilogue("lmhead")):
-                if one_of(op, self.ops.epilogue("lmhead")):
-                    self.store_partial_argmax(n0, rec, pF, sBest, tidx)
+                self.epilogue(op, self.chunk(rec, layer, row0, n0, out_off, pW, pF, pB, pI, pK,
+                                             pV, s_max, len_off, slot, work_off, live, sAcc,
+                                             sBest, tidx, warp, lane, rc0, nr, ksplit, nr))
+            self.end_pass(op, self.chunk(rec, layer, row0, n0, out_off, pW, pF, pB, pI, pK, pV,
+                                         s_max, len_off, slot, work_off, live, sAcc, sBest,
+                                         tidx, warp, lane))
             cta_sync(self.named)
         return j
 
     @cute.jit
-    def pass_prologue(self, op: Int32, row0: Int32, norm_off: Int32, in_off: Int32, k: Int32,
-                      n0: Int32, pF: cute.Pointer, pI: cute.Pointer, slot: Int32,
-                      work_off: Int32, live: Int32, sRstd: cute.Tensor, sBest: cute.Tensor,
-                      tidx: Int32, warp: Int32, lane: Int32):
+    def pass_prologue(self, op: Int32, norm_off: Int32, in_off: Int32, k: Int32, n0: Int32,
+                      pF: cute.Pointer, pI: cute.Pointer, slot: Int32, work_off: Int32,
+                      live: Int32, sRstd: cute.Tensor, warp: Int32, lane: Int32):
         """Start of a pass over activation rows n0 .. n0 + NO (both weight paths): the RMSNorm
-        statistics (norm opcodes) and, for LMHEAD, the running (max, index) reset."""
+        statistics (norm opcodes)."""
         if norm_off >= 0:
             self.row_rstd(op, pF, pI, slot, work_off, live, in_off, k, n0, sRstd, warp, lane)
-        if cutlass.const_expr(self.ops.epilogue("lmhead")):
-            if one_of(op, self.ops.epilogue("lmhead")):
-                for nn in cutlass.range(tidx, self.NO, self.NT):
-                    sBest[2 * nn] = Float32(F32_NEG_INF)
-                    sBest[2 * nn + 1] = row0.to(Float32)
+
+    # ---- the epilogues (epilogue.py; by the opcode's declaration) -----------------------------
+    def chunk(self, rec, layer, row0, n0, out_off, pW, pF, pB, pI, pK, pV, s_max,  # noqa: ANN001, ANN201
+              len_off, slot, work_off, live, sAcc, sBest, tidx, warp, lane,  # noqa: ANN001
+              rc0=None, nr=None, ksplit=None, nrp=None):  # noqa: ANN001
+        """The Chunk an epilogue gets (the chunk fields 0 at a pass hook)."""
+        z = Int32(0)
+        return Chunk(rec, layer, row0, z if rc0 is None else rc0, z if nr is None else nr, n0,
+                     z if ksplit is None else ksplit, z if nrp is None else nrp, out_off, pW, pF,
+                     pB, pI, pK, pV, s_max, len_off, slot, work_off, live, sAcc, sBest, tidx,
+                     warp, lane)
 
     @cute.jit
-    def epilogue(self, op: Int32, rec: cute.Tensor, layer: Int32, row0: Int32, rc0: Int32,
-                 nr: Int32, n0: Int32, ksplit: Int32, nrp: Int32, out_off: Int32,
-                 pW: cute.Pointer, pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer,
-                 pK: cute.Pointer, pV: cute.Pointer, s_max: Int32, len_off: Int32,
-                 slot: Int32, work_off: Int32, live: Int32, sAcc: cute.Tensor,
-                 sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
-        """The opcode's epilogue on one row chunk's accumulators (both weight paths), chosen by
-        the registry's `matvec` property; an epilogue no handled opcode uses is not compiled."""
-        if cutlass.const_expr(self.moe.on):
-            if one_of(op, self.moe.codes):
-                self.epi_expert(op, row0, rc0, nr, n0, ksplit, nrp, out_off, pF, pB, pI, slot,
-                                work_off, live, sAcc, tidx)
-        if cutlass.const_expr(self.ops.epilogue("qkv")):
-            if one_of(op, self.ops.epilogue("qkv")):
-                self.epi_qkv(rec, layer, row0, rc0, nr, n0, ksplit, nrp, out_off, pW, pF, pB,
-                             pI, pK, pV, s_max, len_off, sAcc, warp, lane)
-        if cutlass.const_expr(self.ops.epilogue("gateup")):
-            if one_of(op, self.ops.epilogue("gateup")):
-                self.epi_gateup(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
-        if cutlass.const_expr(self.ops.epilogue("relu2")):
-            if one_of(op, self.ops.epilogue("relu2")):
-                self.epi_relu2(row0, rc0, nr, n0, ksplit, nrp, out_off, pB, sAcc, tidx)
-        if cutlass.const_expr(self.ops.epilogue("lmhead")):
-            if one_of(op, self.ops.epilogue("lmhead")):
-                self.epi_lmhead(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, sBest,
-                                tidx, warp, lane)
-        if cutlass.const_expr(self.ops.epilogue("residual")):
-            if one_of(op, self.ops.epilogue("residual")):  # OPROJ, DOWN: added into h
-                self.epi_residual(row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
-        if cutlass.const_expr(self.ops.epilogue("proj")):
-            if one_of(op, self.ops.epilogue("proj")):  # PROJ: a recurrent layer's fp32 input
-                self.epi_proj(rec, row0, rc0, nr, n0, ksplit, nrp, out_off, pF, sAcc, tidx)
+    def epilogue(self, op: Int32, c: Chunk):
+        """The chunk's epilogue: the one of `op`'s class (only the handled ones are compiled in;
+        exactly one matches a matvec opcode)."""
+        for e in self.epilogues:
+            if one_of(op, e.ops):
+                e.run(op, c)
 
     @cute.jit
-    def store_partial_argmax(self, n0: Int32, rec: cute.Tensor, pF: cute.Pointer,
-                             sBest: cute.Tensor, tidx: Int32):
-        """LMHEAD: this CTA's (max logit, index) per row into the partial-argmax buffer."""
-        tile, parg = rec[word(Op.LMHEAD, "TILE")], rec[word(Op.LMHEAD, "PARG_OFF")]
-        cta_sync(self.named)
-        for nn in cutlass.range(tidx, self.NO, self.NT):
-            if n0 + nn < self.N:
-                slot = (tile * self.N + n0 + nn) * 2
-                st(pF, parg + slot, sBest[2 * nn])
-                st(pF, parg + slot + 1, sBest[2 * nn + 1])
+    def begin_pass(self, op: Int32, c: Chunk):
+        """The epilogues' begin_pass hooks (only those that have one are compiled in)."""
+        for e in self.epilogues:
+            if cutlass.const_expr(e.has("begin_pass")):
+                if one_of(op, e.ops):
+                    e.begin_pass(op, c)
+
+    @cute.jit
+    def end_pass(self, op: Int32, c: Chunk):
+        """The epilogues' end_pass hooks (only those that have one are compiled in)."""
+        for e in self.epilogues:
+            if cutlass.const_expr(e.has("end_pass")):
+                if one_of(op, e.ops):
+                    e.end_pass(op, c)
 
     @cute.jit
     def gemv_tile(self, sRing: cute.Tensor, sbase: Int32, kc: Int32, rows: Int32, rowl0: Int32,
@@ -470,35 +442,10 @@ class Matvec:
             if one_of(op, self.moe.codes):
                 an, q = self.moe.rows(slot, work_off, pI, n)
                 row = an
-                if one_of(op, self.ops.epilogue("expert_down")):
+                if one_of(op, self.moe.down):
                     row = q
         return row
 
-    @cute.jit
-    def epi_expert(self, op: Int32, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,
-                   ksplit: Int32, nrp: Int32, out_off: Int32, pF: cute.Pointer,
-                   pB: cute.Pointer, pI: cute.Pointer, slot: Int32, work_off: Int32, live: Int32,
-                   sAcc: cute.Tensor, tidx: Int32):
-        """Expert slot row q of pair row n0 + nn: gate/up -> act_moe[q, (row0 + rc0) / 2 + c] =
-        bf16(silu(gate) * up) (GATEUP's block interleave); down -> moe_y[q, row0 + rc0 + r] =
-        acc (fp32)."""
-        gate = one_of(op, self.ops.epilogue("expert_gateup"))
-        cols = nr
-        if gate:
-            cols = nr // 2
-        for idx in cutlass.range(tidx, self.NO * cols, self.NT, unroll=1):
-            nn = idx // cols
-            c = idx - nn * cols
-            if n0 + nn < live:
-                _n, q = self.moe.rows(slot, work_off, pI, n0 + nn)
-                if gate:
-                    st(pB, out_off + row_major(q, (row0 + rc0) // 2 + c, self.moe.I),
-                       self.swiglu(sAcc, nn, c, ksplit, nrp).to(BFloat16))
-                else:
-                    st(pF, out_off + row_major(q, row0 + rc0 + c, self.H),
-                       self.acc_value(sAcc, nn, c, ksplit, nrp))
-
-    # ---- epilogues ----------------------------------------------------------------------------
     @cute.jit
     def swiglu(self, sAcc: cute.Tensor, nn: Int32, c: Int32, ksplit: Int32,
                nrp: Int32) -> Float32:
@@ -509,222 +456,6 @@ class Matvec:
         g = self.acc_value(sAcc, nn, gr, ksplit, nrp)
         u = self.acc_value(sAcc, nn, gr + blk, ksplit, nrp)
         return g / (Float32(1.0) + cute.math.exp(-g)) * u
-
-    @cute.jit
-    def epi_residual(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
-                     nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
-                     tidx: Int32):
-        """h[n, row0 + rc0 + r] += acc (fp32)."""
-        for idx in cutlass.range(tidx, self.NO * nr, self.NT):
-            nn = idx // nr
-            r = idx - nn * nr
-            if n0 + nn < self.N:
-                a = out_off + (n0 + nn) * self.H + row0 + rc0 + r
-                st(pF, a, ld(pF, a) + self.acc_value(sAcc, nn, r, ksplit, nrp))
-
-    @cute.jit
-    def epi_proj(self, rec: cute.Tensor, row0: Int32, rc0: Int32, nr: Int32, n0: Int32,
-                 ksplit: Int32, nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
-                 tidx: Int32):
-        """proj[n, row0 + rc0 + r] = acc (fp32, not rounded), rows OUT_W apart: the fused input
-        projection the recurrent core records read."""
-        width = rec[word(Op.PROJ, "OUT_W")]
-        for idx in cutlass.range(tidx, self.NO * nr, self.NT):
-            nn = idx // nr
-            r = idx - nn * nr
-            if n0 + nn < self.N:
-                st(pF, out_off + row_major(n0 + nn, row0 + rc0 + r, width),
-                   self.acc_value(sAcc, nn, r, ksplit, nrp))
-
-    @cute.jit
-    def epi_gateup(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
-                   nrp: Int32, out_off: Int32, pB: cute.Pointer, sAcc: cute.Tensor, tidx: Int32):
-        """act[n, (row0 + rc0) / 2 + c] = bf16(silu(gate) * up); rows alternate 16 gate, 16 up."""
-        cols = nr // 2
-        for idx in cutlass.range(tidx, self.NO * cols, self.NT):
-            nn = idx // cols
-            c = idx - nn * cols
-            if n0 + nn < self.N:
-                a = out_off + (n0 + nn) * self.I + (row0 + rc0) // 2 + c
-                st(pB, a, self.swiglu(sAcc, nn, c, ksplit, nrp).to(BFloat16))
-
-    @cute.jit
-    def epi_relu2(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
-                  nrp: Int32, out_off: Int32, pB: cute.Pointer, sAcc: cute.Tensor, tidx: Int32):
-        """act[n, row0 + rc0 + r] = bf16(relu(acc)^2) (UP_RELU2: the slab's rows are the
-        activation's columns), relu and the square in fp32."""
-        for idx in cutlass.range(tidx, self.NO * nr, self.NT):
-            nn = idx // nr
-            r = idx - nn * nr
-            if n0 + nn < self.N:
-                y = cutlass.max(self.acc_value(sAcc, nn, r, ksplit, nrp), Float32(0.0))
-                st(pB, out_off + row_major(n0 + nn, row0 + rc0 + r, self.I),
-                   (y * y).to(BFloat16))
-
-    @cute.jit
-    def epi_lmhead(self, row0: Int32, rc0: Int32, nr: Int32, n0: Int32, ksplit: Int32,
-                   nrp: Int32, out_off: Int32, pF: cute.Pointer, sAcc: cute.Tensor,
-                   sBest: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32):
-        """logits[n, row0 + rc0 + r] = acc; running (max, lowest index) per activation row.
-        Only rows < V (spec.lm_row_live): the padding rows of the head store nothing (the logits
-        are [N, V]) and never take part in the argmax."""
-        for idx in cutlass.range(tidx, self.NO * nr, self.NT):
-            nn = idx // nr
-            r = idx - nn * nr
-            row = row0 + rc0 + r
-            if (n0 + nn < self.N) & lm_row_live(row, self.V):
-                st(pF, out_off + (n0 + nn) * self.V + row,
-                   self.acc_value(sAcc, nn, r, ksplit, nrp))
-        for nn in cutlass.range(warp, self.NO, self.NW):
-            if n0 + nn < self.N:
-                best = Float32(F32_NEG_INF)
-                bidx = Int32(row0 + rc0)
-                for r in cutlass.range(lane, nr, LANES):
-                    if lm_row_live(row0 + rc0 + r, self.V):
-                        v = self.acc_value(sAcc, nn, r, ksplit, nrp)
-                        if v > best:  # rows ascend per lane: strict > keeps the lowest index
-                            best = v
-                            bidx = row0 + rc0 + r
-                best, bidx = warp_argmax(best, bidx)
-                if lane == 0:
-                    prev = sBest[2 * nn]
-                    if best > prev:  # earlier chunks hold lower indices: ties keep them
-                        sBest[2 * nn] = best
-                        sBest[2 * nn + 1] = bidx.to(Float32)
-
-    @cute.jit
-    def epi_qkv(self, rec: cute.Tensor, layer: Int32, row0: Int32, rc0: Int32, nr: Int32,
-                n0: Int32, ksplit: Int32, nrp: Int32, q_off: Int32, pW: cute.Pointer,
-                pF: cute.Pointer, pB: cute.Pointer, pI: cute.Pointer, pK: cute.Pointer,
-                pV: cute.Pointer, s_max: Int32, len_off: Int32, sAcc: cute.Tensor, warp: Int32,
-                lane: Int32):
-        """Per (head, row): (qwen2) + bias, (qwen3) per-head RMSNorm, RoPE on the first
-        spec.rotary_dim dims, bf16 -> q buffer or the KV cache slot of the layer (spec.kv_slot);
-        (Qwen3.5) gate heads in fp32 -> the gate buffer. Lane holds head dims lane + 32 e,
-        e < E = D / 32 (D = 64, 128, 256)."""
-        D, E, G = self.D, self.E, self.G
-        NG = G if self.spec.output_gate else 0  # gate head slots per group
-        qkn_off, rope_off = rec[word(Op.QKV, "QK_NORM_OFF")], rec[word(Op.QKV, "ROPE_OFF")]
-        bias0 = Int64(0)  # arena element of the bias of chunk row 0 (spec.qkv_bias_index)
-        if cutlass.const_expr(self.spec.qkv_bias):
-            bias0 = qkv_bias_index(join64(rec[mv("W_LO")], rec[mv("W_HI")]), Int64(row0),
-                                   Int64(rec[mv("K")]), self.QKV_ROWS, Int64(rc0))
-        hd = self.spec.rotary_dim // 2  # R/2: cos/sin columns
-        half = hd // LANES  # registers e < half pair with e + half (R/2 a multiple of 32)
-        sin_off = rope_off + s_max * hd  # sin [S_max, R/2] follows cos directly (isa.py)
-        nh = nr // D
-        slot0 = (row0 + rc0) // D
-        for item in cutlass.range(warp, nh * self.NO, self.NW):
-            hh = item // self.NO
-            nn = item - hh * self.NO
-            n = n0 + nn
-            if n < self.N:
-                slot = slot0 + hh
-                # j < G: q head grp*G + j; < G + NG: its gate head; G + NG: k; G + NG + 1: v
-                grp, j = qkv_slot(slot, G, self.spec.output_gate)
-                b = n // self.T
-                t = n - b * self.T
-                pos = ld(pI, len_off + b) + t
-                x = cute.make_rmem_tensor((E,), Float32)
-                for e in cutlass.range_constexpr(E):
-                    x[e] = self.acc_value(sAcc, nn, hh * D + lane + LANES * e, ksplit, nrp)
-                if cutlass.const_expr(self.spec.qkv_bias):  # q = x W^T + b, before norm / RoPE
-                    for e in cutlass.range_constexpr(E):
-                        b_e = ld(pW, bias0 + Int64(hh * D + lane + LANES * e)).to(Float32)
-                        x[e] = x[e] + b_e
-                if cutlass.const_expr(NG == 0):
-                    qk = j <= G
-                else:
-                    qk = (j < G) | (j == G + NG)
-                if cutlass.const_expr(self.spec.qk_norm or self.spec.rope):  # q and k only
-                    if qk:
-                        if cutlass.const_expr(self.spec.qk_norm):
-                            ss = Float32(0.0)
-                            for e in cutlass.range_constexpr(E):
-                                ss = ss + x[e] * x[e]
-                            ss = cute.arch.warp_reduction_sum(ss)
-                            ms = ss / Float32(D) + Float32(self.eps)
-                            rstd = Float32(1.0) / cute.math.sqrt(ms)
-                            woff = qkn_off
-                            if j == G + NG:
-                                woff = qkn_off + D
-                            for e in cutlass.range_constexpr(E):
-                                w = ld(pW, woff + lane + LANES * e).to(Float32)
-                                if cutlass.const_expr(self.spec.norm_one_plus):
-                                    w = w + Float32(1.0)
-                                x[e] = (x[e] * rstd) * w
-                        if cutlass.const_expr(self.spec.rope and half > 0):
-                            for e in cutlass.range_constexpr(half):
-                                i = lane + LANES * e
-                                c = ld(pF, rope_off + pos * hd + i)
-                                s = ld(pF, sin_off + pos * hd + i)
-                                x1 = x[e]
-                                x2 = x[e + half]
-                                x[e] = x1 * c + (-x2) * s
-                                x[e + half] = x2 * c + x1 * s
-                        if cutlass.const_expr(self.spec.rope and half == 0):  # R <= 32
-                            self.rope_lanes(x, lane, pos, pF, rope_off, sin_off, hd)
-                if j < G:
-                    base = q_off + (n * self.Hq + grp * G + j) * D
-                    for e in cutlass.range_constexpr(E):
-                        st(pB, base + lane + LANES * e, x[e].to(BFloat16))
-                else:
-                    if cutlass.const_expr(NG > 0):
-                        if j < G + NG:  # a gate head: fp32, no norm or RoPE (isa QKV)
-                            for e in cutlass.range_constexpr(E):
-                                st(pF, self.spec.gate_off + gate_index(
-                                    n, grp * G + j - G, lane + LANES * e, self.Hq, D), x[e])
-                        else:
-                            self.store_kv(x, j, G + NG, layer, n, grp, pos, s_max, pI, pK,
-                                          pV, lane)
-                    else:
-                        self.store_kv(x, j, G, layer, n, grp, pos, s_max, pI, pK, pV, lane)
-
-    @cute.jit
-    def store_kv(self, x: cute.Tensor, j: Int32, kslot: int, layer: Int32, n: Int32,
-                 grp: Int32, pos: Int32, s_max: Int32, pI: cute.Pointer, pK: cute.Pointer,
-                 pV: cute.Pointer, lane: Int32):
-        """bf16(x) -> the k (j == kslot) or v entry of activation row n, kv head grp in the
-        layer's cache slot: row `pos` of sequence n // T (contiguous), or (paged) the page
-        position of slot_mapping[n], nothing for a padding row (slot < 0; paged_index.py)."""
-        D = self.D
-        cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)
-        pg = self.spec.paged_shape
-        if cutlass.const_expr(pg is not None):
-            slot = ld(pI, pg.slot_off + n)
-            if slot >= 0:
-                blk, o = slot_block(slot, pg.block_size)
-                base = page_base(Int64(cslot), Int64(blk), Int64(grp), pg.num_blocks, self.Hkv,
-                                 pg.page_elems)
-                for e in cutlass.range_constexpr(self.E):
-                    d = lane + LANES * e
-                    if j == kslot:
-                        st(pK, k_elem(base, d, o, pg.block_size), x[e].to(BFloat16))
-                    else:
-                        st(pV, v_elem(base, o, d, D), x[e].to(BFloat16))
-        else:
-            b = n // self.T
-            row = kv_row(Int64(cslot), b, grp, Int64(s_max), self.B, self.Hkv) + pos
-            for e in cutlass.range_constexpr(self.E):
-                if j == kslot:
-                    st(pK, row * D + lane + LANES * e, x[e].to(BFloat16))
-                else:
-                    st(pV, row * D + lane + LANES * e, x[e].to(BFloat16))
-
-    @cute.jit
-    def rope_lanes(self, x: cute.Tensor, lane: Int32, pos: Int32, pF: cute.Pointer,
-                   rope_off: Int32, sin_off: Int32, hd: int):
-        """Partial RoPE on R = 2 hd <= 32 dims: all in register 0 of lanes < R; lane d's partner
-        is lane d +- hd (spec.rope_pair), fetched with one shuffle; cos/sin column d mod hd."""
-        partner, col, upper = rope_pair(lane, hd, cutlass.min, cutlass.max)
-        xp = cute.arch.shuffle_sync(x[0], partner)
-        if lane < 2 * hd:
-            c = ld(pF, rope_off + pos * hd + col)
-            s = ld(pF, sin_off + pos * hd + col)
-            if upper == 0:
-                x[0] = x[0] * c + (-xp) * s
-            else:
-                x[0] = x[0] * c + xp * s
 
 
 @cute.jit
@@ -738,16 +469,3 @@ def mma_bf16_16816(a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: In
         "{{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32, Float32, Float32, Float32],
         read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
-
-
-@cute.jit
-def warp_argmax(v: Float32, i: Int32):
-    """(max value, lowest index holding it) across the warp; every lane gets the result."""
-    for m in cutlass.range_constexpr(5):
-        ov = cute.arch.shuffle_sync_bfly(v, offset=1 << m)
-        oi = cute.arch.shuffle_sync_bfly(i, offset=1 << m)
-        take = (ov > v) | ((ov == v) & (oi < i))
-        if take:
-            v = ov
-            i = oi
-    return v, i

@@ -38,10 +38,12 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8
 from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel import sync, timeline
+from megakernel.kernel.epilogues import warp_argmax
 from megakernel.kernel.fields import OpTable, common, none_of, one_of, slab_word, word
 from megakernel.kernel.handler import Step, handlers_for
+from megakernel.kernel.limits import LANES, VEC
 from megakernel.kernel.lookahead import Lookahead
-from megakernel.kernel.matvec import Matvec, warp_argmax
+from megakernel.kernel.matvec import Matvec
 from megakernel.kernel.memory import (
     elem_ptr,
     join64,
@@ -52,7 +54,7 @@ from megakernel.kernel.memory import (
     store_f32x8,
 )
 from megakernel.kernel.pipeline import Pipeline
-from megakernel.kernel.spec import LANES, VEC, KernelSpec
+from megakernel.kernel.spec import KernelSpec
 
 
 class DecodeMegakernel:

@@ -12,7 +12,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel.isa import RECORD_WORDS
-from megakernel.kernel.spec import VEC
+from megakernel.kernel.limits import VEC
 
 L2_PREFETCH_CHUNK = 32 * 1024  # bytes per cp.async.bulk.prefetch.L2 (prefetch_l2)
 

@@ -18,11 +18,12 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel.isa import Op
+from megakernel.kernel.dense_index import attn_keys, attn_scale, kv_row, kv_slot
 from megakernel.kernel.fields import word
 from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.memory import ld, st
 from megakernel.kernel.mla_index import BATCH, LANES, LATENT_NORM_EPS
-from megakernel.kernel.spec import KernelSpec, attn_keys, attn_scale, kv_row, kv_slot
+from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
 
 NEG_INF = -math.inf
@@ -33,7 +34,7 @@ class LatentAttention(Handler):
 
     def __init__(self, spec: KernelSpec):
         self.spec = spec
-        self.m = spec.mla_shape
+        self.m = spec.shape("mla")
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.NT, self.NW, self.N, self.T = spec.num_threads, spec.num_warps, spec.rows, spec.tokens
         self.sm = self.m.smem()  # word offsets in the scratch span

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megakernel.layers.frame import round_rows
-from megakernel.layers.mla import LATENT_NORM_EPS
+from megakernel.isa.records import ROW_ALIGN
 
 LANES = 32
+LATENT_NORM_EPS = 1e-6  # Kimi's kv_a_layernorm: the latent's RMSNorm (the executor's too)
 # shared memory of one chunk of staged latents (fp32): Kimi's r = 512 gets 8 keys a chunk, which
 # keeps the scratch span inside the consumers' regions (the 6-stage weight ring at B = 1)
 MLA_CHUNK_BYTES = 24 * 1024
@@ -65,7 +65,8 @@ def key_chunk(width: int) -> int:
 
 @dataclass(frozen=True)
 class MLAShape:
-    """A build's MLA constants: KernelSpec.mla = (H, r, dn, dr, dv), batch, tokens, threads."""
+    """A build's MLA constants: spec.constants("mla") = (H, r, dn, dr, dv), batch, tokens,
+    threads."""
 
     heads: int
     rank: int
@@ -82,8 +83,8 @@ class MLAShape:
 
     @classmethod
     def for_spec(cls, spec) -> MLAShape:  # noqa: ANN001 (KernelSpec)
-        """The shape of a build (its KernelSpec.mla)."""
-        return cls.of(spec.mla, spec.batch, spec.tokens, spec.num_threads)
+        """The shape of a build (its kind's KernelSpec constants)."""
+        return cls.of(spec.constants("mla"), spec.batch, spec.tokens, spec.num_threads)
 
     # ---- sizes ---------------------------------------------------------------------------------
     rows = property(lambda self: self.batch * self.tokens)  # N
@@ -97,7 +98,7 @@ class MLAShape:
     @property
     def proj_cols(self) -> int:
         """P: columns of proj [N, P] = [q (H dqk) | c (r) | k_rope (dr)], rows rounded."""
-        return round_rows(self.heads * self.dqk + self.width)
+        return -(-(self.heads * self.dqk + self.width) // ROW_ALIGN) * ROW_ALIGN
 
     @property
     def rc(self) -> int:

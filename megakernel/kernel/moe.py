@@ -1,8 +1,8 @@
 """The MoE expert handlers' device side (layers/moe.py; index arithmetic in moe_index.py).
 
-EXPERT_GATEUP / EXPERT_DOWN run on the matvec handler (matvec.py: epilogues "expert_gateup",
-"expert_down") over the rows of their work-list slot; this module binds a record at run time
-(`bind`: the slab of the slot's expert and its live pair rows) and maps a pair row to its
+EXPERT_GATEUP / EXPERT_DOWN run on the matvec handler (matvec.py) over the rows of their
+work-list slot, with their epilogue here (`ExpertEpilogue`); this module binds a record at run
+time (`bind`: the slab of the slot's expert and its live pair rows) and maps a pair row to its
 activation and expert slot rows (`rows`). MOE_COMBINE is its own handler (`combine`).
 
 Who reads the binding, and when (everyone agrees on the bound W and the passes, so the tiles the
@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import BFloat16, Int32, Int64
 
 from megakernel.isa import Op
 from megakernel.kernel import moe_index as mi
+from megakernel.kernel.dense_index import row_major
+from megakernel.kernel.epilogue import Chunk, Epilogue
 from megakernel.kernel.fields import OpTable, common, shared_word, word
 from megakernel.kernel.handler import Handler, Step
-from megakernel.kernel.memory import ld, load_f32x8, record_word, store_f32x8
-from megakernel.kernel.spec import VEC, KernelSpec
+from megakernel.kernel.limits import VEC
+from megakernel.kernel.memory import ld, load_f32x8, record_word, st, store_f32x8
+from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import spin_counter
 
 EXPERT_OPS = (Op.EXPERT_GATEUP, Op.EXPERT_DOWN)
@@ -44,11 +47,12 @@ class Experts(Handler):
 
     def __init__(self, spec: KernelSpec):
         ops = OpTable.for_spec(spec)
-        self.codes = ops.epilogue("expert_gateup") + ops.epilogue("expert_down")
+        self.down = ops.epilogue("moe.ExpertDown")
+        self.codes = ops.epilogue("moe.ExpertGateUp") + self.down
         self.on = bool(self.codes)  # the build handles the expert records
         self.N, self.H, self.NO, self.NT = spec.rows, spec.hidden, spec.no, spec.num_threads
-        if spec.moe:
-            _e, self.top_k, self.I, _g, _tg, shared = spec.moe[:6]
+        if spec.has("moe"):
+            _e, self.top_k, self.I, _g, _tg, shared = spec.constants("moe")[:6]
             self.slots = self.top_k + shared
             self.stride = mi.x_stride(self.I, self.H)
         for name in ("SLOT", "WORK_OFF"):  # read as EXPERT_GATEUP's words for both opcodes
@@ -146,3 +150,37 @@ class Experts(Handler):
                                                   * self.H + col))
             a = out_off + n * self.H + col
             store_f32x8(pF, a, load_f32x8(pF, a) + acc.load())
+
+
+class ExpertEpilogue(Epilogue):
+    """The expert records' epilogue, at slot row q of pair row n0 + nn (Experts.rows): gate/up
+    -> act_moe[q, (row0 + rc0) / 2 + c] = bf16(silu(gate) * up) (GATEUP's block interleave);
+    down -> moe_y[q, row0 + rc0 + r] = acc (fp32)."""
+
+    gate = True
+
+    @cute.jit
+    def run(self, op: Int32, c: Chunk):
+        gate = self.gate
+        cols = c.nr // 2 if gate else c.nr
+        for idx in cutlass.range(c.tidx, self.mv.NO * cols, self.mv.NT, unroll=1):
+            nn = idx // cols
+            col = idx - nn * cols
+            if c.n0 + nn < c.live:
+                _n, q = self.mv.moe.rows(c.slot, c.work_off, c.i32, c.n0 + nn)
+                if cutlass.const_expr(gate):
+                    st(c.bf16, c.out_off + row_major(q, (c.row0 + c.rc0) // 2 + col, self.mv.moe.I),
+                       self.mv.swiglu(c.sAcc, nn, col, c.ksplit, c.nrp).to(BFloat16))
+                else:
+                    st(c.f32, c.out_off + row_major(q, c.row0 + c.rc0 + col, self.mv.H),
+                       self.mv.acc_value(c.sAcc, nn, col, c.ksplit, c.nrp))
+
+
+class ExpertGateUp(ExpertEpilogue):
+    """EXPERT_GATEUP: bf16(silu(gate) * up) into act_moe."""
+
+
+class ExpertDown(ExpertEpilogue):
+    """EXPERT_DOWN: fp32 into moe_y."""
+
+    gate = False

@@ -19,9 +19,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from megakernel.isa import Op
 from megakernel.kernel.attention import prefetch_span
+from megakernel.kernel.epilogues import warp_argmax
 from megakernel.kernel.fields import word
 from megakernel.kernel.handler import Handler, Step
-from megakernel.kernel.matvec import warp_argmax
 from megakernel.kernel.memory import ld, st
 from megakernel.kernel.moe_router_index import (
     BATCH,
@@ -48,7 +48,7 @@ class MoERouter(Handler):
     """The ROUTER_SCORE and ROUTER handlers of a build (KernelSpec.moe baked in)."""
 
     def __init__(self, spec: KernelSpec):
-        (self.E, self.K, _, self.G, self.KG, _, norm, scale_bits) = spec.moe
+        (self.E, self.K, _, self.G, self.KG, _, norm, scale_bits) = spec.constants("moe")
         if self.G > LANES:
             raise ValueError(f"the router keeps a group score per lane: n_group {self.G} > "
                              f"{LANES}")

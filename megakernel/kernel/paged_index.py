@@ -9,7 +9,7 @@ Key j of sequence b lives in block `block_table[b, j // block_size]` at offset j
 QKV epilogue stores the new K/V of activation row n at `slot_mapping[n]` = block * block_size +
 offset, nothing when the slot is negative (a padding row, whose attention sees no keys). The
 block table and the slot mapping are i32 regions whose offsets, like the pool's shape, the build
-bakes in (checked against the program header: runtime.check_header).
+bakes in (checked against the program header: launch_checks.check_header).
 
 In ATTN_PARTIAL lane = key, so a K page serves the warp's scores with coalesced loads: for each
 head dim, the 32 lanes read consecutive offsets of one page row (a chunk of 32 keys may straddle

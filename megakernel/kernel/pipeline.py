@@ -43,10 +43,12 @@ from cutlass import Int32, Int64
 
 from megakernel.isa import Op
 from megakernel.kernel import moe_index, timeline
+from megakernel.kernel.dense_index import ring_slot, tile_copy
 from megakernel.kernel.fields import OpTable, common, one_of, slab_word
+from megakernel.kernel.limits import SMEM_STAGE_BYTES
 from megakernel.kernel.memory import join64, record_word
 from megakernel.kernel.moe import Experts
-from megakernel.kernel.spec import SMEM_STAGE_BYTES, KernelSpec, ring_slot, tile_copy
+from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import WAIT_TIMEOUT_NS, read_epoch
 
 

@@ -34,9 +34,11 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import Int32, Int64, Uint8
 
-from megakernel.kernel import spec as spec_mod
+from megakernel.arch import ARCHS
+from megakernel.kernel import limits
+from megakernel.kernel.dense_index import ring_slot
+from megakernel.kernel.limits import SMEM_STAGE_BYTES
 from megakernel.kernel.pipeline import bulk_g2s, mbar_wait
-from megakernel.kernel.spec import ARCHS, SMEM_STAGE_BYTES, ring_slot
 
 STREAM_STAGES = 6  # the megakernel's ring at B = 1 (spec.make_spec)
 STREAM_THREADS = 64  # warp 0 loads, warp 1 consumes
@@ -60,9 +62,9 @@ class HbmStream:
         self.W = stage_bytes // 4  # int32 words per stage
         self.ring_bytes = stages * stage_bytes
         self.smem_bytes = self.ring_bytes + 8 * 2 * stages  # ring, then full[S], empty[S]
-        if self.smem_bytes > spec_mod.SMEM_BUDGET:
+        if self.smem_bytes > limits.SMEM_BUDGET:
             raise ValueError(f"{stages} x {stage_bytes} B stages need {self.smem_bytes} B of "
-                             f"shared memory > budget {spec_mod.SMEM_BUDGET}")
+                             f"shared memory > budget {limits.SMEM_BUDGET}")
 
     @cute.jit
     def __call__(self, src: cute.Pointer, out: cute.Pointer, chunks: Int32, num_ctas: Int32,

@@ -13,8 +13,8 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from megakernel.isa import RECORD_WORDS
+from megakernel.kernel.limits import TIMELINE_WORDS, timeline_word
 from megakernel.kernel.memory import st
-from megakernel.kernel.spec import TIMELINE_WORDS, timeline_word
 
 
 def cta_records(program: cute.Pointer, num_ctas: Int32, queue_len: Int32,

@@ -17,12 +17,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megakernel.errors import ConfigError, positive
 from megakernel.isa.records import SUPPORTED_HEAD_DIMS
 from megakernel.isa.registry import MATVEC, OpSpec, register
-from megakernel.layers.base import CONST, LayerKind, Need, StepShape, register_kind
+from megakernel.layers.base import (
+    CONST,
+    LayerKind,
+    Need,
+    StepShape,
+    misaligned,
+    register_kind,
+)
 from megakernel.layers.frame import OPROJ, residual_stage
-from megakernel.models.config import ConfigError, RopeConfig, positive
 from megakernel.program.stages import Instr, Stage
+from megakernel.rope import RopeConfig
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ QKV = register(OpSpec(
     "the weight (NORM_KIND: w or 1 + w), RoPE (rotate-half) on the first R dims at position "
     "lengths[b] + t, bf16. gate -> f32 header F32_GATE_OFF [N, Hq, D]. k, v -> KV cache slot of "
     "LAYER (kv slot: attention layers in order), sequence b, kv head g, position lengths[b] + t.",
-    slab=True, matvec="qkv", device=True))
+    slab=True, matvec="qkv.QKV", device=True))
 
 ATTN_PARTIAL = register(OpSpec(
     3, "ATTN_PARTIAL", "attention",
@@ -114,6 +122,19 @@ ATTN_PARTIAL = register(OpSpec(
     reach=True, ticket=True, device=True, handler="attention.Attention"))
 
 
+LANES = 32  # a warp: the QKV epilogue holds head dims lane + 32 e
+
+
+def rope_layout_error(rotary: int, head_dim: int) -> str:
+    """Why the kernel's QKV epilogue cannot rotate `rotary` of `head_dim` dims ('' when it can).
+    Lane holds dims lane + 32 e: the partners d, d +- R/2 share a lane when R/2 is a multiple of
+    32, or are lanes of e = 0 (one shuffle) when R <= 32."""
+    if rotary in (0, head_dim) or (rotary // 2) % LANES == 0 or rotary <= LANES:
+        return ""
+    return (f"RoPE on {rotary} of {head_dim} head dims (the kernel rotates R <= {LANES} dims "
+            f"or R/2 a multiple of {LANES})")
+
+
 @register_kind
 class Attention(LayerKind):
     name = "attention"
@@ -124,6 +145,59 @@ class Attention(LayerKind):
     @classmethod
     def split_heads(cls, cfg: AttentionConfig) -> int:
         return cfg.num_kv_heads
+
+    # ---- kernel build --------------------------------------------------------------------------
+    @classmethod
+    def kernel_constants(cls, c: AttentionConfig) -> tuple[int, ...]:
+        # (KernelSpec.heads, kv_heads, head_dim, qk_norm, qkv_bias, rotary_dim, output_gate)
+        return (c.num_heads, c.num_kv_heads, c.head_dim, int(c.qk_norm), int(c.qkv_bias),
+                c.rotary_dim, int(c.output_gate))
+
+    @classmethod
+    def kernel_support(cls, c: AttentionConfig) -> str:
+        return rope_layout_error(c.rotary_dim, c.head_dim)
+
+    @classmethod
+    def kernel_check(cls, spec) -> str:  # noqa: ANN001 (KernelSpec)
+        if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+            return (f"unsupported head_dim {spec.head_dim}; the kernel supports "
+                    f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+        if spec.head_dim % (2 * LANES):  # E = D / 32 per lane, split in RoPE halves
+            return f"head_dim {spec.head_dim} must be a multiple of {2 * LANES}"
+        if spec.output_gate and spec.gate_off < 0:
+            return "a gated build needs the gate buffer's offset (gate_off)"
+        return rope_layout_error(spec.rotary_dim, spec.head_dim)
+
+    @classmethod
+    def matvec_shapes(cls, spec) -> dict[str, list[tuple[int, int]]]:  # noqa: ANN001
+        return {"QKV": [(spec.hidden, spec.qkv_rows)],
+                "OPROJ": [(spec.heads * spec.head_dim, spec.hidden)]}
+
+    @classmethod
+    def kernel_header(cls, spec) -> dict[str, int]:  # noqa: ANN001
+        out = {"ROTARY_DIM": spec.rotary_dim, "OUTPUT_GATE": int(spec.output_gate)}
+        if spec.output_gate:
+            out["F32_GATE_OFF"] = spec.gate_off
+        return out
+
+    @classmethod
+    def kv_layout(cls, spec) -> dict[str, tuple[int, int]]:  # noqa: ANN001
+        return {"k_cache": (spec.kv_heads, spec.head_dim),
+                "v_cache": (spec.kv_heads, spec.head_dim)}
+
+    @classmethod
+    def check_kernel_record(cls, d: dict, spec) -> str:  # noqa: ANN001
+        if d["OPCODE"] == QKV and (d["NROWS"] % spec.head_dim or d["ROW0"] % spec.head_dim):
+            return (f"a QKV slab of {d['NROWS']} rows at row {d['ROW0']} is not whole heads of "
+                    f"{spec.head_dim}")
+        if d["OPCODE"] == ATTN_PARTIAL:
+            if not (0 <= d["B_IDX"] < spec.batch and 0 <= d["KV_HEAD"] < spec.kv_heads
+                    and 0 <= d["SPLIT"] < d["N_SPLITS"]):
+                return (f"sequence {d['B_IDX']}, kv head {d['KV_HEAD']}, split {d['SPLIT']}/"
+                        f"{d['N_SPLITS']} outside the build's B={spec.batch}, "
+                        f"Hkv={spec.kv_heads}")
+            return misaligned(d, {"PO_OFF": 4})
+        return ""
 
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod

@@ -19,6 +19,11 @@ program      its opcodes (isa.registry, declared in the kind's module), `stages`
              opcodes without a weight slab, checked once per step by the verifier),
              `slab_passes` (matrices whose slabs are bound at run time)
 cost         `step_bytes` (bytes by category, for the per-family byte accounting)
+kernel       `kernel_constants` (the shapes a build bakes in), `kernel_shape` (its handlers'
+             index arithmetic), `kernel_support`, `kernel_check`, `matvec_shapes`,
+             `kernel_header`, `kv_layout`, `check_kernel_record`: the kind's device
+             declaration, read generically by the build (kernel/spec.py, kernel/model_spec.py)
+             and the launcher's checks (runtime.py)
 """
 
 from __future__ import annotations
@@ -81,6 +86,15 @@ class StepShape:
         return self.batch * self.tokens
 
 
+def misaligned(d: dict, need: dict[str, int]) -> str:
+    """'' when every operand named in `need` of decoded record `d` is a multiple of its value,
+    else what the first that is not breaks (check_kernel_record's alignment part)."""
+    for k, m in need.items():
+        if d[k] % m:
+            return f"{k}={d[k]} is not a multiple of {m}; the kernel's vector accesses need it"
+    return ""
+
+
 def register_kind(cls: type[LayerKind]) -> type[LayerKind]:
     """Class decorator: register a layer kind under `cls.name`."""
     return KINDS.add(cls.name, cls)
@@ -100,10 +114,6 @@ class LayerKind:
     # opcode name -> the opcode(s) of the same block it waits on (None: the block's input)
     flow: ClassVar[dict[str, object]] = {}
     out_op: ClassVar[str] = ""  # the opcode whose counter ends the block: derived from `flow`
-    # the KernelSpec field that holds the shapes a kernel build bakes in for this kind (with
-    # `kernel_constants`); "" = none (its handlers read everything from the records)
-    spec_field: ClassVar[str] = ""
-
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         if cls.flow:  # the one opcode of the flow no other opcode waits on
@@ -114,18 +124,54 @@ class LayerKind:
                 raise ValueError(f"layer kind {cls.name}: flow {cls.flow} must end in one opcode")
             cls.out_op = ends[0]
 
+    # ---- kernel build: the kind's device declaration (read by kernel/spec.py, runtime.py) -------
     @classmethod
     def kernel_constants(cls, cfg: Any) -> tuple[int, ...]:
-        """The shapes of this kind's config (`cls.config`) a kernel build bakes in (KernelSpec
-        field `spec_field`)."""
+        """The shapes of this kind's config (`cls.config`) a kernel build bakes in: its entry of
+        `KernelSpec.kinds`, read back by the device code with `spec.constants(name)`."""
         return ()
 
     @classmethod
-    def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
-                                                                                   int]]]:
-        """Opcode name -> the (K, rows) of the matrices this kind's matvec records stream, from
-        its `kernel_constants` (what the runtime checks a program's records against)."""
+    def kernel_shape(cls, spec: Any) -> Any:  # noqa: ANN401 (a kernel/*_index shape)
+        """The index arithmetic of this kind's device handlers for a build (a pure-python shape
+        with `smem()`, shared by the handlers and their host emulation); None: no such handler."""
+        return None
+
+    @classmethod
+    def kernel_support(cls, cfg: Any) -> str:
+        """What of this kind's config no kernel build supports yet ('' when builds do), checked
+        before a spec is made: check_kernel_support's "the kernel does not support ... yet"."""
+        return ""
+
+    @classmethod
+    def kernel_check(cls, spec: Any) -> str:
+        """Why a build cannot serve this kind's layers ('' when it can): SpecError's text."""
+        return ""
+
+    @classmethod
+    def matvec_shapes(cls, spec: Any) -> dict[str, list[tuple[int, int]]]:
+        """Opcode name -> the (K, rows) of the matrices this kind's matvec records stream in a
+        build (what the build's K budget and the runtime's record checks read)."""
         return {}
+
+    @classmethod
+    def kernel_header(cls, spec: Any) -> dict[str, int]:
+        """Program header fields a program must hold to run on the build (check_header in
+        launch_checks.py): the constants its handlers take from the build, not the header."""
+        return {}
+
+    @classmethod
+    def kv_layout(cls, spec: Any) -> dict[str, tuple[int, int]]:
+        """kv_cache kinds: (heads, last dim) of the build's k_cache and v_cache [slots, B, heads,
+        S_max, dim]."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_kernel_record(cls, d: dict, spec: Any) -> str:
+        """Why a decoded record of one of this kind's opcodes does not fit the build ('' when it
+        does): index bounds and operand alignment its handler or epilogue assumes (checked on
+        every record before a launch, launch_checks.check_records)."""
+        return ""
 
     # ---- checkpoint ------------------------------------------------------------------------------
     @classmethod

@@ -36,18 +36,18 @@ EMBED = register(OpSpec(
 OPROJ = register(OpSpec(
     5, "OPROJ", "frame", "slab of an output projection (o_proj, out_proj) on a bf16 input, added "
     "into h", MATVEC, notes="OUT_OFF = f32 h [N, H]: h[n, ROW0 + r] += acc (fp32).",
-    slab=True, matvec="residual", device=True))
+    slab=True, matvec="epilogues.Residual", device=True))
 
 DOWN = register(OpSpec(
     7, "DOWN", "frame", "slab of an MLP's down projection on its bf16 activation, added into h",
     MATVEC, notes="OUT_OFF = f32 h [N, H]: h[n, ROW0 + r] += acc (fp32).",
-    slab=True, matvec="residual", device=True))
+    slab=True, matvec="epilogues.Residual", device=True))
 
 PROJ = register(OpSpec(
     16, "PROJ", "frame", "RMSNorm(h) -> slab of a recurrent or MLA layer's fused input projection "
     "(fp32)", MATVEC + (("OUT_W", "row width P of the f32 output [N, P]"),),
     notes="OUT_OFF = f32 proj [N, P]: proj[n, ROW0 + r] = acc (fp32, not rounded).",
-    slab=True, matvec="proj", device=True))
+    slab=True, matvec="epilogues.Proj", device=True))
 
 LMHEAD = register(OpSpec(
     8, "LMHEAD", "frame",
@@ -58,7 +58,7 @@ LMHEAD = register(OpSpec(
     ),
     notes="OUT_OFF = f32 logits [N, V]: rows ROW0 .. ROW0 + NROWS of the padded head, those < V "
     "(header V) stored; slot TILE gets the slab's max over rows < V and the lowest index of it.",
-    slab=True, matvec="lmhead", device=True))
+    slab=True, matvec="epilogues.LMHead", device=True))
 
 ARGMAX = register(OpSpec(
     9, "ARGMAX", "frame", "merge partial argmaxes -> tokens_out; optionally advance lengths, feed "

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megakernel.errors import ConfigError, positive
+from megakernel.kernel.gdn_index import GDNShape, check_gdn
 from megakernel.layers.base import register_kind
 from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
-from megakernel.models.config import ConfigError, positive
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,15 @@ class GatedDeltaNet(RecurrentKind):
     name = "gdn"
     config = GDNConfig
     core_op, replay_op = GDN_CORE, GDN_REPLAY
-    spec_field = "gdn"
+    unit_label = ('key head', 'Hk')
+
+    @classmethod
+    def kernel_shape(cls, spec) -> GDNShape:  # noqa: ANN001 (KernelSpec)
+        return GDNShape.for_spec(spec)
+
+    @classmethod
+    def kernel_check(cls, spec) -> str:  # noqa: ANN001
+        return check_gdn(cls.kernel_shape(spec))
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megakernel.errors import positive
+from megakernel.kernel.kda_index import KDAShape, check_kda
 from megakernel.layers.base import register_kind
 from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
-from megakernel.models.config import positive
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,15 @@ class KimiDeltaAttention(RecurrentKind):
     name = "kda"
     config = KDAConfig
     core_op, replay_op = KDA_CORE, KDA_REPLAY
-    spec_field = "kda"
+    unit_label = ('head', 'H')
+
+    @classmethod
+    def kernel_shape(cls, spec) -> KDAShape:  # noqa: ANN001 (KernelSpec)
+        return KDAShape.for_spec(spec)
+
+    @classmethod
+    def kernel_check(cls, spec) -> str:  # noqa: ANN001
+        return check_kda(cls.kernel_shape(spec))
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megakernel.errors import ConfigError, positive
+from megakernel.kernel.mamba_index import MambaShape, check_mamba
 from megakernel.layers.base import register_kind
 from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
-from megakernel.models.config import ConfigError, positive
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,15 @@ class Mamba2(RecurrentKind):
     name = "mamba2"
     config = Mamba2Config
     core_op, replay_op = MAMBA_CORE, MAMBA_REPLAY
-    spec_field = "mamba"
+    unit_label = ('group', 'G')
+
+    @classmethod
+    def kernel_shape(cls, spec) -> MambaShape:  # noqa: ANN001 (KernelSpec)
+        return MambaShape.for_spec(spec)
+
+    @classmethod
+    def kernel_check(cls, spec) -> str:  # noqa: ANN001
+        return check_mamba(cls.kernel_shape(spec))
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001

@@ -28,13 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megakernel.errors import ConfigError, positive
 from megakernel.isa.registry import OpSpec, register
+from megakernel.kernel.mla_index import MLAShape, check_mla, key_chunk
 from megakernel.layers.base import LayerKind, Need, StepShape, register_kind
 from megakernel.layers.frame import OPROJ, proj_stage, residual_stage, round_rows
-from megakernel.models.config import ConfigError, positive
 from megakernel.program.stages import Instr, Stage
-
-LATENT_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,6 @@ class MultiLatentAttention(LayerKind):
     config = MLAConfig
     kv_cache = True
     flow = {"PROJ": None, "MLA_Q": "PROJ", "MLA": "MLA_Q", "MLA_O": "MLA", "OPROJ": "MLA_O"}
-    spec_field = "mla"
     # a split attends all H heads of its sequence (one latent kv head), H times a dense split's
     # work per key: about one split per SM at B = 1, each at least two of the kernel's key
     # chunks (kernel/mla_index.key_chunk: 8 keys at Kimi's rank 512)
@@ -146,11 +144,34 @@ class MultiLatentAttention(LayerKind):
                 c.v_head_dim)
 
     @classmethod
-    def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
-                                                                                   int]]]:
-        c = MLAConfig(*consts)
-        return {"PROJ": [(hidden, round_rows(cls.proj_rows(c)))],
-                "OPROJ": [(c.num_heads * c.v_head_dim, hidden)]}
+    def matvec_shapes(cls, spec) -> dict[str, list[tuple[int, int]]]:  # noqa: ANN001 (KernelSpec)
+        c, h = MLAConfig(*spec.constants(cls.name)), spec.hidden
+        return {"PROJ": [(h, round_rows(cls.proj_rows(c)))],
+                "OPROJ": [(c.num_heads * c.v_head_dim, h)]}
+
+    @classmethod
+    def kernel_shape(cls, spec):  # noqa: ANN001, ANN206 (KernelSpec -> mla_index.MLAShape)
+        return MLAShape.for_spec(spec)
+
+    @classmethod
+    def kernel_check(cls, spec) -> str:  # noqa: ANN001
+        return check_mla(cls.kernel_shape(spec))
+
+    @classmethod
+    def kv_layout(cls, spec) -> dict[str, tuple[int, int]]:  # noqa: ANN001
+        c = MLAConfig(*spec.constants(cls.name))  # the latent cache: c [.., r], k_rope [.., dr]
+        return {"k_cache": (1, c.kv_lora_rank), "v_cache": (1, c.qk_rope_head_dim)}
+
+    @classmethod
+    def check_kernel_record(cls, d: dict, spec) -> str:  # noqa: ANN001
+        heads = spec.constants(cls.name)[0]
+        if d["OPCODE"] in (MLA_Q, MLA_O) and not 0 <= d["HEAD"] < heads:
+            return f"head {d['HEAD']} outside the build's H={heads}"
+        if d["OPCODE"] == MLA and not (0 <= d["B_IDX"] < spec.batch
+                                       and 0 <= d["SPLIT"] < d["N_SPLITS"]):
+            return (f"sequence {d['B_IDX']}, split {d['SPLIT']}/{d['N_SPLITS']} outside the "
+                    f"build's B={spec.batch}")
+        return ""
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001
@@ -227,8 +248,6 @@ class MultiLatentAttention(LayerKind):
     # ---- program -----------------------------------------------------------------------------
     @classmethod
     def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
-        from megakernel.kernel.mla_index import key_chunk  # imports this module
-
         m, layer, key = blk.cfg, blk.layer, blk.key
         proj, c_p = proj_stage(ctx, blk, round_rows(cls.proj_rows(m)), wait)
         f32, bf, i32 = ctx.buf.f32, ctx.buf.bf16, ctx.buf.i32

@@ -7,10 +7,11 @@ Buffers: bf16 act [N, I] (the activation, the down projection's input).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from megakernel.errors import ConfigError, positive
 from megakernel.isa.records import ROW_ALIGN
 from megakernel.layers.base import LayerKind, Need, StepShape
-from megakernel.models.config import ConfigError, positive
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,18 @@ class MLPKind(LayerKind):
 
     config = MLPConfig
     row_unit = ROW_ALIGN  # the intermediate size is a multiple of this (whole slabs)
+    # the opcode of the matrix before the activation, and its rows per intermediate column
+    up_op: ClassVar[str] = ""
+    up_rows: ClassVar[int] = 1
+
+    @classmethod
+    def kernel_constants(cls, c: MLPConfig) -> tuple[int, ...]:
+        return (c.intermediate_size,)  # KernelSpec.inter
+
+    @classmethod
+    def matvec_shapes(cls, spec) -> dict[str, list[tuple[int, int]]]:  # noqa: ANN001
+        i = spec.constants(cls.name)[0]
+        return {cls.up_op: [(spec.hidden, cls.up_rows * i)], "DOWN": [(i, spec.hidden)]}
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megakernel.errors import ConfigError, positive
 from megakernel.isa.records import GATEUP_BLOCK, ROW_ALIGN
 from megakernel.isa.registry import MATVEC, OpSpec, register
 from megakernel.layers.base import CONST, LayerKind, Need, StepShape, register_kind
-from megakernel.layers.swiglu import gateup_rows
-from megakernel.models.config import ConfigError, positive
+from megakernel.layers.swiglu import gateup_pairs_error, gateup_rows
 from megakernel.program.stages import Instr, PlanError, Stage
 
 EXPERT_SLABS = 8  # at most this many slabs per expert matrix
@@ -144,13 +144,13 @@ EXPERT_GATEUP = register(OpSpec(
     "is W + x * MOE_X_STRIDE (W: expert 0's; the shared expert: its own, x = 0). For each pair "
     "p = n top_k + s (shared: every n, s = top_k), RMSNorm(h[n]) -> slab of the expert's "
     "interleaved gate/up -> act_moe[n, s, ROW0/2 + c] (bf16 [N, top_k + 1, I_e]).",
-    slab=True, matvec="expert_gateup", device=True))
+    slab=True, matvec="moe.ExpertGateUp", device=True))
 EXPERT_DOWN = register(OpSpec(
     27, "EXPERT_DOWN", "moe", "down slab of the expert bound to a work-list slot, for the rows "
     "routed to it", MATVEC + _EXPERT,
     notes="Binding and rows as EXPERT_GATEUP; IN_OFF = bf16 act_moe [N, top_k + 1, I_e], "
     "OUT_OFF = f32 moe_y [N, top_k + 1, H]: moe_y[n, s, ROW0 + r] = acc.", slab=True,
-    matvec="expert_down", device=True))
+    matvec="moe.ExpertDown", device=True))
 MOE_COMBINE = register(OpSpec(
     28, "MOE_COMBINE", "moe", "weighted sum of the routed experts (+ shared) added into h",
     (
@@ -173,7 +173,6 @@ class MoE(LayerKind):
     fp32_params = ("gate.weight", "gate.e_score_correction_bias")
     flow = {"ROUTER_SCORE": None, "ROUTER": "ROUTER_SCORE", "EXPERT_GATEUP": "ROUTER",
             "EXPERT_DOWN": "EXPERT_GATEUP", "MOE_COMBINE": "EXPERT_DOWN"}
-    spec_field = "moe"
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001
@@ -183,10 +182,22 @@ class MoE(LayerKind):
                     c.routed_scaling_factor))
 
     @classmethod
-    def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
-                                                                                   int]]]:
-        inter = consts[2]  # one expert's gate/up [2 I, H] and down [H, I]
-        return {"EXPERT_GATEUP": [(hidden, 2 * inter)], "EXPERT_DOWN": [(inter, hidden)]}
+    def matvec_shapes(cls, spec) -> dict[str, list[tuple[int, int]]]:  # noqa: ANN001
+        inter, h = spec.constants(cls.name)[2], spec.hidden  # one expert's [2 I, H], [H, I]
+        return {"EXPERT_GATEUP": [(h, 2 * inter)], "EXPERT_DOWN": [(inter, h)]}
+
+    @classmethod
+    def kernel_header(cls, spec) -> dict[str, int]:  # noqa: ANN001 (KernelSpec)
+        from megakernel.kernel.moe_index import x_stride
+
+        e, top_k, inter, n_group, topk_group, shared, norm, scale_bits = spec.constants(cls.name)
+        return dict(MOE_E=e, MOE_TOPK=top_k, MOE_I=inter, MOE_N_GROUP=n_group,
+                    MOE_TOPK_GROUP=topk_group, MOE_SHARED=shared, MOE_NORM=norm,
+                    MOE_SCALE_F32_BITS=scale_bits, MOE_X_STRIDE=x_stride(inter, spec.hidden))
+
+    @classmethod
+    def check_kernel_record(cls, d: dict, spec) -> str:  # noqa: ANN001 (KernelSpec)
+        return gateup_pairs_error(d) if d["OPCODE"] == EXPERT_GATEUP else ""
 
     @classmethod
     def check(cls, blk, model) -> None:  # noqa: ANN001

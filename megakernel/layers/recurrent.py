@@ -92,6 +92,8 @@ class RecurrentKind(LayerKind):
     core_op: ClassVar[int]  # set by the kind: its recurrent and its ReplaySSM opcode
     replay_op: ClassVar[int]
     unit_name: ClassVar[str] = "UNIT"  # derived: the core records' unit operand
+    # the unit in messages: (what it is, the symbol of its count), e.g. ("key head", "Hk")
+    unit_label: ClassVar[tuple[str, str]] = ("unit", "U")
 
     def __init_subclass__(cls, **kw: Any) -> None:
         from megakernel.isa.registry import spec
@@ -122,12 +124,22 @@ class RecurrentKind(LayerKind):
 
     # ---- shared --------------------------------------------------------------------------------
     @classmethod
-    def matvec_shapes(cls, consts: tuple[int, ...], hidden: int) -> dict[str, list[tuple[int,
-                                                                                   int]]]:
+    def matvec_shapes(cls, spec) -> dict[str, list[tuple[int, int]]]:  # noqa: ANN001 (KernelSpec)
         """The fused input projection [P, H] and out_proj [H, out_dim] (the config's leading
         fields are the kind's kernel_constants, in order)."""
-        c = cls.config(*consts)
-        return {"PROJ": [(hidden, cls.proj_width(c))], "OPROJ": [(cls.out_dim(c), hidden)]}
+        c, h = cls.config(*spec.constants(cls.name)), spec.hidden
+        return {"PROJ": [(h, cls.proj_width(c))], "OPROJ": [(cls.out_dim(c), h)]}
+
+    @classmethod
+    def check_kernel_record(cls, d: dict, spec) -> str:  # noqa: ANN001 (KernelSpec)
+        if d["OPCODE"] not in (cls.core_op, cls.replay_op):
+            return ""
+        units = cls.units(cls.config(*spec.constants(cls.name)))
+        unit, (what, sym) = d[cls.unit_name], cls.unit_label
+        if not (0 <= d["B_IDX"] < spec.batch and 0 <= unit < units and d["STATE"] >= 0):
+            return (f"sequence {d['B_IDX']}, {what} {unit}, state offset {d['STATE']} outside "
+                    f"the build's B={spec.batch}, {sym}={units}")
+        return ""
 
     @classmethod
     def proj_width(cls, cfg) -> int:  # noqa: ANN001

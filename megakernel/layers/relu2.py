@@ -20,13 +20,14 @@ Relu2Config = MLPConfig
 UP_RELU2 = register(OpSpec(
     19, "UP_RELU2", "relu2", "RMSNorm(h) -> slab of up_proj -> relu(x)^2 (bf16)", MATVEC,
     notes="OUT_OFF = bf16 act [N, I]: act[n, ROW0 + r] = bf16(relu(acc)^2).",
-    slab=True, matvec="relu2", device=True))
+    slab=True, matvec="epilogues.Relu2", device=True))
 
 
 @register_kind
 class Relu2MLP(MLPKind):
     name = "relu2"
     flow = {"UP_RELU2": None, "DOWN": "UP_RELU2"}
+    up_op = "UP_RELU2"
 
     @classmethod
     def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001

@@ -24,7 +24,7 @@ SwiGLUConfig = MLPConfig
 GATEUP = register(OpSpec(
     6, "GATEUP", "swiglu", "RMSNorm(h) -> slab of interleaved gate/up -> silu(gate) * up (bf16)",
     MATVEC, notes="OUT_OFF = bf16 act [N, I]: act[n, ROW0/2 + c] = bf16(silu(g) * u).",
-    slab=True, matvec="gateup", device=True))
+    slab=True, matvec="epilogues.GateUp", device=True))
 
 
 def gateup_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -33,6 +33,15 @@ def gateup_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     nb = i // GATEUP_BLOCK
     return torch.stack((gate.reshape(nb, GATEUP_BLOCK, hid), up.reshape(nb, GATEUP_BLOCK, hid)),
                        dim=1).reshape(2 * i, hid)
+
+
+def gateup_pairs_error(d: dict) -> str:
+    """Why a (decoded) gate/up slab record is not whole GATEUP_BLOCK-row (gate, up) block pairs,
+    as the epilogue pairs them ('' when it is)."""
+    if d["NROWS"] % (2 * GATEUP_BLOCK) or d["ROW0"] % (2 * GATEUP_BLOCK):
+        return (f"a GATEUP slab of {d['NROWS']} rows at row {d['ROW0']} is not whole "
+                f"{GATEUP_BLOCK}-row gate/up block pairs")
+    return ""
 
 
 def gateup_stage(ctx, blk, matrix: str, inter: int, wait: int, counter: str,  # noqa: ANN001
@@ -57,6 +66,11 @@ class SwiGLU(MLPKind):
     name = "swiglu"
     row_unit = GATEUP_BLOCK
     flow = {"GATEUP": None, "DOWN": "GATEUP"}
+    up_op, up_rows = "GATEUP", 2  # interleaved gate and up rows
+
+    @classmethod
+    def check_kernel_record(cls, d: dict, spec) -> str:  # noqa: ANN001 (KernelSpec)
+        return gateup_pairs_error(d) if d["OPCODE"] == GATEUP else ""
 
     @classmethod
     def shapes(cls, blk, model) -> dict[str, tuple[int, ...]]:  # noqa: ANN001

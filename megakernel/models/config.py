@@ -20,66 +20,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
+from megakernel.errors import ConfigError, positive
+from megakernel.rope import ROPE_TYPES, RopeConfig
+
 NORM_KINDS = ("rms", "rms_1p")  # x * rsqrt(mean x^2 + eps) * w, or * (1 + w) (zero-centred)
-ROPE_TYPES = ("default", "llama3")
-
-
-class ConfigError(ValueError):
-    """A config names an architecture, field value or shape that megakernel does not support."""
-
-
-def positive(obj: Any, *names: str, minimum: int = 1) -> None:
-    """ConfigError unless every named field of `obj` is an int (not a bool) >= `minimum`."""
-    for n in names:
-        v = getattr(obj, n)
-        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise ConfigError(f"{type(obj).__name__}.{n} must be {what}, got {v!r}")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters; `rope_type` is "default" or "llama3" (Llama 3.1 scaling)."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise ConfigError(
-                f"unsupported rope type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-        if not self.theta > 0:
-            raise ConfigError(f"rope theta must be positive, got {self.theta}")
-        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ConfigError(
-                "llama3 rope needs high_freq_factor > low_freq_factor, got "
-                f"{self.high_freq_factor} and {self.low_freq_factor}")
-
-    def inv_freq(self, dims: int) -> list[float]:
-        """Inverse frequencies [dims // 2] in float64 for `dims` rotated dimensions, with llama3
-        scaling applied."""
-        inv = [1.0 / (self.theta ** (2 * i / dims)) for i in range(dims // 2)]
-        if self.rope_type == "default":
-            return inv
-        old = self.original_max_position_embeddings
-        low_wavelen = old / self.low_freq_factor
-        high_wavelen = old / self.high_freq_factor
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen < high_wavelen:
-                out.append(f)
-            elif wavelen > low_wavelen:
-                out.append(f / self.factor)
-            else:
-                smooth = (old / wavelen - self.low_freq_factor) / (
-                    self.high_freq_factor - self.low_freq_factor)
-                out.append((1 - smooth) * f / self.factor + smooth * f)
-        return out
 
 
 @dataclass(frozen=True)
@@ -194,8 +138,6 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count, counting a tied embedding once."""
-        from megakernel.models.weights import expected_shapes
-
         return sum(math.prod(s) for s in expected_shapes(self).values())
 
     # ---- Hugging Face interop (per family) -----------------------------------------------------
@@ -335,3 +277,20 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
                    high_freq_factor=rope.high_freq_factor,
                    original_max_position_embeddings=rope.original_max_position_embeddings)
     return out
+
+
+# ---- checkpoint layout -------------------------------------------------------------------------
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name of `cfg`'s model -> its shape, in checkpoint order."""
+    from megakernel.layers import kind
+
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {cfg.embed_name: (cfg.vocab_size, h)}
+    for blk in cfg.blocks:
+        shapes[blk.norm] = (h,)
+        for local, shape in kind(blk.kind).shapes(blk, cfg).items():
+            shapes[blk.prefix + local] = tuple(shape)
+    shapes[cfg.final_norm_name] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes[cfg.lm_head_name] = (cfg.vocab_size, h)
+    return shapes

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from megakernel.models.config import ConfigError, ModelConfig
+from megakernel.errors import UserError
+from megakernel.models.config import ConfigError, ModelConfig, expected_shapes
 
 __all__ = ["WeightError", "expected_shapes", "load_checkpoint", "random_weights", "load_model",
            "save_checkpoint", "check_weights", "keep_fp32"]
@@ -35,27 +36,11 @@ INDEX_FILE = "model.safetensors.index.json"
 DISK_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-class WeightError(ValueError):
+class WeightError(UserError, ValueError):
     """A checkpoint is missing, incomplete, corrupt, or does not match its config."""
 
 
 # ---- layout -------------------------------------------------------------------------------------
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face tensor name of `cfg`'s model -> its shape, in checkpoint order."""
-    from megakernel.layers import kind
-
-    h = cfg.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {cfg.embed_name: (cfg.vocab_size, h)}
-    for blk in cfg.blocks:
-        shapes[blk.norm] = (h,)
-        for local, shape in kind(blk.kind).shapes(blk, cfg).items():
-            shapes[blk.prefix + local] = tuple(shape)
-    shapes[cfg.final_norm_name] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes[cfg.lm_head_name] = (cfg.vocab_size, h)
-    return shapes
-
-
 def tensor_roles(cfg: ModelConfig) -> dict[str, str]:
     """Every tensor name -> its random-init role (`init_stats`)."""
     from megakernel.layers import kind

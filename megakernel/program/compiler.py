@@ -229,7 +229,8 @@ def compile_program(
     every L tokens (every step's T tokens are committed; the ring holds L - 1 + T entries).
     `paged`: K/V in vLLM's pages and the step metadata from the caller (program/paged.py); the
     max sequence length is then the block table's reach."""
-    from megakernel.kernel.spec import MMA_MIN_ROWS, default_build
+    from megakernel.kernel.limits import MMA_MIN_ROWS
+    from megakernel.kernel.model_spec import default_build
     from megakernel.program import cost, schedule  # local: schedule imports this module
     from megakernel.program.replay import replay
 

@@ -1,88 +1,29 @@
 """Cost model of one decode step: per-instruction bytes, latencies and fixed costs, per SM.
 
-It models the kernel that exists (megakernel/kernel/). Weight staging, per CTA:
-- the default build (kernel/pipeline.py): a loader warp streams the CTA's weight slabs into a
-  ring of `smem_window` bytes of shared memory (spec.build_ring_bytes: the deepest ring of 32 KiB
-  stages the shared-memory budget leaves, 192 KiB at B = 1) across the consumers' dependency
-  waits, and before each tile extends the L2 lookahead (cp.async.bulk.prefetch.L2) to `window`
-  bytes past its own position: the HBM stream may run `smem_window + window` bytes past the
-  consumers, sliding with them within slabs (spec.loader_lookahead_plan). An ATTN_PARTIAL's
-  consumers prefetch its cached keys/values when the CTA reaches it;
-- the global-memory build (smem_stages = 0): the consumers extend the lookahead when the CTA
-  reaches instruction i, before its dependency wait, to `window` bytes past the start of slab i
-  (spec.lookahead_plan); the rest of a slab is fetched when it is consumed;
-- programs without a kernel build (the hybrid families): costed like the global build's lookahead
-  with ASSUMED_RING of staging.
+It models the kernel that exists (megakernel/kernel/). Each SM streams its queue's weight slabs
+from HBM at its share of the copy bandwidth, ahead of its consumers by the L2 lookahead `window`
+(kernel/limits.py prefetch_window) plus, in the default build, the loader warp's shared-memory
+ring `smem_window` (model_spec.build_ring_bytes; the global-memory build has none; a program
+without a kernel build is costed with ASSUMED_RING and no sliding lookahead).
 
-Parameters (`CostParams`), each from a published figure or stated as an assumption:
-- `mem_latency` 700 ns, `fixed_per_instr` 1.34 us, `fma_efficiency` 0.186: calibrated on
-  published measurements of Hazy Research's Llama-3.2-1B megakernel (bench/hindcast.py). Their
-  "Look Ma, No Bubbles" (2025) B200 breakdown of a 600 us step, divided over the ~65 instructions
-  per SM their scheduler issues (HazyResearch/Megakernels @7309cec; not ~125, as v0.1-v0.3
-  assumed), gives 250 us / (65 x 4 latencies) = 962 ns per load or store on a dependency path,
-  (40 us warp sync + 80 us setup) / 65 = 1.85 us per instruction, and 200 us of RMSNorm + matvec
-  = the busiest SM's CUDA-core flops at 18.6% of FP32 peak. Their schedule replayed under this
-  model with those figures is 13-18% slow, so the latency and the fixed cost are scaled by one
-  factor fitted to the measured steps, 973 us on H100 and 760 us on H200
-  (msaroufim/megakernels-vs-cuda-graphs, llama/docs/RESULTS.md) and ~680 us on B200 (the post):
-  0.727 on all three (0.66-0.76 over the folds; fit on two GPUs, the third is predicted within
-  +2%, +6% and -9%). One reading of the factor: the breakdown divides per-SM time by 65
-  instructions, while the step's critical path crosses about 6 dependency edges per layer
-  (QKV, attention partials, reduction, O-proj, up/gate, down), ~97 in all; 65/97 = 0.67.
-  A dependency edge is 4 latencies: producer's stores + release add (2 stores), consumer's
-  acquire poll + activation load (2 loads).
-- `launch` 1.3 us: CUDA-graph kernel launch on H100 (same post).
-- `l2_latency` 200 ns: first bytes of a prefetched slab (an L2 hit). Assumption: Chips and
-  Cheese measure ~150 ns for a B200 L2 hit within a partition, more across the die boundary
-  ("Nvidia's B200: Keeping the CUDA Juggernaut Rolling", 2025); no H100/H200 figure is used.
-- `prefetch_window` None: the kernel's lookahead window for the GPU's arch
-  (kernel.spec.prefetch_window: 192 KiB on sm_90a, 432 KiB on sm_100a, sized so that all SMs'
-  windows fill at most half of L2); an int overrides it for what-ifs.
-- `smem_window` None: bytes of the weight stream the loader warp stages in shared memory ahead
-  of the consumers (the program's build's ring; 0 = the global-memory build, no loader); an int
-  overrides it. The staged head of slab i when its consumers start is
-  min(bytes prefetched into L2 by then, smem_window, (t_act - reach) x L2 share); reading it
-  costs nothing, the rest of the slab passes the SM's L2 port after the wait.
-- `prefetch_to_smem` False: a what-if switch for a kernel that would stage every prefetched byte
-  (the whole L2 window) in shared memory before the wait; plan always reports False.
-- `mma_efficiency` 0.5: fraction of dense BF16 tensor peak that warp-level mma.sync matvecs reach
-  (assumption; compute only matters at large batch). `fma_efficiency` (above) is the fraction of
-  FP32 peak that CUDA-core work reaches (FMA matvecs at B*T < 8, norms, attention, merges).
-- bandwidth per SM = the GPU's copy bandwidth / SMs (gpus.py: the cited achievable read bandwidth,
-  3.89 TB/s on H200, until a run measures a copy) (every SM streams at once in the steady state);
-  activation reads and prefetched weight reads come from L2 at the L2 bandwidth / SMs (gpus.py
-  cites both). Prefetched bytes still cross HBM: a prefetch only moves the fetch earlier, and it
-  takes its share of the copy bandwidth like a demand load.
+Instruction i on SM s:
 
-Timeline of one instruction i on SM s:
-- the SM's HBM stream fetches, in queue order, the weight bytes below its lookahead limit: in the
-  default build (consumer position) + smem_window + window, the consumer position advancing
-  through a slab as its consumers read it (`Rates.lookahead`); in the global build (start of
-  slab ci) + window, ci being the instruction the CTA has reached, and all of slab ci once the
-  CTA consumes it (demand loads); an ATTN_PARTIAL's cached K/V are fetched from the moment the
-  CTA reaches it;
-- start = max(previous instruction done, dependency visible) + fixed cost;
-- activations arrive one load latency (+ bytes / L2 share) later (t_act); the bytes of slab i that
-  had arrived in L2 by then need no HBM time, the rest arrives at the SM's HBM share; when part
-  of the slab was prefetched, reading starts one L2 latency after t_act and the whole slab passes
-  the SM's L2 share (prefetched and demand bytes share the port); the instruction needs the
-  latest of these and the compute time;
-- done = that + stores / bandwidth; the CTA fences its stores (one latency) and adds to the
-  counter (one more); a waiter sees it one poll latency later.
+- start = max(previous instruction done, dependency visible) + `fixed_per_instr`;
+- its activations arrive one `mem_latency` (plus bytes at the SM's L2 share) later, at t_act;
+  the part of its slab staged in shared memory by then costs nothing, the bytes already in L2
+  pass the SM's L2 share after one `l2_latency`, the rest arrive at its HBM share; it needs the
+  latest of these and its compute time (mma.sync at `mma_efficiency` of tensor peak, FMA work at
+  `fma_efficiency` of FP32 peak);
+- done = that + stores / bandwidth; the store fence and the counter add take one latency each,
+  and a waiter sees the counter one poll latency later.
 
-Two evaluations share these parameters: `SimState` places instructions one at a time for the
-scheduler (bandwidth from a first-come ledger, each SM capped at its L2 share), and replay.py
-replays the finished program with the bandwidth shared fairly among the SMs streaming at each
-moment; the replay's step time is the prediction `plan` reports.
-
-A prediction below bytes per step / the achievable bandwidth (the measured copy bandwidth, else
-the cited read bandwidth, gpus.GPU.achievable_bw) is refused with `TooFastError`: no parameter
-may buy a step faster than the memory can deliver its bytes.
-
-The floor is bytes per step / copy bandwidth, where bytes = weights read + KV cache read + KV
-written + embedding rows; the spec floor uses the HBM spec bandwidth instead. Predicted efficiency
-= floor / predicted step time. An SM's idle fraction is the share of the step in which its memory
-pipe is not streaming its own bytes.
+`CostParams` holds the parameters and `CITATIONS` the published figure or assumption behind each.
+Two evaluations share them: `SimState` places instructions one at a time for the scheduler
+(bandwidth from a first-come ledger), replay.py replays the finished program with the bandwidth
+shared among the SMs streaming at each moment (the prediction `plan` reports). A prediction
+faster than bytes per step / the achievable bandwidth is refused (`TooFastError`). The floor is
+bytes per step (weights, KV cache read and written, embedding rows) / copy bandwidth; predicted
+efficiency = floor / predicted step time.
 """
 
 from __future__ import annotations
@@ -93,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megakernel.isa import NO_COUNTER, spec
-from megakernel.kernel.spec import SMEM_STAGE_BYTES, prefetch_window
+from megakernel.kernel.limits import SMEM_STAGE_BYTES, prefetch_window
 from megakernel.program.gpus import GPU
 
 CITATIONS = {

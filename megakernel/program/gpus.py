@@ -15,7 +15,7 @@ Published figures, each with its source in `SOURCES`:
   assumed to reach the same 81% of their spec (2.72 and 6.48 TB/s), an assumption the Llama-3.2-1B
   hindcast (bench/hindcast.py) is consistent with but does not measure.
 - [COPY] `copy_bw`: the bandwidth the cost model streams at and divides the floor by: the [READ]
-  figure until a GPU run measures a copy in the same run (DESIGN.md §5; `with_copy_bandwidth`
+  figure until a GPU run measures a copy (docs/COST-MODEL.md, Physical floor; `with_copy_bandwidth`
   replaces it). A prediction below bytes / this bandwidth is refused (cost.TooFastError).
 - [L2] L2 -> SM read bandwidth: 2.5x the HBM spec of the H100 SXM (8.4 TB/s), an assumption from
   Chips and Cheese's H100 PCIe measurement (about 5.5 TB/s of L2 against 2 TB/s of HBM2e). The
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from megakernel.errors import UserError
 
 SOURCES = {
     "H100": "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
@@ -45,7 +47,7 @@ READ_FRACTION = 3.89 / 4.8  # [READ]: the H200 measurement's fraction of its spe
 L2_FACTOR = 2.5
 
 
-class GPUError(ValueError):
+class GPUError(UserError, ValueError):
     """Unknown GPU name or unusable device properties."""
 
 

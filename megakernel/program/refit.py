@@ -14,10 +14,10 @@ smooth replay cannot trap the start), then Levenberg-Marquardt steps from the be
 a forward-difference Jacobian until a step moves less than `tol`. Each evaluation replays every
 measurement once, so the cost is about evaluations x measurements x one replay.
 
-A measurement with a measured copy bandwidth is replayed on the GPU description with that
-bandwidth, its program still compiled on the description without it (as the kernel's own program
-is: torch_op compiles with `gpus.from_device()`). A measurement of the kernel built without the
-shared-memory pipeline carries `smem_window` 0 (gpu_check.variants()).
+The measurements come from measurements.py. One with a measured copy bandwidth is replayed on
+the GPU description with that bandwidth, its program still compiled on the description without it
+(as the kernel's own program is: it compiles for `gpus.from_device()`). `fit_timeline`
+(refit_timeline.py) runs the same search on one step's per-instruction timeline.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from megakernel.program.cost import CostParams
-from megakernel.program.stages import PlanError
+from megakernel.program.measurements import Measurement, RefitError, resolve_gpu
 
 # search bounds per fittable parameter (seconds); wide around the cited values
 BOUNDS: dict[str, tuple[float, float]] = {
@@ -44,42 +44,6 @@ BOUNDS: dict[str, tuple[float, float]] = {
 }
 DEFAULT_FIT = ("mem_latency", "fixed_per_instr")
 ILL_CONDITIONED = 100.0  # Jacobian condition number above which describe() warns
-
-
-class RefitError(PlanError):
-    """Measurements or options the refit cannot use (the message names the problem); a
-    PlanError, so the CLI reports it as bad input."""
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One measured decode step (the JSON rows of gpu_check's `measurements` list)."""
-
-    model: str  # preset name or checkpoint dir
-    gpu: str  # gpus.GPUS key, optionally restricted: "h200" or "h200/16sm"
-    batch: int
-    tokens: int
-    context: int | None  # cached tokens per sequence when measured (None: compiler default)
-    step_s: float  # measured seconds per step
-    copy_bw_gbs: float | None = None  # copy bandwidth measured in the same run
-    max_seq_len: int | None = None  # KV positions the measured program was compiled for
-    smem_window: int | None = None  # None: the default build's ring (CostParams.smem_window)
-    label: str = ""
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Measurement:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise RefitError(f"unknown measurement fields {unknown}; known: {sorted(names)}")
-        missing = [k for k in ("model", "gpu", "batch", "step_s") if k not in d]
-        if missing:
-            raise RefitError(f"measurement {d} lacks {missing}")
-        return cls(**{"tokens": 1, "context": None, **d})
-
-    def describe(self) -> str:
-        s = f"{self.model} B={self.batch} T={self.tokens} on {self.gpu}"
-        return f"{s} [{self.label}]" if self.label else s
 
 
 @dataclass
@@ -130,91 +94,6 @@ class FitResult:
             "rows": [{**dataclasses.asdict(r.measurement), "predicted_before_s": r.before_s,
                       "predicted_after_s": r.after_s} for r in self.rows],
         }
-
-
-# ---- inputs -------------------------------------------------------------------------------------
-def resolve_gpu(spec: str):  # noqa: ANN201 (gpus.GPU)
-    """'h200' -> gpus.gpu('h200'); 'h200/16sm' -> the same restricted to 16 SMs."""
-    from megakernel.program.gpus import GPUError, gpu
-
-    name, _, sms = spec.partition("/")
-    try:
-        g = gpu(name)
-        if sms:
-            if not sms.endswith("sm") or not sms[:-2].isdigit():
-                raise RefitError(f"GPU {spec!r}: expected NAME or NAME/<n>sm, e.g. h200/16sm")
-            g = g.with_sms(int(sms[:-2]))
-    except GPUError as e:
-        raise RefitError(f"measurement GPU {spec!r}: {e}") from e
-    return g
-
-
-def load_measurements(path: str | Path) -> list[Measurement]:
-    """Measurements from a JSON file: a gpu-check report (its `measurements` list, or its
-    `bench` rows when the list is absent), or a plain list of measurement objects."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise RefitError(f"cannot read measurements from {path}: {e}") from e
-    if isinstance(data, dict):
-        rows = data.get("measurements")
-        if rows is None:
-            if "bench" not in data:
-                raise RefitError(f"{path}: neither a 'measurements' list nor gpu-check 'bench' "
-                                 "rows")
-            rows = from_gpu_check(data)
-    elif isinstance(data, list):
-        rows = data
-    else:
-        raise RefitError(f"{path}: expected a JSON object or list, got {type(data).__name__}")
-    return [Measurement.from_dict(r) for r in rows]
-
-
-def gpu_key(device: str, sms: int) -> str:
-    """The gpus.GPUS key for a CUDA device name ('NVIDIA H200' -> 'h200'), restricted
-    ('/<n>sm') when the device has fewer SMs than the datasheet part."""
-    from megakernel.program.gpus import GPUS
-
-    flat = device.lower().replace(" ", "").replace("-", "")
-    key = next((k for k in GPUS if k in flat), None)
-    if key is None:
-        raise RefitError(f"no GPU description for device {device!r}; known: {', '.join(GPUS)}")
-    return key if not sms or sms >= GPUS[key].num_sms else f"{key}/{sms}sm"
-
-
-def from_gpu_check(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """gpu-check report -> measurement dicts (Measurement.from_dict input), one per benchmark
-    row without an error. Rows of the variant without the shared-memory ring get its window."""
-    from megakernel.kernel.spec import SMEM_STAGE_BYTES
-
-    stages = _variant_stages()
-    bw = report.get("copy_bandwidth_GBps")
-    out = []
-    for b in report.get("bench", []):
-        if "error" in b or "step_ms" not in b:
-            continue
-        variant = b.get("variant", "default")
-        if variant not in stages:
-            raise RefitError(f"bench row {b.get('model')} has unknown variant {variant!r}; "
-                             f"known: {sorted(stages)}")
-        # None: the build's own ring for the row's model and batch (spec.build_ring_bytes)
-        window = None if stages[variant] is None else stages[variant] * SMEM_STAGE_BYTES
-        out.append({
-            "model": b["model"], "gpu": gpu_key(str(report.get("device", "")),
-                                                int(report.get("sms") or 0)),
-            "batch": int(b["batch"]), "tokens": int(b.get("tokens", 1)),
-            "context": b.get("context"), "step_s": float(b["step_ms"]) / 1e3,
-            "copy_bw_gbs": float(bw) if bw else None, "max_seq_len": b.get("max_seq_len"),
-            "smem_window": window,
-            "label": variant,
-        })
-    return out
-
-
-def _variant_stages() -> dict[str, int]:
-    from megakernel.gpu_check import variants
-
-    return dict(variants())
 
 
 # ---- programs -----------------------------------------------------------------------------------
@@ -412,78 +291,4 @@ def describe(result: FitResult) -> list[str]:
         lines.append(f"| {r.measurement.describe()} | {r.measurement.step_s * 1e6:.1f} | "
                      f"{r.before_s * 1e6:.1f} | {r.before_ratio:.3f} | {r.after_s * 1e6:.1f} | "
                      f"{r.after_ratio:.3f} |")
-    return lines
-
-
-# ---- per-instruction costs from a timeline (megakernel/timeline.py) ------------------------------
-@dataclass
-class TimelineFit:
-    """Cost parameters fitted to one step's per-instruction wait and busy intervals."""
-
-    start: CostParams
-    params: CostParams
-    fitted: tuple[str, ...]
-    loss_before: float
-    loss_after: float
-    evaluations: int
-    condition: float
-    instructions: int
-
-
-def timeline_residuals(prog, rows: np.ndarray, params: CostParams) -> np.ndarray:  # noqa: ANN001
-    """Per measured instruction (timeline rows, megakernel/timeline.py), the replayed minus the
-    measured busy interval (finish - wait_end) and finish time (from the step's first stamp),
-    over the mean measured busy interval: [2n]. A busy interval costs about fixed + 2 latencies
-    (a valley on its own); the finish times add up the waits along each SM's queue and pin the
-    latency (a wait interval alone jumps with every change of the critical producer)."""
-    from megakernel.timeline import COL, predicted
-
-    pred = predicted(prog, params, exact=True)
-    first = np.concatenate(([0], np.cumsum([len(q) for q in prog.queues])))
-    p = pred[first[rows[:, COL["sm"]]] + rows[:, COL["pos"]].astype(np.int64)]
-
-    def intervals(r: np.ndarray) -> np.ndarray:
-        we, fin = (r[:, COL[k]].astype(float) for k in ("wait_end", "finish"))
-        return np.concatenate([fin - we, fin])
-
-    meas = intervals(rows)
-    scale = max(float(np.mean(rows[:, COL["finish"]] - rows[:, COL["wait_end"]])), 1.0)
-    return (intervals(p) - meas) / scale
-
-
-def fit_timeline(prog, rows: np.ndarray, fit: tuple[str, ...] = DEFAULT_FIT,  # noqa: ANN001
-                 start: CostParams | None = None, grid: int = 5, tol: float = 1e-3,
-                 max_evals: int = 200) -> TimelineFit:
-    """Fit the per-instruction fixed cost and latency parameters (any of BOUNDS) to the busy
-    intervals and finish times of a measured step (`rows`: timeline.decode of the timeline
-    build's records, checked against `prog`, the program the step ran). Same search as
-    `refit`."""
-    from megakernel.timeline import check_matches
-
-    fit = tuple(fit)
-    validate_fit(fit)  # one step holds many intervals
-    if not len(rows):
-        raise RefitError("the timeline holds no instruction records")
-    try:
-        check_matches(rows, prog)
-    except ValueError as e:
-        raise RefitError(str(e)) from None
-    start = start or CostParams()
-    params, loss0, fbest, evals, cond = least_squares(
-        lambda p: timeline_residuals(prog, rows, p), fit, start, grid, tol, max_evals)
-    return TimelineFit(start, params, fit, loss0, fbest, evals, cond, len(rows))
-
-
-def describe_timeline(result: TimelineFit) -> list[str]:
-    """The fitted parameters (printed by `plan --refit --timeline-records`)."""
-    lines = [f"refit of {', '.join(result.fitted)} to the busy intervals and finish times of "
-             f"{result.instructions} instruction(s) ({result.evaluations} loss evaluations):"]
-    for k in result.fitted:
-        s, u = (1e9, "ns") if k in ("mem_latency", "l2_latency") else (1e6, "us")
-        lines.append(f"  {k}: {getattr(result.start, k) * s:.3g} {u} -> "
-                     f"{getattr(result.params, k) * s:.4g} {u}")
-    lines.append(f"rms error (of the mean busy interval): "
-                 f"{100 * math.sqrt(result.loss_before):.2f}% -> "
-                 f"{100 * math.sqrt(result.loss_after):.2f}% (condition number "
-                 f"{result.condition:.3g})")
     return lines

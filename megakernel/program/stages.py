@@ -13,10 +13,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megakernel.errors import UserError
 from megakernel.isa.records import NO_COUNTER
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A model/batch/GPU combination the program (or the kernel) cannot serve."""
 
 

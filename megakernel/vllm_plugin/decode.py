@@ -29,7 +29,7 @@ class PagedDecoder:
 
     def __init__(self, cfg: ModelConfig, packed, paged: PagedKV) -> None:  # noqa: ANN001
         self.cfg, self.packed, self.paged = cfg, packed, paged
-        self.states: dict[int, object] = {}  # bucket -> torch_op.DeviceState
+        self.states: dict[int, object] = {}  # bucket -> device_state.DeviceState
         self.kernels: dict[int, int] = {}  # bucket -> decode_step's kernel id
         self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
         self.stats: Counter[int] = Counter()
@@ -38,9 +38,10 @@ class PagedDecoder:
         """The program of `bucket` with its arenas (compiled on first use); every bucket shares
         the packed weights and the K/V caches."""
         if bucket not in self.states:
+            from megakernel.device_state import allocate_state
             from megakernel.executor import executor_gpu
             from megakernel.program.compiler import compile_program
-            from megakernel.torch_op import allocate_state, register_program
+            from megakernel.torch_op import register_program
 
             prog = compile_program(self.cfg, bucket, executor_gpu(), paged=self.paged)
             st = allocate_state(self.cfg, None, prog, "cpu", packed=self.packed,

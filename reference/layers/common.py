@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megakernel.errors import UserError
+
 __all__ = [
     "MODES",
     "HybridError",
@@ -57,7 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x.to(torch.float32), weight.to(torch.float32))
 
 
-class ReferenceError(ValueError):  # noqa: A001 (shares its name with a builtin on purpose)
+class ReferenceError(UserError, ValueError):  # noqa: A001 (shares its name with a builtin on purpose)
     """Bad input to the reference model: token ids, prompts, cache capacity, speculative commits,
     ReplaySSM ring overflow, weights."""
 

@@ -14,10 +14,11 @@ import torch
 
 import megakernel as mk
 from megakernel.executor import Executor
+from megakernel.launch_checks import ArgumentError
 from megakernel.models.weights import load_model
 from megakernel.reference.model import ReferenceModel
 from megakernel.reference.model import generate as ref_generate
-from megakernel.runtime import ArgumentError, KernelUnavailable
+from megakernel.runtime import KernelUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 _PREFILL = ReferenceModel.prefill  # the truth's prefill, before any test patches it
@@ -97,7 +98,7 @@ def test_megakernel_generates_on_the_program_through_the_op(model, replay_window
                                                             no_reference_prefill):
     """The kernel path on CPU tensors (the op's CPU executor): prefill through decode_step, and a
     second call starts again from empty caches and state."""
-    from megakernel.torch_op import Megakernel
+    from megakernel.kernel_backend import Megakernel
 
     prompts = [[5, 17, 3], [7]]
     want = _reference_unpatched(model, prompts, 3, replay_window)
@@ -113,7 +114,7 @@ def test_megakernel_prefills_in_chunks_when_a_t_token_program_exists(no_referenc
     """The kernel path's chunked prefill: a sibling program for T = 4 runs the common prompt
     prefix (2 steps of 4 tokens for prompts of 9 and 11), the T = 1 program the rest; the tokens
     equal the reference's, and the same call from a second object (a fresh chunk program) too."""
-    from megakernel.torch_op import Megakernel
+    from megakernel.kernel_backend import Megakernel
 
     prompts = [[5, 17, 3, 8, 1, 9, 2, 6, 4], [7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     want = _reference_unpatched("llama-tiny", prompts, 3, None)
@@ -170,7 +171,7 @@ def test_bad_input_raises_a_user_error_naming_it(kwargs, prompts, error, match):
 
 
 def test_opcheck_decode_step_on_cpu_tensors():
-    from megakernel.torch_op import Megakernel
+    from megakernel.kernel_backend import Megakernel
 
     cfg, w = load_model("llama-tiny", seed=0)
     k = Megakernel(cfg, w, batch=1, max_seq_len=4, device="cpu", gpu="h100")

@@ -1,7 +1,7 @@
 """bench/decode.py and its measurements on the CPU: the targets judged from synthetic numbers (met,
 not met, not judged off their GPU, the eager fallback flagged), the torch.compile baseline's step
-(measure.TorchDecode) against the fp32 reference, and measure's clocks / sampler / compile timing
-answering with error fields where nothing can be measured."""
+(torch_decode.TorchDecode) against the fp32 reference, and measure's clocks / sampler / compile
+timing answering with error fields where nothing can be measured."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakernel import measure
+from megakernel import measure, torch_decode
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.reference.model import ReferenceModel
@@ -97,7 +97,7 @@ def test_torch_decode_step_matches_the_fp32_reference():
     c32, c16 = truth.new_cache(2, 16), bf16.new_cache(2, 16)
     want = truth.prefill(c32, prompt.tolist())  # [B, V] at the last token
     ref16 = bf16.prefill(c16, prompt.tolist())
-    td = measure.TorchDecode(cfg, w, batch=2, s_max=16, device="cpu")
+    td = torch_decode.TorchDecode(cfg, w, batch=2, s_max=16, device="cpu")
     for t in range(prompt.shape[1]):
         got = td.logits(prompt[:, t], torch.full((2,), t, dtype=torch.int64))
     tol = 2 * (ref16 - want).abs().max().item() + 1e-6

@@ -19,6 +19,7 @@ from megakernel.program.bytes import step_bytes_by_category
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
 from megakernel.program.stages import PlanError
+from tests.registries import HYBRID_TINY
 
 _spec = importlib.util.spec_from_file_location(
     "bench_replay", Path(__file__).resolve().parents[2] / "bench" / "replay.py")
@@ -26,7 +27,7 @@ bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench_replay"] = bench  # dataclasses look their module up
 _spec.loader.exec_module(bench)
 
-TINY = ("qwen3.5-tiny", "nemotron-h-tiny", "kimi-linear-tiny")
+TINY = HYBRID_TINY  # the tiny preset of every hybrid family
 H200 = gpu("h200")
 INT32_MAX = 2**31 - 1
 

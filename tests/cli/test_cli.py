@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakernel import cli
+from megakernel import backends, cli, generate_cli
 from megakernel.models import ModelConfig, RopeConfig, preset
 from megakernel.models.llama import LlamaConfig
 from megakernel.models.weights import random_weights
@@ -54,7 +54,7 @@ def test_generate_default_prompts_and_seed_changes_tokens(capsys) -> None:
     rc, out, _ = run_cli(capsys, "generate", "--steps", "4", "--json")
     assert rc == 0
     r = last_json(out)
-    assert r["model"] == "llama-tiny" and r["prompts"] == cli.DEFAULT_PROMPTS
+    assert r["model"] == "llama-tiny" and r["prompts"] == generate_cli.DEFAULT_PROMPTS
     assert len({len(p) for p in r["prompts"]}) > 1  # ragged
     assert [len(t) for t in r["tokens"]] == [4, 4]
     _, out2, _ = run_cli(capsys, "generate", "--steps", "4", "--seed", "1", "--json")
@@ -201,13 +201,13 @@ def test_builtin_reference_error_is_a_bug() -> None:
 
 
 def test_missing_backend_is_one_line(capsys, monkeypatch) -> None:
-    monkeypatch.setitem(cli.BACKENDS, "kernel", ("megakernel.no_such_module", "generate"))
+    monkeypatch.setitem(backends.BACKENDS, "kernel", ("megakernel.no_such_module", "generate"))
     rc, _, err = run_cli(capsys, "generate", "--backend", "kernel")
     assert rc == 2
     assert err.startswith("error: backend 'kernel' is not available: cannot import "
                           "megakernel.no_such_module")
     assert len(err.strip().splitlines()) == 1
-    monkeypatch.setitem(cli.BACKENDS, "cpu-executor", ("megakernel.models.config", "generate"))
+    monkeypatch.setitem(backends.BACKENDS, "cpu-executor", ("megakernel.models.config", "generate"))
     rc, _, err = run_cli(capsys, "generate", "--backend", "cpu-executor")
     assert rc == 2 and "megakernel.models.config has no function generate()" in err
 
@@ -222,7 +222,7 @@ def test_backend_dispatch_passes_the_contract_arguments(capsys, monkeypatch) -> 
         return [[1] * steps for _ in prompts]
 
     monkeypatch.setattr(sys.modules[__name__], "fake_generate", fake, raising=False)
-    monkeypatch.setitem(cli.BACKENDS, "cpu-executor", (__name__, "fake_generate"))
+    monkeypatch.setitem(backends.BACKENDS, "cpu-executor", (__name__, "fake_generate"))
     rc, out, _ = run_cli(capsys, "generate", "--backend", "cpu-executor", "--prompt-ids",
                          "3,4;5", "--steps", "6", "--seed", "2", "--json")
     assert rc == 0 and last_json(out)["tokens"] == [[1] * 6, [1] * 6]

@@ -47,7 +47,7 @@ def test_non_finite_logits_stop_generation(capsys, tmp_path: Path, backend: str)
 
 def test_kernel_path_checks_the_logits_the_op_returns(tmp_path: Path) -> None:
     """The op's logits are checked per step (a GPU build has no executor check behind it)."""
-    from megakernel.torch_op import Megakernel
+    from megakernel.kernel_backend import Megakernel
 
     cfg = preset("llama-tiny")
     mk = Megakernel(cfg, random_weights(cfg, seed=5), batch=2, tokens=1, max_seq_len=8,

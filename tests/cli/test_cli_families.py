@@ -11,9 +11,10 @@ import pytest
 import megakernel.reference.model
 from megakernel import cli
 from megakernel.models import FAMILIES, preset
+from tests.registries import HYBRID_TINY, TINY
 
-DENSE = ("llama-tiny", "qwen3-tiny", "qwen2-tiny")
-RECURRENT = ("qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny")
+RECURRENT = HYBRID_TINY  # the tiny preset of every family, with recurrent layers or without
+DENSE = tuple(m for m in TINY if m not in RECURRENT)
 PROMPTS = "5,17,3,101;7,1"  # a ragged batch of two
 
 
@@ -28,7 +29,8 @@ def _json(out: str) -> dict:
 
 
 def test_every_family_has_a_tiny_preset_here():
-    assert {preset(m).family for m in DENSE + RECURRENT} == set(FAMILIES)
+    assert {preset(m).family for m in DENSE + RECURRENT} == set(FAMILIES), (
+        "a family without a tiny preset of all its layer kinds (tests/registries.py TINY)")
     assert all(preset(m).recurrent_layers() for m in RECURRENT)
     assert not any(preset(m).recurrent_layers() for m in DENSE)
 

@@ -14,7 +14,7 @@ def check_logits(step: int, mine: torch.Tensor, l16: torch.Tensor, l32: torch.Te
     """Asserts the executor's logits are within `tol` of the bf16 reference's and within `rel` x
     the bf16 reference's own error against the fp32 reference (the executor rounds where the
     bf16 reference does: a result rounded otherwise, or not at all, fails), and within 2x that
-    own error plus 0.01 of the fp32 reference (DESIGN.md section 4); returns the first error."""
+    own error plus 0.01 of the fp32 truth (docs/TESTING.md, Numerics); returns the first error."""
     err = (mine - l16).abs().max().item()
     e_ex, e_16 = (mine - l32).abs().max().item(), (l16 - l32).abs().max().item()
     assert err <= tol, f"step {step}: executor vs bf16 reference {err:.3g}"

@@ -1,5 +1,6 @@
 """The kernel tests' one build cache: a spec is compiled once per session, whichever test module
-asks for it first (the pipeline, mma, fields and build tests share some)."""
+asks for it first (the pipeline, mma, fields and build tests share some). `lane_build` is the fast
+lane's one small build per arch (tests/lanes.py); `kernel_build` any other (the slow lane)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,30 @@ from pathlib import Path
 
 import pytest
 
-from megakernel.kernel import spec as spec_mod
+from megakernel.kernel import model_spec
 from megakernel.models import ModelConfig
 
 Build = tuple[Path, dict]  # (the arch's output directory, its manifest)
+
+
+_CACHE: dict[str, Build] = {}  # repr(KernelSpec) -> build, shared by both fixtures
+LANE_MODEL = "llama-tiny"  # the fast lane's build: the smallest dense model, B = T = 1
+
+
+def _build(factory, cfg: ModelConfig, arch: str, batch: int = 1, tokens: int = 1,  # noqa: ANN001
+           smem_stages: int | None = None, **variant) -> Build:  # noqa: ANN003
+    # without the DSL the session fails at start (tests/conftest.py) unless
+    # MEGAKERNEL_TEST_WITHOUT_DSL=1 waives it: then the builds skip
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
+    from megakernel.kernel.build import build_arch
+
+    key = repr(model_spec.make_spec(cfg, batch, tokens, arch, smem_stages=smem_stages,
+                                    **variant))
+    if key not in _CACHE:
+        root = factory.mktemp(f"build-{len(_CACHE)}")
+        m = build_arch(cfg, arch, root, batch, tokens, smem_stages=smem_stages, **variant)
+        _CACHE[key] = (root / arch, m)
+    return _CACHE[key]
 
 
 @pytest.fixture(scope="session")
@@ -19,21 +40,17 @@ def kernel_build(tmp_path_factory) -> Callable[..., Build]:  # noqa: ANN001
     """build_arch(cfg, arch, batch, tokens, smem_stages, **variant) -> (out_dir / arch, manifest),
     cached by the kernel spec (the static config the compiled code depends on); `variant`: the
     other make_spec switches (timeline, l2_window, replay_window)."""
-    # without the DSL the session fails at start (tests/conftest.py) unless
-    # MEGAKERNEL_TEST_WITHOUT_DSL=1 waives it: then the builds skip
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.kernel.build import build_arch
-
-    cache: dict[str, Build] = {}
 
     def build(cfg: ModelConfig, arch: str, batch: int = 1, tokens: int = 1,
               smem_stages: int | None = None, **variant) -> Build:  # noqa: ANN003
-        key = repr(spec_mod.make_spec(cfg, batch, tokens, arch, smem_stages=smem_stages,
-                                      **variant))
-        if key not in cache:
-            root = tmp_path_factory.mktemp(f"build-{len(cache)}")
-            m = build_arch(cfg, arch, root, batch, tokens, smem_stages=smem_stages, **variant)
-            cache[key] = (root / arch, m)
-        return cache[key]
+        return _build(tmp_path_factory, cfg, arch, batch, tokens, smem_stages, **variant)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def lane_build(tmp_path_factory) -> Callable[[str], Build]:  # noqa: ANN001
+    """arch -> the fast lane's build of LANE_MODEL for it (the same cache as kernel_build)."""
+    from megakernel.models import preset
+
+    return lambda arch: _build(tmp_path_factory, preset(LANE_MODEL), arch)

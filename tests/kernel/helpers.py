@@ -10,9 +10,11 @@ import numpy as np
 import torch
 
 from megakernel import isa
+from megakernel.arch import ARCHS
+from megakernel.kernel import limits
 from megakernel.kernel import spec as spec_mod
 from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
-from megakernel.kernel.spec import NUM_THREADS
+from megakernel.kernel.limits import NUM_THREADS
 from megakernel.models import preset
 
 # B = 1 on the default pipeline, B = 4 on the global-memory path
@@ -23,7 +25,7 @@ def variant_builds(kernel_build: Callable, name: str, **variant) -> dict:  # noq
     """(arch, batch, smem_stages) -> (arch dir, manifest) of preset `name` (session cache;
     `variant`: other make_spec switches, e.g. replay_window)."""
     return {(arch, b, st): kernel_build(preset(name), arch, b, 1, smem_stages=st, **variant)
-            for arch in spec_mod.ARCHS for b, st in VARIANT_BUILDS}
+            for arch in ARCHS for b, st in VARIANT_BUILDS}
 
 
 def specs_within_budgets(builds: dict) -> dict:
@@ -34,7 +36,7 @@ def specs_within_budgets(builds: dict) -> dict:
         r = m["resources"]
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (key, r)
         assert r["local_bytes"] == 0 and r["local_stores"] == 0 and r["local_loads"] == 0, r
-        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET, (key, r["registers"])
+        assert 0 < r["registers"] <= limits.REGISTER_BUDGET, (key, r["registers"])
         assert (d / "megakernel.cubin").stat().st_size > 10_000
         out[key] = spec_mod.KernelSpec.from_dict(m["spec"])
     return out

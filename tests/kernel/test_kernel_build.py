@@ -21,14 +21,19 @@ from megakernel import isa
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
 
-from megakernel.kernel import spec as spec_mod  # noqa: E402
+from megakernel.arch import ARCHS  # noqa: E402
+from megakernel.kernel import (
+    fingerprint,  # noqa: E402
+    limits,  # noqa: E402
+)
 from megakernel.kernel.build import (  # noqa: E402
     BuildError,
     build_arch,
     check_entry_matches,
     check_resources,
 )
-from megakernel.kernel.spec import ARCHS, PARAMS, make_spec  # noqa: E402
+from megakernel.kernel.model_spec import make_spec  # noqa: E402
+from megakernel.kernel.spec import PARAMS  # noqa: E402
 from megakernel.kernel.tools import (  # noqa: E402
     PtxEntry,
     PtxParam,
@@ -69,8 +74,8 @@ def test_resources_within_budgets(builds):
         r = m["resources"]
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, arch, r)
         assert r["local_bytes"] == 0 and r["local_stores"] == 0 and r["local_loads"] == 0, r
-        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET, (name, arch, r["registers"])
-        assert 0 < m["dynamic_smem_bytes"] <= spec_mod.SMEM_BUDGET
+        assert 0 < r["registers"] <= limits.REGISTER_BUDGET, (name, arch, r["registers"])
+        assert 0 < m["dynamic_smem_bytes"] <= limits.SMEM_BUDGET
         print(f"{name} {arch}: {r['registers']} regs, smem {m['dynamic_smem_bytes']} B, "
               f"compile {m['compile_seconds']} s")
 
@@ -115,7 +120,7 @@ def test_sass_has_the_intended_instructions(builds):
         assert m["smem_stages"] == 0, (name, arch)
         ptx = (d / "megakernel.ptx").read_text()
         assert "mbarrier" not in ptx and "cp.async.bulk.shared" not in ptx, (name, arch)
-        assert re.search(rf"\.reqntid {spec_mod.NUM_THREADS}, 1, 1", ptx), (name, arch)
+        assert re.search(rf"\.reqntid {limits.NUM_THREADS}, 1, 1", ptx), (name, arch)
     ptx = (builds[("llama-tiny", "sm_90a")][0] / "megakernel.ptx").read_text()
     for needle in ("ld.acquire.gpu", "red.release.gpu.global.add.s32", "fence.acq_rel.gpu",
                    "ld.global.L1::no_allocate.L2::256B.v4", "cp.async.bulk.prefetch.L2",
@@ -131,7 +136,7 @@ def test_ptx_has_the_l2_lookahead(builds):
     for (name, arch), (d, _) in _all(builds):
         ptx = (d / "megakernel.ptx").read_text()
         assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2, (name, arch)
-        w = spec_mod.prefetch_window(arch)
+        w = limits.prefetch_window(arch)
         add = re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {w};", ptx)
         assert add, (name, arch, w)
         sites = [i.start() for i in re.finditer(r"cp\.async\.bulk\.prefetch\.L2", ptx)]
@@ -168,13 +173,13 @@ def test_resource_rules_reject_spills_and_budget_overruns():
     with pytest.raises(BuildError, match="local memory"):
         check_resources({**ok, "local_bytes": 16}, s)
     with pytest.raises(BuildError, match="registers > budget"):
-        check_resources({**ok, "registers": spec_mod.REGISTER_BUDGET + 8}, s)
+        check_resources({**ok, "registers": limits.REGISTER_BUDGET + 8}, s)
     # static shared memory beyond the 1 KiB the budget leaves: over the opt-in maximum
     big = make_spec(preset("qwen3-8b"), 8, 1, "sm_90a")  # the largest carve-up the sweep makes
-    assert big.smem_bytes <= spec_mod.SMEM_BUDGET < spec_mod.SMEM_OPTIN == 232448
+    assert big.smem_bytes <= limits.SMEM_BUDGET < limits.SMEM_OPTIN == 232448
     check_resources(ok, big)
     with pytest.raises(BuildError, match="opt into"):
-        check_resources({**ok, "shared_bytes": 1024 + spec_mod.SMEM_BUDGET - big.smem_bytes + 16},
+        check_resources({**ok, "shared_bytes": 1024 + limits.SMEM_BUDGET - big.smem_bytes + 16},
                         big)
 
 
@@ -182,11 +187,11 @@ def test_resource_rules_hold_the_sm_with_the_reserved_kib(monkeypatch):
     """dynamic + static + the 1 KiB the driver reserves per block must fit the SM's 228 KiB,
     checked on its own (the opt-in limit lifted): just under passes, 16 B over fails."""
     s = make_spec(preset("llama-3.2-1b"), 1, 1, "sm_90a")
-    monkeypatch.setattr(spec_mod, "SMEM_OPTIN", 1 << 20)
+    monkeypatch.setattr(limits, "SMEM_OPTIN", 1 << 20)
     ok = dict(registers=64, spill_stores=0, spill_loads=0, local_bytes=0, local_stores=0,
               local_loads=0)
-    room = spec_mod.SMEM_PER_SM - spec_mod.SMEM_RESERVED_PER_BLOCK - s.smem_bytes
-    assert spec_mod.SMEM_PER_SM == 228 * 1024 and room > 0
+    room = limits.SMEM_PER_SM - limits.SMEM_RESERVED_PER_BLOCK - s.smem_bytes
+    assert limits.SMEM_PER_SM == 228 * 1024 and room > 0
     check_resources({**ok, "shared_bytes": room}, s)
     with pytest.raises(BuildError, match=rf"per SM {s.smem_bytes} dynamic \+ {room + 16} static "
                                          rf"\+ 1024 reserved by the driver = 233488 B > the "
@@ -196,11 +201,11 @@ def test_resource_rules_hold_the_sm_with_the_reserved_kib(monkeypatch):
 
 def test_fingerprint_tracks_static_config():
     cfg = preset("llama-tiny")
-    a = spec_mod.fingerprint(make_spec(cfg, 1, 1, "sm_90a"), "4.8.1")
-    assert a == spec_mod.fingerprint(make_spec(cfg, 1, 1, "sm_90a"), "4.8.1")
-    assert a != spec_mod.fingerprint(make_spec(cfg, 1, 1, "sm_100a"), "4.8.1")
-    assert a != spec_mod.fingerprint(make_spec(cfg, 2, 1, "sm_90a"), "4.8.1")
-    assert a != spec_mod.fingerprint(make_spec(cfg, 1, 1, "sm_90a"), "4.9.0")
+    a = fingerprint.fingerprint(make_spec(cfg, 1, 1, "sm_90a"), "4.8.1")
+    assert a == fingerprint.fingerprint(make_spec(cfg, 1, 1, "sm_90a"), "4.8.1")
+    assert a != fingerprint.fingerprint(make_spec(cfg, 1, 1, "sm_100a"), "4.8.1")
+    assert a != fingerprint.fingerprint(make_spec(cfg, 2, 1, "sm_90a"), "4.8.1")
+    assert a != fingerprint.fingerprint(make_spec(cfg, 1, 1, "sm_90a"), "4.9.0")
 
 
 def test_real_preset_builds_both_archs(tmp_path):
@@ -209,8 +214,8 @@ def test_real_preset_builds_both_archs(tmp_path):
     for m in ms:
         assert m["resources"]["spill_stores"] == 0
         assert m["resources"]["local_bytes"] == 0
-        assert m["smem_stages"] == spec_mod.PIPELINE_STAGES  # the default build: the deepest ring
-        assert m["dynamic_smem_bytes"] <= spec_mod.SMEM_BUDGET
+        assert m["smem_stages"] == limits.PIPELINE_STAGES  # the default build: the deepest ring
+        assert m["dynamic_smem_bytes"] <= limits.SMEM_BUDGET
 
 
 def _sass_ops(sass: str) -> list[str]:

@@ -19,15 +19,13 @@ import pytest
 import torch
 
 from megakernel import isa
+from megakernel.arch import ARCHS
+from megakernel.errors import SpecError
+from megakernel.kernel import limits
 from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.spec import (
-    LANES,
-    ROW_CHUNK,
-    SpecError,
-    lm_row_live,
-    make_spec,
-    qkv_bias_index,
-)
+from megakernel.kernel.dense_index import lm_row_live, qkv_bias_index
+from megakernel.kernel.limits import LANES, ROW_CHUNK
+from megakernel.kernel.model_spec import make_spec
 from megakernel.models import preset
 
 KERNEL_DIR = Path(spec_mod.__file__).parent
@@ -224,11 +222,11 @@ def test_qkv_epilogue_adds_the_bias_before_norm_and_rope():
 # ---- head_dim 256 -------------------------------------------------------------------------------
 def test_head_dim_256_spec():
     cfg = dataclasses.replace(preset("qwen3-tiny"), head_dim=256)
-    for arch in spec_mod.ARCHS:
+    for arch in ARCHS:
         s = make_spec(cfg, 1, 1, arch)
         assert s.head_dim == 256 and ROW_CHUNK % s.head_dim == 0
         assert s.smem_regions()["q"][1] == s.smem_regions()["o"][1] == 4 * s.num_warps * 256
-        assert s.smem_bytes <= spec_mod.SMEM_BUDGET
+        assert s.smem_bytes <= limits.SMEM_BUDGET
     with pytest.raises((SpecError, ValueError), match="head_dim"):
         make_spec(dataclasses.replace(preset("qwen3-tiny"), head_dim=96), 1, 1, "sm_90a")
 
@@ -264,8 +262,8 @@ def test_dense_shapes_build_within_the_resource_rules(builds):
         spec = spec_mod.KernelSpec.from_dict(m["spec"])
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, arch, r)
         assert r["local_bytes"] == 0 and r["local_stores"] == 0 and r["local_loads"] == 0, r
-        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET, (name, arch, r)
-        assert m["dynamic_smem_bytes"] == spec.smem_bytes <= spec_mod.SMEM_BUDGET
+        assert 0 < r["registers"] <= limits.REGISTER_BUDGET, (name, arch, r)
+        assert m["dynamic_smem_bytes"] == spec.smem_bytes <= limits.SMEM_BUDGET
         paths.add((spec.qkv_bias, spec.pipelined, spec.mma))
         print(f"{name} B={b} T={t} stages={m['smem_stages']} {arch}: {r['registers']} regs, "
               f"smem {m['dynamic_smem_bytes']} B, compile {m['compile_seconds']} s")

@@ -18,14 +18,14 @@ import pytest
 
 from megakernel import isa
 from megakernel.isa import registry
-from megakernel.kernel import fields
+from megakernel.kernel import fields, fingerprint, model_spec
 from megakernel.kernel import spec as spec_mod
 from megakernel.kernel.fields import FieldError, OpTable, common, mv, one_of, slab_word, word
 from megakernel.models import preset
 
 KERNEL_DIR = Path(spec_mod.__file__).parent
 # the device-code modules (spec.py and fields.py are host-side tables and helpers)
-DEVICE_SOURCES = tuple(n for n in spec_mod.KERNEL_SOURCES if n not in ("spec.py", "fields.py"))
+DEVICE_SOURCES = tuple(n for n in fingerprint.KERNEL_SOURCES if n not in ("spec.py", "fields.py"))
 HELPERS = {"word", "mv", "slab_word", "common"}
 
 
@@ -145,19 +145,21 @@ def test_shared_words_must_agree(monkeypatch):
 
 
 def test_op_table_is_the_registry_restricted_to_the_build():
-    s = spec_mod.make_spec(preset("llama-tiny"), 1, 1, "sm_90a")
+    s = model_spec.make_spec(preset("llama-tiny"), 1, 1, "sm_90a")
     t = OpTable.for_spec(s)
     specs = isa.specs()
     # the opcodes of its program, from the registry's layer kinds: no relu^2 (Nemotron-H) handler
-    assert t.handled == tuple(sorted(spec_mod.program_ops(preset("llama-tiny"))))
+    assert t.handled == tuple(sorted(model_spec.program_ops(preset("llama-tiny"))))
     # every device opcode of a kind llama has not (relu^2, the recurrent cores) and PROJ
     hybrid = {x.code for x in specs if x.device and x.kind not in ("frame", "attention",
                                                                     "swiglu")} | {isa.Op.PROJ}
     assert {isa.Op.UP_RELU2, isa.Op.GDN_CORE, isa.Op.MAMBA_CORE} <= hybrid
     assert set(t.handled) == {x.code for x in specs if x.device} - hybrid
-    assert set(t.epilogue("qkv")) == {isa.Op.QKV} and set(t.epilogue("lmhead")) == {isa.Op.LMHEAD}
-    assert set(t.epilogue("residual")) == {isa.Op.OPROJ, isa.Op.DOWN}
-    assert set(t.epilogue("gateup")) == {isa.Op.GATEUP} and t.ticket == (isa.Op.ATTN_PARTIAL,)
+    assert set(t.epilogue("qkv.QKV")) == {isa.Op.QKV}
+    assert set(t.epilogue("epilogues.LMHead")) == {isa.Op.LMHEAD}
+    assert set(t.epilogue("epilogues.Residual")) == {isa.Op.OPROJ, isa.Op.DOWN}
+    assert set(t.epilogue("epilogues.GateUp")) == {isa.Op.GATEUP}
+    assert t.ticket == (isa.Op.ATTN_PARTIAL,)
     # the predicates the kernel traces, evaluated on ints for every registered opcode
     for x in specs:
         assert one_of(x.code, t.slab) == (x.slab and x.code in t.handled), x.name
@@ -178,10 +180,10 @@ def test_the_fingerprint_covers_the_device_code_and_the_registry():
     sources; fields.py included); the registry's modules (isa, layers) are hashed too."""
     host_only = {"__init__.py", "build.py", "jit.py", "tools.py",
                  "stream.py"}  # stream.py: a kernel of its own (the HBM read stream), own build
-    assert {p.name for p in KERNEL_DIR.glob("*.py")} - host_only == set(spec_mod.KERNEL_SOURCES)
+    assert {p.name for p in KERNEL_DIR.glob("*.py")} - host_only == set(fingerprint.KERNEL_SOURCES)
     import inspect
 
-    src = inspect.getsource(spec_mod.source_digest)
+    src = inspect.getsource(fingerprint.source_digest)
     assert '("isa", "layers")' in src
 
 
@@ -192,7 +194,7 @@ def test_traced_kernel_reads_the_registry_words(monkeypatch, tmp_path, kernel_bu
     from megakernel.kernel.build import compile_to
 
     cfg = preset("llama-tiny")
-    s = spec_mod.make_spec(cfg, 1, 1, "sm_90a", smem_stages=0)
+    s = model_spec.make_spec(cfg, 1, 1, "sm_90a", smem_stages=0)
     ptx0 = (kernel_build(cfg, "sm_90a", 1, 1, 0)[0] / "megakernel.ptx").read_text()
     assert Path(compile_to(s, str(tmp_path / "c"))[0]).read_text() == ptx0  # deterministic
     am = isa.spec(isa.Op.ARGMAX)
@@ -214,7 +216,7 @@ def test_every_device_opcode_has_its_handler_class_or_epilogue():
         if s.device and s.matvec is None and s.name not in fields.BUILTIN:
             cls = handler_class(s.handler)
             assert issubclass(cls, Handler) and cls.run is not Handler.run, s.name
-    spec = spec_mod.make_spec(preset("kimi-linear-tiny"), 1, 1, "sm_90a", replay_window=4)
+    spec = model_spec.make_spec(preset("kimi-linear-tiny"), 1, 1, "sm_90a", replay_window=4)
     got = {type(h).__name__: {isa.spec(c).name for c in h.ops}
            for h in handlers_for(spec, OpTable.for_spec(spec).handled)}
     assert got == {"KimiDeltaAttention": {"KDA_REPLAY"},
@@ -222,3 +224,26 @@ def test_every_device_opcode_has_its_handler_class_or_epilogue():
                    "MoERouter": {"ROUTER_SCORE", "ROUTER"}, "Experts": {"MOE_COMBINE"}}
     with pytest.raises(ValueError, match="handler class is for device opcodes"):
         dataclasses.replace(isa.spec(isa.Op.MLA), device=False)
+
+
+def test_every_matvec_opcode_names_its_epilogue_class():
+    """Each device matvec opcode names a kernel.epilogue.Epilogue class with `run` (OpSpec.matvec,
+    where the matvec finds it); a build makes one instance per class with that class's opcodes
+    of the build, in opcode order; a class the kernel does not define is refused."""
+    from types import SimpleNamespace
+
+    from megakernel.kernel.epilogue import Epilogue, epilogues_for
+    from megakernel.kernel.handler import handler_class
+
+    for s in isa.specs():
+        if s.device and s.matvec is not None:
+            cls = handler_class(s.matvec)
+            assert issubclass(cls, Epilogue) and cls.run is not Epilogue.run, s.name
+    spec = model_spec.make_spec(preset("kimi-linear-tiny"), 1, 1, "sm_90a")
+    mv = SimpleNamespace(spec=spec, NO=spec.no, NW=spec.num_warps)
+    got = [(type(e).__name__, {isa.spec(c).name for c in e.ops})
+           for e in epilogues_for(mv, OpTable.for_spec(spec).handled)]
+    assert got == [("Residual", {"OPROJ", "DOWN"}), ("GateUp", {"GATEUP"}),
+                   ("LMHead", {"LMHEAD"}), ("Proj", {"PROJ"}),
+                   ("ExpertGateUp", {"EXPERT_GATEUP"}), ("ExpertDown", {"EXPERT_DOWN"})]
+    assert not fields.class_defined("epilogues.Nonesuch") and fields.class_defined("qkv.QKV")

@@ -10,12 +10,14 @@ import re
 import pytest
 
 from megakernel import isa
+from megakernel.arch import ARCHS
+from megakernel.errors import SpecError
 from megakernel.executor import executor_gpu
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.spec import ARCHS, SpecError, make_spec
+from megakernel.kernel import limits
+from megakernel.kernel.model_spec import make_spec
+from megakernel.launch_checks import ArgumentError, check_header
 from megakernel.models import preset
 from megakernel.program.compiler import compile_program
-from megakernel.runtime import ArgumentError, check_header
 from tests.kernel.helpers import specs_within_budgets, variant_builds
 
 GDN = "qwen3.5-tiny"
@@ -31,14 +33,14 @@ def gdn_builds(kernel_build):  # noqa: ANN001, ANN201
 
 def test_gdn_builds_within_budgets(gdn_builds):
     for s in specs_within_budgets(gdn_builds).values():
-        assert s.gdn == (2, 4, 16, 8, 4) and isa.Op.GDN_CORE in s.handled_ops
+        assert s.constants("gdn") == (2, 4, 16, 8, 4) and isa.Op.GDN_CORE in s.handled_ops
         assert isa.Op.GDN_REPLAY not in s.handled_ops and s.recurrent_smem_bytes > 0
 
 
 def test_gdn_builds_for_four_tokens(kernel_build):
     builds = {arch: kernel_build(preset(GDN), arch, 2, 4) for arch in ARCHS}
     for s in specs_within_budgets(builds).values():
-        assert s.tokens == 4 and s.gdn_shape.smem()["words"] * 4 == s.recurrent_smem_bytes
+        assert s.tokens == 4 and s.shape("gdn").smem()["words"] * 4 == s.recurrent_smem_bytes
 
 
 WINDOW = 4  # the ReplaySSM builds' fold window L
@@ -56,8 +58,8 @@ def replay_builds(kernel_build):  # noqa: ANN001, ANN201
 def test_gdn_replay_builds_within_budgets(replay_builds, gdn_builds):
     for (_, _, t, _), s in specs_within_budgets(replay_builds).items():
         assert isa.Op.GDN_REPLAY in s.handled_ops and isa.Op.GDN_CORE not in s.handled_ops
-        assert s.replay_window == WINDOW and s.gdn_shape.cap == WINDOW - 1 + t
-        assert s.gdn_shape.smem()["words"] * 4 == s.recurrent_smem_bytes
+        assert s.replay_window == WINDOW and s.shape("gdn").cap == WINDOW - 1 + t
+        assert s.shape("gdn").smem()["words"] * 4 == s.recurrent_smem_bytes
     for arch in ARCHS:  # the ReplaySSM math (decays of the ring and the fold) is compiled in
         mine = (replay_builds[(arch, 1, 1, None)][0] / "megakernel.ptx").read_text()
         theirs = (gdn_builds[(arch, 1, None)][0] / "megakernel.ptx").read_text()
@@ -110,4 +112,4 @@ def test_recurrent_scratch_fits_and_extends_the_consumer_span():
         regions = s.smem_regions()
         end = regions["ring"][0] if s.pipelined else s.smem_bytes
         assert s.recurrent_smem_bytes <= end, (name, b, t)
-        assert s.smem_bytes <= spec_mod.SMEM_BUDGET
+        assert s.smem_bytes <= limits.SMEM_BUDGET

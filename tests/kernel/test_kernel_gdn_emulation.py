@@ -23,7 +23,7 @@ import torch
 from megakernel import isa
 from megakernel.executor import Executor, executor_gpu
 from megakernel.kernel.gdn_index import GDNShape, check_gdn
-from megakernel.kernel.spec import make_spec
+from megakernel.kernel.model_spec import make_spec
 from megakernel.layers.gdn import GDNConfig
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
@@ -105,7 +105,7 @@ def model_config(model: str):  # noqa: ANN201 (ModelConfig)
 def test_gdn_core_emulation_matches_the_executor(model, batch, tokens):
     cfg = model_config(model)
     spec = make_spec(cfg, batch, tokens, "sm_90a")
-    g = spec.gdn_shape
+    g = spec.shape("gdn")
     assert check_gdn(g) == "" and g.num_warps == NW
     w = random_weights(cfg, seed=5)
     prog = compile_program(cfg, batch, executor_gpu(8), tokens=tokens, max_seq_len=32)
@@ -142,7 +142,7 @@ def test_gdn_replay_emulation_matches_the_executor(model, batch, tokens):
     window = 4
     cfg = model_config(model)
     spec = make_spec(cfg, batch, tokens, "sm_90a", replay_window=window)
-    g = spec.gdn_shape
+    g = spec.shape("gdn")
     assert check_gdn(g) == "" and g.replay_window == window
     assert isa.Op.GDN_REPLAY in spec.handled_ops
     prog = compile_program(cfg, batch, executor_gpu(8), tokens=tokens, max_seq_len=64,
@@ -183,7 +183,7 @@ def test_gdn_shapes_the_handler_refuses():
     assert "value head dim 48" in check_gdn(GDNShape(2, 2, 16, 48, 4, 1, 1, 8))
     assert "tokens" in check_gdn(GDNShape(2, 2, 16, 8, 4, 1, 8, 8))
     cfg = dataclasses.replace(preset("qwen3.5-tiny"), gdn=GDNConfig(2, 4, 20, 8, 4))
-    from megakernel.kernel.spec import SpecError
+    from megakernel.errors import SpecError
 
     with pytest.raises(SpecError, match="key head dim 20"):
         make_spec(cfg, 1, 1, "sm_90a")

@@ -3,7 +3,7 @@
 Skipped without CUDA. Builds come from $MEGAKERNEL_BUILD_DIR (a build set made by
 `python -m megakernel gpu-check --prepare`) or, when the DSL is installed, from the JIT cache.
 Each case is gpu-check's (megakernel/gpu_check/case.py): ragged prompts, poisoned scratch and
-outputs, the DESIGN.md section 4 band per step and on the KV cache, greedy tokens checked where the
+outputs, the Numerics band (docs/TESTING.md) per step and on the KV cache, greedy tokens where the
 fp32 truth's margin is clear by the reference's own error, bit-identical replays, and the first
 steps against the CPU executor of the same program.
 """
@@ -72,11 +72,11 @@ def test_generate_backend_kernel_agrees_with_reference(build_dir, monkeypatch):
     bf16 reference's tokens up to the first step whose fp32 margin is within twice the band (a
     near tie by the reference's own error), and that common prefix must be long."""
     from megakernel.gpu_check import MIN_PREFIX, common_prefix, compare
+    from megakernel.kernel_backend import Megakernel, generate
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
     from megakernel.reference.model import ReferenceModel
     from megakernel.reference.model import generate as ref_generate
-    from megakernel.torch_op import Megakernel, generate
 
     steps = 64
     cfg = preset("llama-tiny")

@@ -269,13 +269,13 @@ def test_state_parity_allows_rounding_only():
 def test_simulated_hybrid_case_catches_a_corrupt_state(tmp_path, monkeypatch):
     """The last step leaving a slightly wrong recurrent state (one element nudged by 1% of the
     arena's largest: no logits see it) fails the case through the state parity alone."""
-    from megakernel import torch_op
+    from megakernel import kernel_backend
     from megakernel.gpu_check.case import Weights, run_case
 
     case = Case("qwen3.5-tiny", 2, 1, 2, 2)
     good = run_case(case, None, Weights(), simulate=True)
     assert good["ok"] and good["executor_state_ok"]
-    real_step = torch_op.Megakernel.step
+    real_step = kernel_backend.Megakernel.step
     calls = []
 
     def step(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -284,7 +284,7 @@ def test_simulated_hybrid_case_catches_a_corrupt_state(tmp_path, monkeypatch):
         if len(calls) == case.steps:  # the last checked step; the replays come after
             self.state[self.state.numel() // 2] += 0.01 * float(self.state.abs().max())
         return out
-    monkeypatch.setattr(torch_op.Megakernel, "step", step)
+    monkeypatch.setattr(kernel_backend.Megakernel, "step", step)
     r = run_case(case, None, Weights(), simulate=True)
     assert r["band_failures"] == 0 and r["executor_logit_over"] == 0
     assert not r["executor_state_ok"] and r["executor_state_max_diff"] > 0 and not r["ok"]
@@ -308,9 +308,10 @@ def test_variants_and_their_directories():
 
 def test_prepare_reports_a_variant_that_cannot_serve_the_case(tmp_path, monkeypatch, capsys):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.gpu_check import cases, prepare
+    from megakernel.gpu_check import prepare
+    from megakernel.kernel import variants
 
-    monkeypatch.setitem(cases.VARIANTS, "huge", {"smem_stages": 8})
+    monkeypatch.setitem(variants.VARIANTS, "huge", {"smem_stages": 8})
     ms, failed = prepare(tmp_path, ["sm_90a"], [(Case("llama-tiny", 1, 1, 1), "global"),
                                                 (Case("llama-tiny", 1, 1, 1), "huge")])
     assert [m["smem_stages"] for m in ms] == [0]
@@ -319,8 +320,10 @@ def test_prepare_reports_a_variant_that_cannot_serve_the_case(tmp_path, monkeypa
 
 
 def test_stage_tables_cover_what_the_issue_asks():
-    from megakernel.gpu_check.cases import STAGES, VARIANTS
-    from megakernel.kernel.spec import make_spec, tile_rows
+    from megakernel.gpu_check.cases import STAGES
+    from megakernel.kernel.limits import tile_rows
+    from megakernel.kernel.model_spec import make_spec
+    from megakernel.kernel.variants import VARIANTS
     from megakernel.models import preset
 
     s0 = STAGES[0]
@@ -405,14 +408,14 @@ def test_a_synthetic_bench_case_runs_without_a_reference(tmp_path, monkeypatch):
     runs and fills a random cache in place of a prefill; its row says whether the first step's
     logits were finite and its tokens their argmax. Planted: logits that turn NaN are reported
     and shown in the report's decode-step table."""
-    from megakernel import torch_op
+    from megakernel import kernel_backend, torch_op
     from megakernel.gpu_check import bench
     from megakernel.gpu_check.case import Weights
     from megakernel.gpu_check.report import markdown
 
     def no_reference(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a synthetic case must not build the reference")
-    monkeypatch.setattr(torch_op.Megakernel, "prefill", no_reference)
+    monkeypatch.setattr(kernel_backend.Megakernel, "prefill", no_reference)
     c = Case("kimi-linear-tiny", 2, 1, 4, bench=True, synthetic=True)
     res = bench.bench_case(c, tmp_path, Weights(), "default", None, simulate=True)
     assert res["synthetic"] and res["logits_finite"] and res["own_argmax"], res
@@ -434,10 +437,10 @@ def test_a_synthetic_bench_case_runs_without_a_reference(tmp_path, monkeypatch):
 def test_fill_context_stands_in_for_a_prefill():
     """fill_context: every sequence at `context`, cache positions below it random and the rest
     untouched, recurrent state zero; a context with no room for the step is refused."""
+    from megakernel.kernel_backend import Megakernel
+    from megakernel.launch_checks import ArgumentError
     from megakernel.models import preset
     from megakernel.models.weights import LazyRandomWeights
-    from megakernel.runtime import ArgumentError
-    from megakernel.torch_op import Megakernel
 
     cfg = preset("qwen3.5-tiny")
     mk = Megakernel(cfg, LazyRandomWeights(cfg), batch=2, max_seq_len=32, device="cpu")

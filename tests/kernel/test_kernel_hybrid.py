@@ -14,13 +14,15 @@ import re
 import pytest
 
 from megakernel import isa
+from megakernel.arch import ARCHS
+from megakernel.errors import SpecError
 from megakernel.kernel import spec as spec_mod
 from megakernel.kernel.fields import OpTable
-from megakernel.kernel.spec import ARCHS, SpecError, check_kernel_support, make_spec, program_ops
+from megakernel.kernel.model_spec import check_kernel_support, make_spec, program_ops
+from megakernel.launch_checks import ArgumentError, check_header
 from megakernel.models import preset
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
-from megakernel.runtime import ArgumentError, check_header
 from tests.kernel.helpers import specs_within_budgets, variant_builds
 
 HYBRID = "nemotron-h-attn-tiny"  # hybrid_override_pattern "*-*-"
@@ -63,9 +65,9 @@ def test_kernel_support_table(make, refusal):
 
 def test_kimi_spec_carries_its_kinds_and_traps_what_has_no_handler(monkeypatch):
     """The kinds' constants come from LayerKind.kernel_constants; MLA layers hold the KV slots;
-    the attention fields are the NO_ATTENTION placeholders. make_spec(unhandled="trap") builds
-    without an opcode that has no handler (planted here: MLA's, unregistered from the device),
-    which make_spec otherwise refuses by name."""
+    the attention fields are KernelSpec.NO_ATTENTION's placeholders. make_spec(unhandled="trap")
+    builds without an opcode that has no handler (planted here: MLA's, unregistered from the
+    device), which make_spec otherwise refuses by name."""
     import dataclasses
 
     from megakernel.isa import registry
@@ -80,7 +82,8 @@ def test_kimi_spec_carries_its_kinds_and_traps_what_has_no_handler(monkeypatch):
         make_spec(cfg, 2, 1, "sm_90a")
     trap = make_spec(cfg, 2, 1, "sm_90a", unhandled="trap")
     assert set(trap.ops) == program_ops(cfg) - {isa.Op.MLA}
-    assert s.kda == (2, 16, 4) and s.mla == (4, 32, 16, 8, 16) and s.moe[:6] == (8, 3, 32, 4, 2, 1)
+    assert s.constants("kda") == (2, 16, 4) and s.constants("mla") == (4, 32, 16, 8, 16)
+    assert s.constants("moe")[:6] == (8, 3, 32, 4, 2, 1)
     assert s.attn_layers == (1,) and s.heads == 0 and isa.Op.ATTN_PARTIAL not in s.ops
     assert {16 * 2, 4 * 16, 32} <= set(s.matvec_ks)  # KDA H d, MLA H dv, an expert's I
     with pytest.raises(SpecError, match="unhandled"):
@@ -103,8 +106,10 @@ def test_spec_carries_the_models_opcodes_attention_layers_and_rope():
 def test_dispatch_tables_hold_only_the_models_epilogues():
     hyb = OpTable.for_spec(make_spec(preset(HYBRID), 1, 1, "sm_90a"))
     dense = OpTable.for_spec(make_spec(preset("llama-tiny"), 1, 1, "sm_90a"))
-    assert hyb.epilogue("relu2") == (isa.Op.UP_RELU2,) and hyb.epilogue("gateup") == ()
-    assert dense.epilogue("gateup") == (isa.Op.GATEUP,) and dense.epilogue("relu2") == ()
+    assert hyb.epilogue("epilogues.Relu2") == (isa.Op.UP_RELU2,)
+    assert hyb.epilogue("epilogues.GateUp") == ()
+    assert dense.epilogue("epilogues.GateUp") == (isa.Op.GATEUP,)
+    assert dense.epilogue("epilogues.Relu2") == ()
     assert isa.Op.UP_RELU2 in hyb.slab and isa.Op.UP_RELU2 not in dense.slab
     # a spec from before the field existed handles the dense set
     legacy = spec_mod.KernelSpec.from_dict({**make_spec(preset("llama-tiny"), 1, 1,
@@ -147,8 +152,8 @@ def test_mamba_builds_within_budgets(mamba_builds, kernel_build):
     """nemotron-h-tiny (Mamba2 + attention + relu^2) on both archs and weight paths, and at T = 4,
     without spills or local memory within the register budget."""
     for s in specs_within_budgets(mamba_builds).values():
-        assert s.mamba and isa.Op.MAMBA_CORE in s.handled_ops and s.recurrent_smem_bytes > 0
-        assert isa.Op.MAMBA_REPLAY not in s.handled_ops and not s.gdn
+        assert s.has("mamba2") and isa.Op.MAMBA_CORE in s.handled_ops and s.recurrent_smem_bytes > 0
+        assert isa.Op.MAMBA_REPLAY not in s.handled_ops and not s.has("gdn")
     four = {arch: kernel_build(preset("nemotron-h-tiny"), arch, 2, 4) for arch in ARCHS}
     for s in specs_within_budgets(four).values():
         assert s.tokens == 4
@@ -169,11 +174,11 @@ WINDOW = 4
 
 def test_replay_spec_and_the_program_header():
     """replay_window is a constant of the build: its op set and ring capacity follow from it,
-    the program header's REPLAY_WINDOW and RING_CAP must match it (runtime.check_header), a
+    the program header's REPLAY_WINDOW and RING_CAP must match it (launch_checks.check_header), a
     dense model or a ReplaySSM op set without a window is refused."""
     cfg = preset("nemotron-h-tiny")
     s = make_spec(cfg, 2, 2, "sm_90a", replay_window=WINDOW)
-    assert s.replay_window == WINDOW and s.ring_cap == s.mamba_shape.cap == WINDOW - 1 + 2
+    assert s.replay_window == WINDOW and s.ring_cap == s.shape("mamba2").cap == WINDOW - 1 + 2
     assert isa.Op.MAMBA_REPLAY in s.handled_ops and isa.Op.MAMBA_CORE not in s.handled_ops
     assert spec_mod.KernelSpec.from_dict(s.to_dict()) == s
     assert s.tag != make_spec(cfg, 2, 2, "sm_90a").tag
@@ -204,5 +209,5 @@ def test_mamba_replay_builds_within_budgets(kernel_build):
     builds.update({(arch, 2, 4): kernel_build(preset("nemotron-h-tiny"), arch, 2, 4,
                                               replay_window=WINDOW) for arch in ARCHS})
     for s in specs_within_budgets(builds).values():
-        assert s.replay_window == WINDOW and s.mamba_shape.cap == WINDOW - 1 + s.tokens
+        assert s.replay_window == WINDOW and s.shape("mamba2").cap == WINDOW - 1 + s.tokens
         assert isa.Op.MAMBA_REPLAY in s.handled_ops and isa.Op.MAMBA_CORE not in s.handled_ops

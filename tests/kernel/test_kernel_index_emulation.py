@@ -19,12 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megakernel.kernel.spec import (
-    LANES,
-    ROW_CHUNK,
-    SMEM_STAGE_BYTES,
-    VEC,
-    KernelSpec,
+from megakernel.kernel.dense_index import (
     acc_index,
     attn_keys,
     attn_query,
@@ -33,14 +28,15 @@ from megakernel.kernel.spec import (
     k_slice,
     kv_row,
     kv_slot,
-    make_spec,
-    matvec_tiles,
     ring_slot,
     row_major,
     tile_copy,
-    tile_rows,
     tile_warp,
 )
+from megakernel.kernel.limits import LANES, ROW_CHUNK, SMEM_STAGE_BYTES, VEC, tile_rows
+from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.plans import matvec_tiles
+from megakernel.kernel.spec import KernelSpec
 from megakernel.models import preset
 
 MODELS = ("llama-tiny", "llama-mid", "llama-3.2-1b", "qwen3-0.6b")

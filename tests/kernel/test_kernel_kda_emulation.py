@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from megakernel import isa
+from megakernel.errors import SpecError
 from megakernel.executor import Executor, executor_gpu
 from megakernel.kernel.kda_index import KDAShape, check_kda
-from megakernel.kernel.spec import SpecError, make_spec
+from megakernel.kernel.model_spec import make_spec
 from megakernel.layers.kda import KDAConfig
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
@@ -93,7 +94,7 @@ def run_steps(model: str, batch: int, tokens: int, window: int, steps: int) -> s
     record from the state block before it and compared; returns the ring counts seen."""
     cfg = model_config(model)
     spec = make_spec(cfg, batch, tokens, "sm_90a", replay_window=window)
-    g = spec.kda_shape
+    g = spec.shape("kda")
     assert check_kda(g) == "" and g.num_warps == NW and g.cap == spec.ring_cap
     op = isa.Op.KDA_REPLAY if window else isa.Op.KDA_CORE
     assert op in spec.handled_ops

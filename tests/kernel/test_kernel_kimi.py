@@ -12,7 +12,8 @@ import re
 import pytest
 
 from megakernel import isa
-from megakernel.kernel.spec import ARCHS, program_ops
+from megakernel.arch import ARCHS
+from megakernel.kernel.model_spec import program_ops
 from megakernel.models import preset
 from tests.kernel.helpers import specs_within_budgets
 
@@ -38,8 +39,9 @@ def test_kimi_builds_within_budgets_with_every_handler(kimi_builds):
         assert s.pipelined == (st is None)
         core, other = ((isa.Op.KDA_REPLAY, isa.Op.KDA_CORE) if window
                        else (isa.Op.KDA_CORE, isa.Op.KDA_REPLAY))
-        assert s.kda == (2, 16, 4) and core in s.handled_ops and other not in s.handled_ops
-        assert s.kda_shape.cap == (WINDOW - 1 + t if window else 0)
+        assert s.constants("kda") == (2, 16, 4)
+        assert core in s.handled_ops and other not in s.handled_ops
+        assert s.shape("kda").cap == (WINDOW - 1 + t if window else 0)
 
 
 def test_kda_handler_is_compiled_in(kimi_builds):
@@ -59,4 +61,4 @@ def test_the_real_kimi_preset_builds_for_both_archs(kernel_build, window):
     builds = {arch: kernel_build(cfg, arch, 1, 1, replay_window=window) for arch in ARCHS}
     for s in specs_within_budgets(builds).values():
         assert set(s.handled_ops) == program_ops(cfg, bool(window)) and s.pipelined
-        assert s.kda == (32, 128, 4) and s.mla == (32, 512, 128, 64, 128)
+        assert s.constants("kda") == (32, 128, 4) and s.constants("mla") == (32, 512, 128, 64, 128)

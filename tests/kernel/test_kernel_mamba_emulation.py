@@ -29,10 +29,12 @@ import pytest
 import torch
 
 from megakernel import isa
+from megakernel.errors import SpecError
 from megakernel.executor import Executor, executor_gpu
 from megakernel.kernel.gdn_index import SOFTPLUS_LINEAR
+from megakernel.kernel.limits import NUM_THREADS
 from megakernel.kernel.mamba_index import LANES, MambaShape, check_mamba
-from megakernel.kernel.spec import NUM_THREADS, SpecError, make_spec
+from megakernel.kernel.model_spec import make_spec
 from megakernel.layers import kind
 from megakernel.layers.mamba2 import Mamba2Config
 from megakernel.models import preset
@@ -320,7 +322,7 @@ def assert_ssm_out(prog, ex: Executor, out: np.ndarray) -> None:
 def test_mamba_core_emulation_matches_the_executor(model, batch, tokens):
     cfg = model_config(model)
     spec = make_spec(cfg, batch, tokens, "sm_90a")
-    m = spec.mamba_shape
+    m = spec.shape("mamba2")
     assert check_mamba(m) == "" and m.num_warps == NW and m.tiles * m.tile_rows == m.rows
     w = random_weights(cfg, seed=7)
     prog = compile_program(cfg, batch, executor_gpu(8), tokens=tokens, max_seq_len=32)
@@ -383,7 +385,7 @@ def test_mamba_replay_emulation_matches_the_executor(batch, tokens):
     window = 4
     cfg = preset("nemotron-h-tiny")
     spec = make_spec(cfg, batch, tokens, "sm_90a", replay_window=window)
-    m = spec.mamba_shape
+    m = spec.shape("mamba2")
     assert m.cap == window - 1 + tokens and spec.replay_window == window
     w = random_weights(cfg, seed=11)
     prog = compile_program(cfg, batch, executor_gpu(8), tokens=tokens, max_seq_len=64,
@@ -455,7 +457,7 @@ def test_mamba_replay_traffic_is_what_the_cost_model_charges():
     S_c written at the fold, the window read and written once)."""
     window, batch = 4, 2
     cfg = preset("nemotron-h-tiny")
-    m = make_spec(cfg, batch, 1, "sm_90a", replay_window=window).mamba_shape
+    m = make_spec(cfg, batch, 1, "sm_90a", replay_window=window).shape("mamba2")
     prog = compile_program(cfg, batch, executor_gpu(8), tokens=1, max_seq_len=32,
                            replay_window=window)
     ex = Executor(prog, pack_weights(cfg, random_weights(cfg, seed=3)), check=True)

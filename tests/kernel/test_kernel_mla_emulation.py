@@ -20,8 +20,10 @@ import torch
 from megakernel import isa
 from megakernel.executor import Executor, executor_gpu
 from megakernel.executor.ops.mla import mla, mla_o, mla_q
+from megakernel.kernel.dense_index import attn_keys, kv_row
+from megakernel.kernel.limits import NUM_THREADS
 from megakernel.kernel.mla_index import LANES, LATENT_NORM_EPS, MLAShape, check_mla
-from megakernel.kernel.spec import NUM_THREADS, attn_keys, kv_row, make_spec
+from megakernel.kernel.model_spec import make_spec
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
@@ -171,7 +173,7 @@ def setup(batch: int, tokens: int, n_splits: int, seed: int):  # noqa: ANN201
     """An executor of kimi-linear-tiny with fresh random lengths, caches and proj, and the MLA
     layer's records by opcode."""
     cfg = preset(MODEL)
-    m = make_spec(cfg, batch, tokens, "sm_90a", smem_stages=0).mla_shape
+    m = make_spec(cfg, batch, tokens, "sm_90a", smem_stages=0).shape("mla")
     prog = compile_program(cfg, batch, executor_gpu(8), tokens=tokens, max_seq_len=S_MAX,
                            n_splits=n_splits)
     ex = Executor(prog, pack_weights(cfg, random_weights(cfg, seed=seed)), check=False)

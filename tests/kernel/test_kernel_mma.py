@@ -17,17 +17,12 @@ import numpy as np
 import pytest
 
 from megakernel import isa
+from megakernel.arch import ARCHS
+from megakernel.kernel import limits
 from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.spec import (
-    MMA_K_ALIGN,
-    MMA_M,
-    MMA_MIN_ROWS,
-    MMA_N,
-    make_spec,
-    mma_c_coord,
-    mma_operand_word,
-    mma_red_index,
-)
+from megakernel.kernel.dense_index import mma_c_coord, mma_operand_word, mma_red_index
+from megakernel.kernel.limits import MMA_K_ALIGN, MMA_M, MMA_MIN_ROWS, MMA_N
+from megakernel.kernel.model_spec import make_spec
 from megakernel.models import preset
 
 
@@ -113,7 +108,7 @@ def _bf16(a: np.ndarray) -> np.ndarray:
                                            (16, 2048, 2048 - 32, 5)])
 def test_fragment_mapping_computes_the_dot_products(NO, KC, kc, rows):
     rng = np.random.default_rng(NO * 7 + kc + rows)
-    x = np.full((NO, KC + spec_mod.MMA_X_PAD), np.nan)  # sX rows x_stride apart, pad unread
+    x = np.full((NO, KC + limits.MMA_X_PAD), np.nan)  # sX rows x_stride apart, pad unread
     x[:, :kc] = _bf16(rng.standard_normal((NO, kc)))  # the K-chunk staged (kc <= KC)
     tile = _bf16(rng.standard_normal((MMA_N, kc)))
     tile[rows:] = np.nan  # stale rows of a short last tile must not leak into the result
@@ -130,13 +125,13 @@ def test_mma_path_is_chosen_by_rows_pipeline_and_alignment():
     for b, t in ((MMA_MIN_ROWS, 1), (4, 4), (16, 1), (64, 1)):
         s = make_spec(cfg, b, t, "sm_90a")
         assert s.mma and s.pipelined, (b, t)
-        assert s.x_stride == s.k_chunk + spec_mod.MMA_X_PAD and (2 * s.x_stride) % 128 == 64
+        assert s.x_stride == s.k_chunk + limits.MMA_X_PAD and (2 * s.x_stride) % 128 == 64
         assert s.no % MMA_M == 0 and s.no <= 2 * MMA_M and s.no >= min(s.rows, 2 * MMA_M)
-        assert spec_mod.tile_rows(min(s.k_chunk, s.k_max), s.num_warps) == MMA_N
+        assert limits.tile_rows(min(s.k_chunk, s.k_max), s.num_warps) == MMA_N
         off, n = s.smem_regions()["red"]
         assert n == 4 * 2 * s.num_warps * s.no * MMA_N
-        assert s.smem_bytes <= spec_mod.SMEM_BUDGET
-        assert 4 * s.acc_words <= spec_mod.ACC_SMEM_BYTES
+        assert s.smem_bytes <= limits.SMEM_BUDGET
+        assert 4 * s.acc_words <= limits.ACC_SMEM_BYTES
     # the global-memory path has no tensor-core GEMV
     assert not make_spec(cfg, 16, 1, "sm_90a", smem_stages=0).mma
     # every K must be a multiple of 32 (16 bytes per lane per weight row)
@@ -186,7 +181,7 @@ def test_cost_model_charges_the_path_the_build_runs():
 def builds(kernel_build):
     return {(name, b, t, arch): kernel_build(preset(name), arch, b, t)
             for name, b, t in (("llama-tiny", 16, 1), ("qwen3-tiny", 4, 4), ("llama-tiny", 1, 1))
-            for arch in spec_mod.ARCHS}
+            for arch in ARCHS}
 
 
 def test_mma_builds_carry_tensor_core_instructions_within_budget(builds):
@@ -200,8 +195,8 @@ def test_mma_builds_carry_tensor_core_instructions_within_budget(builds):
         n_hmma = len(re.findall(r"HMMA\.16816\.F32\.BF16", sass))
         r = m["resources"]
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["local_bytes"] == 0
-        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET, (name, b, arch, r)
-        assert m["dynamic_smem_bytes"] == spec.smem_bytes <= spec_mod.SMEM_BUDGET
+        assert 0 < r["registers"] <= limits.REGISTER_BUDGET, (name, b, arch, r)
+        assert m["dynamic_smem_bytes"] == spec.smem_bytes <= limits.SMEM_BUDGET
         if spec.mma:
             assert n_mma >= 2 and n_hmma >= 2, (name, b, t, arch, n_mma, n_hmma)
             assert "ld.shared.v4.b32" in ptx  # 16-byte operand loads from the ring and x

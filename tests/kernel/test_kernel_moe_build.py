@@ -1,5 +1,5 @@
 """The MoE handlers' place in a build: a Kimi spec handles the router and expert opcodes, the
-expert slabs on their own epilogue; runtime.check_header holds a program's MOE_* words against
+expert slabs on their own epilogue; launch_checks.check_header holds a program's MOE_* words against
 the build (the builds themselves: test_kernel_kimi.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from megakernel import isa
-from megakernel.kernel import spec as spec_mod
+from megakernel.kernel import model_spec
 from megakernel.kernel.fields import OpTable
 from megakernel.models import preset
 from megakernel.program.compiler import compile_program
@@ -20,18 +20,19 @@ MOE_OPS = {isa.Op.EXPERT_GATEUP, isa.Op.EXPERT_DOWN, isa.Op.MOE_COMBINE}
 
 
 def test_kimi_spec_handles_the_moe_opcodes():
-    s = spec_mod.make_spec(preset(NAME), 4, 1, "sm_90a")
+    s = model_spec.make_spec(preset(NAME), 4, 1, "sm_90a")
     assert MOE_OPS | {isa.Op.ROUTER_SCORE, isa.Op.ROUTER} <= set(s.ops)
     t = OpTable.for_spec(s)
-    assert t.epilogue("expert_gateup") == (isa.Op.EXPERT_GATEUP,)
+    assert t.epilogue("moe.ExpertGateUp") == (isa.Op.EXPERT_GATEUP,)
+    assert t.epilogue("moe.ExpertDown") == (isa.Op.EXPERT_DOWN,)
     assert {isa.Op.EXPERT_GATEUP, isa.Op.EXPERT_DOWN} <= set(t.slab)
 
 
 def test_check_header_holds_the_moe_words():
-    from megakernel.runtime import ArgumentError, check_header
+    from megakernel.launch_checks import ArgumentError, check_header
 
     cfg = preset(NAME)
-    spec = spec_mod.make_spec(cfg, 2, 1, "sm_90a").to_dict()
+    spec = model_spec.make_spec(cfg, 2, 1, "sm_90a").to_dict()
     header = compile_program(cfg, 2, gpu("h100").with_sms(8)).header
     check_header(header, spec)
     for word in ("MOE_E", "MOE_TOPK", "MOE_I", "MOE_SHARED", "MOE_X_STRIDE"):

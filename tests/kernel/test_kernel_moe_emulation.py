@@ -27,7 +27,9 @@ import torch
 import megakernel.executor.ops.moe as ex_moe
 from megakernel.executor import Executor
 from megakernel.kernel import moe_index as mi
-from megakernel.kernel.spec import make_spec, matvec_tiles, tile_rows
+from megakernel.kernel.limits import tile_rows
+from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.plans import matvec_tiles
 from megakernel.layers.moe import work_list
 from megakernel.models import preset
 from megakernel.models.weights import random_weights

@@ -13,20 +13,17 @@ from pathlib import Path
 import pytest
 
 from megakernel import isa
+from megakernel.arch import ARCHS
+from megakernel.errors import SpecError
+from megakernel.kernel import fingerprint, limits, plans
 from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.spec import (
-    ROW_CHUNK,
-    SMEM_STAGE_BYTES,
-    SpecError,
-    make_spec,
-    matvec_tiles,
-    ring_slot,
-    stage_plan,
-    tile_rows,
-)
+from megakernel.kernel.dense_index import ring_slot
+from megakernel.kernel.limits import ROW_CHUNK, SMEM_STAGE_BYTES, tile_rows
+from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.plans import matvec_tiles, stage_plan
 from megakernel.models import preset
 
-STAGES = spec_mod.PIPELINE_STAGES
+STAGES = limits.PIPELINE_STAGES
 
 
 # ---- host mirror (no DSL) -----------------------------------------------------------------------
@@ -168,12 +165,12 @@ def test_pipeline_spec_limits_and_messages():
     s = make_spec(cfg, 1, 1, "sm_90a", smem_stages=STAGES)
     assert s.pipelined and s.block_threads == s.num_threads + 32
     assert "ring" in s.smem_regions() and "mbar" in s.smem_regions()
-    assert s.smem_bytes <= spec_mod.SMEM_BUDGET
+    assert s.smem_bytes <= limits.SMEM_BUDGET
     assert s.k_chunk * 2 <= SMEM_STAGE_BYTES
     d = make_spec(cfg, 1, 1, "sm_90a", smem_stages=0)
     assert not d.pipelined and d.block_threads == d.num_threads and "ring" not in d.smem_regions()
     assert s.tag == d.tag  # variants share the build-set tag (gpu-check keeps them apart)
-    assert spec_mod.fingerprint(s, "4.8.1") != spec_mod.fingerprint(d, "4.8.1")
+    assert fingerprint.fingerprint(s, "4.8.1") != fingerprint.fingerprint(d, "4.8.1")
     with pytest.raises(SpecError, match="smem_stages must be 0"):
         make_spec(cfg, 1, 1, "sm_90a", smem_stages=1)
     with pytest.raises(SpecError, match="shared memory > budget"):
@@ -192,9 +189,9 @@ def test_pipeline_spec_limits_and_messages():
     from megakernel.gpu_check.cases import stage_cases
 
     for c, _ in stage_cases():
-        for arch in spec_mod.ARCHS:
+        for arch in ARCHS:
             got = make_spec(preset(c.model), c.batch, c.tokens, arch).smem_stages
-            assert spec_mod.MIN_PIPELINE_STAGES <= got <= STAGES
+            assert limits.MIN_PIPELINE_STAGES <= got <= STAGES
 
 
 # ---- compiled variant (DSL) ---------------------------------------------------------------------
@@ -204,7 +201,7 @@ CASES = [("llama-tiny", 1, 1), ("qwen3-tiny", 2, 2)]
 @pytest.fixture(scope="module")
 def builds(kernel_build) -> dict[tuple[str, str], tuple[Path, dict]]:
     return {(name, arch): kernel_build(preset(name), arch, b, t, smem_stages=STAGES)
-            for name, b, t in CASES for arch in spec_mod.ARCHS}
+            for name, b, t in CASES for arch in ARCHS}
 
 
 def test_pipeline_builds_within_budgets(builds):
@@ -215,9 +212,9 @@ def test_pipeline_builds_within_budgets(builds):
         assert m["block"] == [spec.num_threads + 32, 1, 1]
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, arch, r)
         assert r["local_bytes"] == 0 and r["local_stores"] == 0 and r["local_loads"] == 0, r
-        assert 0 < r["registers"] <= spec_mod.REGISTER_BUDGET
+        assert 0 < r["registers"] <= limits.REGISTER_BUDGET
         assert r["registers"] * m["block"][0] <= 65536
-        assert m["dynamic_smem_bytes"] == spec.smem_bytes <= spec_mod.SMEM_BUDGET
+        assert m["dynamic_smem_bytes"] == spec.smem_bytes <= limits.SMEM_BUDGET
         print(f"pipelined {name} {arch}: {r['registers']} regs, smem "
               f"{m['dynamic_smem_bytes']} B, compile {m['compile_seconds']} s")
 
@@ -248,7 +245,7 @@ def test_ptx_has_the_pipeline(builds):
         n_loader = body.count("cp.async.bulk.prefetch.L2.global")
         assert n_loader >= 2, (name, arch, n_loader)
         assert ptx.count("cp.async.bulk.prefetch.L2.global") - n_loader == 1, (name, arch)
-        w = spec_mod.prefetch_window(arch)
+        w = limits.prefetch_window(arch)
         assert re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {w};", body), (name, arch, w)
         # the GEMV reads its weights from shared memory, not with 16-byte global loads
         assert "ld.global.L1::no_allocate.L2::256B.v4" not in ptx, (name, arch)
@@ -326,7 +323,7 @@ def test_loader_consumer_and_mirror_share_the_tile_loop_nest():
 
     load = inspect.getsource(pl.Pipeline.load_queue)
     cons = inspect.getsource(mv.Matvec.run_piped)
-    mirror = inspect.getsource(spec_mod.matvec_tiles)
+    mirror = inspect.getsource(plans.matvec_tiles)
     # tile-walking loops only (the tidx-strided ones are per-thread work, not tiles)
     lt = [(v, it) for _, v, it in _loops(load)]
     ct = [(v, it) for _, v, it in _loops(cons) if "tidx" not in it]
@@ -396,7 +393,7 @@ def test_real_programs_fit_the_ring(name, batch, tokens):
     cfg = preset(name)
     prog = compile_program(cfg, batch, gpu("h200"), tokens=tokens)
     spec = make_spec(cfg, batch, tokens, "sm_90a")  # the default build: the deepest ring
-    assert spec.smem_stages >= spec_mod.MIN_PIPELINE_STAGES
+    assert spec.smem_stages >= limits.MIN_PIPELINE_STAGES
     nw, kc_max = spec.num_warps, spec.k_chunk
     regions = spec.smem_regions()
     assert regions["ring"][0] % 128 == 0 and regions["mbar"][0] % 8 == 0

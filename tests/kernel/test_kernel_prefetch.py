@@ -11,8 +11,11 @@ import random
 
 import pytest
 
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.spec import lookahead_plan, prefetch_window
+from megakernel import errors
+from megakernel.arch import ARCH_SMS, ARCHS, L2_BYTES
+from megakernel.kernel import limits
+from megakernel.kernel.limits import prefetch_window
+from megakernel.kernel.plans import lookahead_plan
 
 
 def _check(slabs: list[int], window: int) -> None:
@@ -68,15 +71,15 @@ def test_lookahead_properties_on_random_queues():
 
 
 def test_window_from_l2_size():
-    for arch in spec_mod.ARCHS:
+    for arch in ARCHS:
         w = prefetch_window(arch)
-        assert w % spec_mod.PREFETCH_CHUNK == 0 and w > 0
-        total = w * spec_mod.ARCH_SMS[arch]
-        assert total <= spec_mod.L2_PREFETCH_SHARE * spec_mod.L2_BYTES[arch]
-        assert total > 0.4 * spec_mod.L2_BYTES[arch]  # not needlessly small either
+        assert w % limits.PREFETCH_CHUNK == 0 and w > 0
+        total = w * ARCH_SMS[arch]
+        assert total <= limits.L2_PREFETCH_SHARE * L2_BYTES[arch]
+        assert total > 0.4 * L2_BYTES[arch]  # not needlessly small either
     assert prefetch_window("sm_90a") == 192 * 1024
     assert prefetch_window("sm_100a") == 432 * 1024
-    with pytest.raises(spec_mod.SpecError, match="unsupported arch 'sm_80'"):
+    with pytest.raises(errors.SpecError, match="unsupported arch 'sm_80'"):
         prefetch_window("sm_80")
 
 
@@ -84,7 +87,7 @@ def _check_loader(slabs: list[tuple[int, int]], passes: int, k_chunk: int, windo
     """The loader's lookahead: its requests, in order, are exactly the loader's tiles in order
     (every pass), each tile's bytes requested before its copy, and before tile j the cursor has
     covered (bytes of tiles 0..j-1) + window, but not a tile more."""
-    from megakernel.kernel.spec import loader_lookahead_plan, stage_plan, tile_requests
+    from megakernel.kernel.plans import loader_lookahead_plan, stage_plan, tile_requests
 
     plan = loader_lookahead_plan(slabs, passes, k_chunk, 8, window)
     tiles = stage_plan(slabs, passes, k_chunk, 8)
@@ -118,7 +121,7 @@ def _check_loader(slabs: list[tuple[int, int]], passes: int, k_chunk: int, windo
 def test_loader_lookahead_follows_the_loaders_tiles():
     """Whole-row slabs: the window slides tile by tile; K-chunked slabs: the cursor requests the
     loader's column bands in its order, row by row (not the slab's rows ahead of them)."""
-    from megakernel.kernel.spec import loader_lookahead_plan
+    from megakernel.kernel.plans import loader_lookahead_plan
 
     w = 64 * 1024
     slabs = [(0, 0), (64, 2048), (0, 0), (16, 2048)]  # 256 KiB, attention, 64 KiB

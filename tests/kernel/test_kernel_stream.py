@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megakernel import measure
-from megakernel.kernel.spec import ARCHS
+from megakernel.arch import ARCHS
 
 
 @pytest.fixture(scope="module")

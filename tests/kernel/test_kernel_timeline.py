@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from megakernel.kernel import spec as spec_mod
+from megakernel.arch import ARCHS
+from megakernel.kernel import fingerprint, limits, model_spec
 from megakernel.kernel.build import PTX_NAME, build_arch
 from megakernel.models import preset
 
@@ -19,7 +20,7 @@ def timer_reads(ptx: str) -> int:
     return len(re.findall(r"mov\.u64\s+%rd\d+,\s*%globaltimer;", ptx))
 
 
-@pytest.mark.parametrize("arch", spec_mod.ARCHS)
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("stages", [None, 0])
 def test_timeline_build_stamps_only_in_the_variant(kernel_build, tmp_path, arch, stages):
     cfg = preset("llama-tiny")
@@ -35,9 +36,9 @@ def test_timeline_build_stamps_only_in_the_variant(kernel_build, tmp_path, arch,
 
 def test_timeline_spec_is_a_separate_build():
     cfg = preset("llama-tiny")
-    a = spec_mod.make_spec(cfg, 1, 1, "sm_90a")
-    b = spec_mod.make_spec(cfg, 1, 1, "sm_90a", timeline=True)
+    a = model_spec.make_spec(cfg, 1, 1, "sm_90a")
+    b = model_spec.make_spec(cfg, 1, 1, "sm_90a", timeline=True)
     assert not a.timeline and b.timeline and a.tag != b.tag and b.tag.endswith("-timeline")
-    assert spec_mod.fingerprint(a, "x") != spec_mod.fingerprint(b, "x")
-    assert spec_mod.timeline_offset(3, 5) == 3 * 5 * 16
-    assert spec_mod.timeline_int32_words(3, 5) == 3 * 5 * (16 + 2 * spec_mod.TIMELINE_WORDS)
+    assert fingerprint.fingerprint(a, "x") != fingerprint.fingerprint(b, "x")
+    assert limits.timeline_offset(3, 5) == 3 * 5 * 16
+    assert limits.timeline_int32_words(3, 5) == 3 * 5 * (16 + 2 * limits.TIMELINE_WORDS)

@@ -39,7 +39,8 @@ def test_frame_opcodes() -> None:
     assert {n: s.code for n, s in ours.items()} == FRAME_OPS
     assert {n for n, s in ours.items() if s.slab} == {"OPROJ", "DOWN", "PROJ", "LMHEAD"}
     assert {n: s.matvec for n, s in ours.items() if s.matvec} == {
-        "OPROJ": "residual", "DOWN": "residual", "PROJ": "proj", "LMHEAD": "lmhead"}
+        "OPROJ": "epilogues.Residual", "DOWN": "epilogues.Residual", "PROJ": "epilogues.Proj",
+        "LMHEAD": "epilogues.LMHead"}
     assert all(s.device for s in ours.values())  # PROJ too: the proj epilogue
 
 

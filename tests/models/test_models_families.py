@@ -1,8 +1,8 @@
-"""What every model family answers for, over the family table below: its real presets, written
-out; each published config.json in published/ parses to its preset (from the dict and from the
-directory, as `resolve` reads it); the published parameter counts or sizes; the fields of some
-presets spelled out. What only one family does (its refusals, its config.json quirks, its
-checkpoint names) is in tests/models/test_models_<family>.py.
+"""What every model family answers for (every registered family, tests/registries.py): its real
+presets, written out below; each published config.json in published/ parses to its preset (from
+the dict and from the directory, as `resolve` reads it); the published parameter counts or sizes;
+the fields of some presets spelled out. What only one family does (its refusals, its config.json
+quirks, its checkpoint names) is in tests/models/test_models_<family>.py.
 
 published/<preset>/config.json holds the fields of the published config.json files, written out
 by hand so that a typo in a preset shows up as a mismatch here: meta-llama/Llama-3.2-1B and
@@ -35,24 +35,21 @@ from megakernel.models import (
     resolve,
 )
 from megakernel.models.dense import DenseConfig
-from megakernel.models.kimi_linear import KimiLinearConfig
-from megakernel.models.llama import LlamaConfig
-from megakernel.models.nemotron_h import NemotronHConfig
-from megakernel.models.qwen2 import Qwen2Config
-from megakernel.models.qwen3 import Qwen3Config
-from megakernel.models.qwen3_5 import Qwen35Config
 from megakernel.models.weights import expected_shapes
+from tests.registries import FAMILIES
 
 PUBLISHED = Path(__file__).with_name("published")
-FAMILIES: dict[str, tuple[type[ModelConfig], tuple[str, ...]]] = {  # -> (class, real presets)
-    "llama": (LlamaConfig, ("llama-3.2-1b", "llama-3.1-8b")),
-    "qwen3": (Qwen3Config, ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b")),
-    "qwen2": (Qwen2Config, ("qwen2.5-0.5b", "qwen2.5-1.5b")),
-    "qwen3_5": (Qwen35Config, ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b")),
-    "kimi_linear": (KimiLinearConfig, ("kimi-linear-48b-a3b",)),
-    "nemotron_h": (NemotronHConfig, ("nemotron-h-8b",)),
+# family -> its real presets, written out (the expected values: the registry's are checked
+# against them, so a real preset dropped or misspelt in a family module shows up here)
+REAL_PRESETS: dict[str, tuple[str, ...]] = {
+    "llama": ("llama-3.2-1b", "llama-3.1-8b"),
+    "qwen3": ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"),
+    "qwen2": ("qwen2.5-0.5b", "qwen2.5-1.5b"),
+    "qwen3_5": ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"),
+    "kimi_linear": ("kimi-linear-48b-a3b",),
+    "nemotron_h": ("nemotron-h-8b",),
 }
-OWNER = {name: fam for fam, (_, real) in FAMILIES.items() for name in real}
+OWNER = {name: fam for fam in FAMILIES for name in family(fam).real_presets}  # real -> family
 # Published parameter counts (model cards / safetensors metadata; tied embeddings counted once)
 PUBLISHED_PARAMS = {
     "llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
@@ -167,12 +164,17 @@ def published(name: str) -> dict[str, Any]:
     return json.loads((PUBLISHED / name / "config.json").read_text())
 
 
-@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_the_real_presets_table_has_every_family() -> None:
+    assert sorted(REAL_PRESETS) == sorted(FAMILIES), "REAL_PRESETS: one entry per family"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
 def test_real_presets(fam: str) -> None:
     """The family's real presets, in order; each family has a published config.json, a dense
     family one for every real preset and a published parameter count for each."""
-    cls, real = FAMILIES[fam]
-    assert family(fam).real_presets == real and family(fam).cls is cls
+    assert fam in REAL_PRESETS, f"family {fam!r} has no entry in REAL_PRESETS"
+    cls, real = family(fam).cls, REAL_PRESETS[fam]
+    assert family(fam).real_presets == real and cls.family == fam
     assert set(real) <= set(presets())
     with_config = {d.name for d in PUBLISHED.iterdir() if d.name in real}
     assert with_config
@@ -191,7 +193,7 @@ def test_published_config_parses_to_the_preset(name: str) -> None:
     the family's class; so does config_from_hf_dict of its dict."""
     path = PUBLISHED / name
     cfg = config_from_hf_dir(path)
-    assert type(cfg) is FAMILIES[OWNER[name]][0]
+    assert type(cfg) is family(OWNER[name]).cls
     assert cfg.replace(name=name) == preset(name)
     assert resolve(str(path)) == cfg
     assert config_from_hf_dict(published(name), name=name) == preset(name)

@@ -31,11 +31,9 @@ from megakernel.models.weights import (
     save_checkpoint,
     tensor_roles,
 )
+from tests.registries import DENSE_FAMILIES, TINY
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DENSE = ["llama", "qwen3", "qwen2"]
-TINY = ["llama-tiny", "qwen3-tiny", "qwen2-tiny", "qwen3.5-tiny", "kimi-linear-tiny",
-        "nemotron-h-tiny"]
 
 MakeHF = Callable[..., torch.nn.Module]  # the dense_hf_model fixture
 
@@ -51,7 +49,7 @@ def tiny(fam: str, tied: bool, layers: int = 2) -> ModelConfig:
 
 
 # ---- layout --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fam", DENSE)
+@pytest.mark.parametrize("fam", DENSE_FAMILIES)
 @pytest.mark.parametrize("tied", [True, False])
 def test_expected_shapes_match_transformers(fam: str, tied: bool,
                                             dense_hf_model: MakeHF) -> None:
@@ -91,7 +89,7 @@ def test_keep_fp32() -> None:
 
 
 # ---- round trips through save_pretrained ---------------------------------------------------------
-@pytest.mark.parametrize("fam", DENSE)
+@pytest.mark.parametrize("fam", DENSE_FAMILIES)
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("disk", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("sharded", [False, True])
@@ -623,7 +621,7 @@ def _deep(fam: str, vocab: int, eps: float, rope: RopeConfig, head_dim: int) -> 
                            max_position_embeddings=256, name="deep")
 
 
-@pytest.mark.parametrize("fam", DENSE)
+@pytest.mark.parametrize("fam", DENSE_FAMILIES)
 def test_random_depth_stability_in_transformers(fam: str, dense_hf_model: MakeHF) -> None:
     """32 layers, tiny width: the residual stream's RMS stays in a band after every layer."""
     cfg = _deep(fam, 256, 1e-5, RopeConfig(1e4), 16)

@@ -16,10 +16,9 @@ from megakernel.models import preset, presets, real_presets
 from megakernel.program.compiler import PlanError, compile_program
 from megakernel.program.gpus import GPUS, GPUError, gpu
 from megakernel.program.verify import check_program
+from tests.registries import DENSE_FAMILIES, FAMILIES, HYBRID_TINY, TINY
 
 TOY = gpu("h100").with_sms(8)
-TINY = ["llama-tiny", "qwen3-tiny", "qwen2-tiny", "qwen3.5-tiny", "kimi-linear-tiny",
-        "nemotron-h-tiny"]
 
 # sha256 of the encoded records of dense programs as compiled before the one-stack redesign
 # (format 2 records, the dense compiler of that time): the redesign must not change them.
@@ -72,8 +71,8 @@ def test_small_programs_verify(name: str, batch: int, tokens: int) -> None:
     assert hdr["FORMAT_VERSION"] == isa.FORMAT_VERSION and hdr["N"] == batch * tokens
 
 
-@pytest.mark.parametrize("name,window", [(n, None) for n in TINY] + [
-    (n, 3) for n in ("qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny")])
+@pytest.mark.parametrize("name,window",
+                         [(n, None) for n in TINY] + [(n, 3) for n in HYBRID_TINY])
 def test_every_family_compiles_and_verifies(name: str, window: int | None) -> None:
     cfg = preset(name)
     for batch, tokens in ((1, 1), (3, 2)):
@@ -102,7 +101,7 @@ def test_counter_targets_match_their_producers() -> None:
                 assert d["WAIT_TARGET"] == d["WAIT_TOTAL"] == prog.counters[d["WAIT_CID"]].total
 
 
-DENSE_REAL = [n for n in real_presets() if preset(n).family in ("llama", "qwen3", "qwen2")]
+DENSE_REAL = [n for n in real_presets() if preset(n).family in DENSE_FAMILIES]
 
 
 @pytest.mark.parametrize("name", DENSE_REAL)
@@ -222,7 +221,10 @@ def test_plan_time_errors_name_the_problem() -> None:
 
 
 def test_presets_cover_the_tiny_models() -> None:
+    """Every family has a tiny preset of all its layer kinds (tests/registries.py TINY)."""
     assert {"llama-tiny", "qwen3-tiny", "llama-mid", *TINY} <= set(presets())
+    missing = sorted(set(FAMILIES) - {preset(n).family for n in TINY})
+    assert not missing, f"families without a tiny preset of all their layer kinds: {missing}"
 
 
 @pytest.mark.parametrize("name, tokens, n_splits", [

@@ -10,16 +10,13 @@ import pytest
 
 from megakernel.cli import main
 from megakernel.program.cost import CostParams
-from megakernel.program.refit import (
+from megakernel.program.measurements import (
     Measurement,
-    ProgramCache,
     RefitError,
     from_gpu_check,
     load_measurements,
-    load_params,
-    predict,
-    refit,
 )
+from megakernel.program.refit import ProgramCache, load_params, predict, refit
 
 GPU16 = "h200/16sm"  # small programs: each replay takes milliseconds
 TRUE = CostParams(mem_latency=300e-9, fixed_per_instr=0.5e-6)  # away from the defaults
@@ -148,7 +145,7 @@ def _report() -> dict:
 
 def test_gpu_check_report_to_measurements(tmp_path) -> None:  # noqa: ANN001
     from megakernel import gpu_check
-    from megakernel.kernel.spec import SMEM_STAGE_BYTES
+    from megakernel.kernel.limits import SMEM_STAGE_BYTES
 
     stages = dict(gpu_check.variants())
     other = next(n for n in stages if n != "default")

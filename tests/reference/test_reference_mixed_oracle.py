@@ -17,10 +17,10 @@ import torch
 from megakernel.models import preset
 from megakernel.models.weights import random_weights, save_checkpoint
 from megakernel.reference import ReferenceModel
+from tests.layers.helpers import HF_CLASSES
+from tests.registries import HYBRID_TINY, RECURRENT_KINDS
 
-FAMILIES = ["qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"]
-HF_CLASS = {"qwen3_5": "Qwen3_5ForCausalLM", "kimi_linear": "KimiLinearForCausalLM",
-            "nemotron_h": "NemotronHForCausalLM"}
+FAMILIES = HYBRID_TINY  # the tiny preset of every hybrid family
 PROMPT_LENGTHS = (9, 6)
 SINGLE_STEPS, MULTI_STEP = 14, 4  # decode tokens: single steps, then one T=4 call
 # Weights of the fp32 comparison. The state bound (atol 1e-6) sits at fp32 noise: over weight
@@ -33,7 +33,7 @@ def load_hf(cfg, weights, path: Path, dtype=torch.float32):
     import transformers
 
     save_checkpoint(cfg, weights, path)
-    cls = getattr(transformers, HF_CLASS[cfg.family])
+    cls = getattr(transformers, HF_CLASSES[cfg.family][1])
     model, info = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager",
                                       output_loading_info=True)
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
@@ -75,7 +75,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
 
 
-@pytest.mark.parametrize("name", FAMILIES + ["qwen3.5-tiny-tied"])
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen3.5-tiny-tied"])
 def test_matches_transformers(name: str, tmp_path: Path, record_numerics) -> None:
     cfg = preset(name.removesuffix("-tied"))
     if name.endswith("-tied"):  # the small Qwen3.5 models tie the LM head to the embedding
@@ -97,7 +97,7 @@ def test_matches_transformers(name: str, tmp_path: Path, record_numerics) -> Non
         assert int(cache.lengths[b]) == length
         for i, kind in enumerate(cfg.layer_types):
             layer = hf_cache.layers[i]
-            if kind in ("gdn", "kda", "mamba2"):
+            if kind in RECURRENT_KINDS:
                 state = layer.recurrent_states[0][0]
                 conv = layer.conv_states[0][0]  # [C, K]: the K newest inputs
                 ours_state = ours.recurrent_state(cache, i)[b]

@@ -207,7 +207,7 @@ def test_generate_is_the_greedy_loop():
 # roundings move the logits depends on the model: an a-priori band such as (7 L + 1) u max|logits|
 # assumes each stage has gain ~1, which sharp attention breaks (softmax amplifies score errors).
 #
-# So the band is measured (DESIGN.md section 4): the error of the mirror against fp32 truth must be
+# So the band is measured (docs/TESTING.md, Numerics): the mirror's error vs fp32 truth must be
 # at most about twice the error of an independent bf16 computation of the same thing. The
 # independent computations are the fp32 model rounded at the same 7 L + 1 points, but onto a
 # scaled bf16 grid: x -> bf16(x * s) / s, i.e. storing x * s in bf16 and folding 1 / s into the
@@ -221,7 +221,7 @@ def test_generate_is_the_greedy_loop():
 # for a bound: one step's error is heavy-tailed (sharp softmax amplifies the odd rounding), and
 # over seeds 0-7 of both presets one rounding exceeded 2x the larger of two others at the same step
 # by up to 7 u, while the run-level ratio max|err| / max|independent err| stayed within 0.6-1.5.
-# The DESIGN rule's rounding-noise term is for a reference error near zero; the run's largest
+# The noise term (docs/TESTING.md, Numerics) is for a reference error near zero; the run's largest
 # independent error is >= 10 u (measured 14-26 u), so none is added.
 #
 # Near-ties: a greedy token can flip only where the truth's top-2 margin is <= 2 max|error|. Step

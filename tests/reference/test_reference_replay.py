@@ -22,8 +22,9 @@ from megakernel.reference.layers.replay import (
     ssd_fold,
     ssd_replay,
 )
+from tests.registries import HYBRID_TINY
 
-FAMILIES = ["qwen3.5-tiny", "kimi-linear-tiny", "nemotron-h-tiny"]
+FAMILIES = HYBRID_TINY  # the tiny preset of every hybrid family
 
 
 def setup(name: str, seed: int, steps: int):

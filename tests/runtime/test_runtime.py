@@ -12,22 +12,20 @@ import pytest
 import torch
 
 from megakernel import isa
-from megakernel.kernel.spec import PARAMS, make_spec
+from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.spec import PARAMS, KernelSpec
 from megakernel.kernel.tools import ToolError, parse_ptx_entries, parse_ptx_entry
+from megakernel.launch_checks import ArgumentError, check_lengths, check_records, validate_args
 from megakernel.models import preset
 from megakernel.runtime import (
-    ArgumentError,
     DeviceInfo,
     KernelUnavailable,
     Manifest,
     ManifestError,
     arch_for_capability,
     check_device,
-    check_lengths,
-    check_records,
     load_manifest,
     parse_manifest,
-    validate_args,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +53,8 @@ def write_build(root: Path, data: dict) -> Path:
 
 
 def tensors(spec: dict, s_max: int = 32, device: str = "cpu") -> dict[str, torch.Tensor]:
-    kv = (spec["layers"], spec["batch"], spec["kv_heads"], s_max, spec["head_dim"])
+    s = KernelSpec.from_dict(spec)
+    kv = (s.layers, s.batch, s.kv_heads, s_max, s.head_dim)
     return dict(
         program=torch.zeros(4, 3, isa.RECORD_WORDS, dtype=torch.int32, device=device),
         counters=torch.zeros(16, dtype=torch.int32, device=device),
@@ -236,7 +235,8 @@ NO_DSL = (
 def test_runtime_and_op_import_without_the_dsl():
     code = (
         NO_DSL +
-        "import megakernel.runtime, megakernel.torch_op, megakernel.gpu_check\n"
+        "import megakernel.runtime, megakernel.torch_op, megakernel.kernel_backend\n"
+        "import megakernel.gpu_check\n"
         "import megakernel.kernel.spec, megakernel.kernel.tools, megakernel.kernel.jit\n"
         "assert not any(m == 'cutlass' or m.startswith('cutlass.') for m in sys.modules)\n"
         "print('ok')\n"
@@ -253,6 +253,13 @@ def _program(model: str = "llama-tiny", batch: int = 2, tokens: int = 1):
     return compile_program(preset(model), batch, executor_gpu(8), tokens=tokens, max_seq_len=40)
 
 
+def with_constants(spec: dict, kind: str, constants: list[int]) -> dict:
+    """A manifest spec of the same build with `kind`'s constants replaced (another model)."""
+    kinds = [[k, constants if k == kind else c] for k, c in spec["kinds"]]
+    assert kind in {k for k, _ in kinds}, kind
+    return {**spec, "kinds": kinds}
+
+
 def _first(records: torch.Tensor, op: int) -> tuple[int, int]:
     sm, pos = (records[:, :, 0] == op).nonzero()[0].tolist()
     return sm, pos
@@ -265,7 +272,7 @@ def test_check_records_refuses_a_program_for_another_model_or_a_broken_slab():
     recs = _program().records()
     check_records(recs, spec)
     with pytest.raises(ArgumentError, match="K=512.*the program is for another model or build"):
-        check_records(recs, {**spec, "inter": 1024})  # a build of a wider MLP
+        check_records(recs, with_constants(spec, "swiglu", [1024]))  # a build of a wider MLP
     with pytest.raises(ArgumentError, match="not whole heads of 128"):
         check_records(recs, manifest_dict(batch=2, model="qwen3-tiny")["spec"])
     cases = [
@@ -304,7 +311,7 @@ def test_check_records_checks_the_mamba2_records():
             check_records(bad, spec)
     with pytest.raises(ArgumentError, match="K=64.*the program is for another model or build"):
         # the same projection width (208) but H P = 32: another out_proj
-        check_records(recs, {**spec, "mamba": [8, 4, 32, 2, 4]})
+        check_records(recs, with_constants(spec, "mamba2", [8, 4, 32, 2, 4]))
 
 
 def test_check_records_checks_kimi_matrices_from_the_kinds_declarations():
@@ -312,7 +319,7 @@ def test_check_records_checks_kimi_matrices_from_the_kinds_declarations():
     the experts' gate/up and down, as the kinds declare them from the spec's constants); an
     expert slab of another K, or a build of another expert width, is refused."""
     from megakernel.isa import Op, field_index
-    from megakernel.kernel.spec import program_ops
+    from megakernel.kernel.model_spec import program_ops
 
     cfg = preset("kimi-linear-tiny")
     spec = make_spec(cfg, 2, 1, "sm_90a").to_dict()
@@ -325,7 +332,7 @@ def test_check_records_checks_kimi_matrices_from_the_kinds_declarations():
     with pytest.raises(ArgumentError, match="EXPERT_DOWN.*K=40"):
         check_records(bad, spec)
     with pytest.raises(ArgumentError, match="EXPERT_(GATEUP|DOWN).*another model or build"):
-        check_records(recs, {**spec, "moe": [8, 3, 48, 4, 2, 1]})
+        check_records(recs, with_constants(spec, "moe", [8, 3, 48, 4, 2, 1, 1, 0]))
 
 
 def test_validate_refuses_arenas_past_int32_offsets():
@@ -339,7 +346,7 @@ def test_validate_refuses_arenas_past_int32_offsets():
 def test_spec_refuses_a_vocab_the_fp32_argmax_cannot_index():
     import dataclasses
 
-    from megakernel.kernel.spec import SpecError
+    from megakernel.errors import SpecError
 
     cfg = dataclasses.replace(preset("llama-tiny"), vocab_size=(1 << 24) + 16)
     with pytest.raises(SpecError, match="vocab_size 16777232 > 16777216"):

@@ -17,15 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megakernel.launch_checks import ArgumentError, validate_args
 from megakernel.models import preset
-from megakernel.runtime import (
-    ArgumentError,
-    DeviceInfo,
-    LoadedKernel,
-    Manifest,
-    load_manifest,
-    validate_args,
-)
+from megakernel.runtime import DeviceInfo, LoadedKernel, Manifest, load_manifest
 
 ARCH = "sm_90a"
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448)
@@ -228,10 +222,10 @@ def manifest(tmp_path_factory) -> Manifest:
 @pytest.fixture(scope="module")
 def state():
     """The buffers Megakernel hands the op, on the CPU (llama-tiny, B = 1, an 8-SM program)."""
+    from megakernel.device_state import allocate_state
     from megakernel.executor import executor_gpu
     from megakernel.models.weights import random_weights
     from megakernel.program.compiler import compile_program
-    from megakernel.torch_op import allocate_state
 
     cfg = preset("llama-tiny")
     prog = compile_program(cfg, 1, executor_gpu(8), tokens=1, max_seq_len=40)

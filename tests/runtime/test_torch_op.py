@@ -12,9 +12,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import megakernel.device_state as device_state
+import megakernel.kernel_backend as kernel_backend
 import megakernel.torch_op as op
+from megakernel.launch_checks import ArgumentError
 from megakernel.models import preset
-from megakernel.runtime import ArgumentError, KernelUnavailable, Manifest
+from megakernel.runtime import KernelUnavailable, Manifest
 from tests.runtime.test_runtime import manifest_dict, tensors
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,7 +124,7 @@ def test_kernel_backend_without_gpu_is_a_clear_error():
 
     cfg = preset("llama-tiny")
     with pytest.raises(KernelUnavailable, match="needs an sm_90a .* CUDA GPU"):
-        op.generate(cfg, random_weights(cfg), [[1, 2, 3]], steps=2)
+        kernel_backend.generate(cfg, random_weights(cfg), [[1, 2, 3]], steps=2)
     r = subprocess.run([sys.executable, "-m", "megakernel", "generate", "--backend", "kernel",
                         "--model", "llama-tiny", "--steps", "2"], cwd=REPO,
                        capture_output=True, text=True)
@@ -136,16 +139,16 @@ def test_host_state_on_cpu_matches_the_build_and_the_executor(model, batch, toke
     weights, records and every host-written constant region (RoPE tables, ...)."""
     from megakernel import isa
     from megakernel.executor import Executor, executor_gpu
+    from megakernel.launch_checks import check_records, validate_args
     from megakernel.models.weights import random_weights
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
-    from megakernel.runtime import check_records, validate_args
 
     cfg = preset(model)
     w = random_weights(cfg, seed=1)
     prog = compile_program(cfg, batch, executor_gpu(8), tokens=tokens, max_seq_len=40)
     spec = manifest_dict(batch=batch, tokens=tokens, model=model)["spec"]
-    st = op.allocate_state(cfg, w, prog, "cpu")
+    st = device_state.allocate_state(cfg, w, prog, "cpu")
     check_records(st.program, spec)
     validate_args(spec, st.tensors(), lengths_off=st.offsets[0], max_seq_len=st.offsets[3],
                   require_cuda=False)
@@ -182,7 +185,7 @@ def test_prefill_cache_lands_where_the_executor_puts_it(model):
     cfg = preset(model)
     w = random_weights(cfg, seed=2)
     prog = compile_program(cfg, 2, executor_gpu(8), max_seq_len=16, policy="structure")
-    st = op.allocate_state(cfg, w, prog, "cpu")
+    st = device_state.allocate_state(cfg, w, prog, "cpu")
     ref = ReferenceModel(cfg, w, mode="bf16")
     cache = ref.new_cache(2, 12)
     ref.prefill(cache, [[5, 17, 3], [7, 1, 30, 2, 9]])
@@ -213,7 +216,7 @@ def test_find_build_refuses_a_build_with_other_baked_in_constants(tmp_path):
 
     cfg = preset("llama-tiny")
     root = write_build(tmp_path, manifest_dict("sm_90a", batch=2, tokens=1))
-    assert op.find_build(cfg, 2, 1, "sm_90a", root).arch == "sm_90a"
+    assert device_state.find_build(cfg, 2, 1, "sm_90a", root).arch == "sm_90a"
     other = dataclasses.replace(cfg, rms_norm_eps=1e-6)
     with pytest.raises(ArgumentError, match="eps built 1e-05 vs needed 1e-06"):
-        op.find_build(other, 2, 1, "sm_90a", root)
+        device_state.find_build(other, 2, 1, "sm_90a", root)

@@ -1,0 +1,167 @@
+"""Index arithmetic of the dense handlers (the GEMV and its mma form, the QKV epilogue, split-KV
+attention, the weight ring), no DSL: plain functions the device code calls on Int32/Int64 (with
+`minimum`/`maximum` = cutlass.min/max) and the host emulations on ints
+(tests/kernel/test_kernel_index_emulation.py runs them against plain matrix products).
+"""
+
+from __future__ import annotations
+
+from megakernel.kernel.limits import MMA_K_ALIGN, MMA_N
+
+
+def mma_operand_word(row, step, t, row_words):
+    """32-bit word (bf16 pair) offset of the 16 bytes lane (g, t) loads for K-step `step` (32
+    inputs) of operand row `row` (A: an activation row g or g + 8 of a 16-row block; B: weight row
+    g of the tile), rows `row_words` words apart: words [4t, 4t + 4) of the step (matvec.mma_tile).
+    Plain arithmetic: the kernel calls it on Int32, the host emulation on int."""
+    return row * row_words + step * (MMA_K_ALIGN // 2) + t * 4
+
+
+def mma_c_coord(g, t, c: int):
+    """(row, column) of a 16x8 mma block held in accumulator register c (0..3) of lane (g, t):
+    the PTX ISA's fragment layout of C/D for m16n8k16 with fp32 accumulators."""
+    return g + 8 * (c // 2), 2 * t + c % 2
+
+
+def mma_red_index(buf, warp, m, n, num_warps: int, no: int):
+    """Element of sRed [2][NW][NO][MMA_N] holding warp `warp`'s partial for activation row m,
+    tile row n, partial buffer `buf`."""
+    return ((buf * num_warps + warp) * no + m) * MMA_N + n
+
+
+def qkv_bias_index(w, row0, k, qkv_rows: int, row):
+    """Arena element of the bias of packed QKV row `row0 + row`, for a QKV record whose slab
+    starts at element `w` with first row `row0` and rows of `k`: the bias [QKV_ROWS] directly
+    follows the layer's packed QKV matrix [QKV_ROWS, K], in the same row order. Plain arithmetic:
+    the kernel calls it on Int64, the host emulation on int."""
+    return w - row0 * k + qkv_rows * k + row0 + row
+
+
+def qkv_slot(slot, group: int, gated: bool):
+    """(kv group, index j in it) of packed QKV head slot `slot`: per group G q heads (j < G),
+    with an output gate their G gate heads (G <= j < 2G), then k, then v."""
+    per = group * (2 if gated else 1) + 2
+    grp = slot // per
+    return grp, slot - grp * per
+
+
+def gate_index(n, head, d, heads: int, head_dim: int):
+    """Element of the fp32 gate [N, Hq, D] (header F32_GATE_OFF) of row n, q head `head`, dim
+    d: where the QKV epilogue stores a gate head and the attention merge reads it."""
+    return (n * heads + head) * head_dim + d
+
+
+def rope_pair(d, half: int, minimum=min, maximum=max):
+    """Rotate-half partner of head dim d < R = 2 * half: (partner dim, table column, upper),
+    upper 1 for d >= half (x_d c + x_p s) and 0 below (x_d c - x_p s), the cos/sin column
+    d mod half. Plain arithmetic: Int32 in the kernel, int (or numpy) in the tests."""
+    upper = minimum(maximum(d - half + 1, 0), 1)
+    col = d - half * upper
+    return col + half * (1 - upper), col, upper
+
+
+def lm_row_live(row, vocab: int):
+    """Packed LM-head row `row` holds a vocabulary entry: rows >= V are the ROW_ALIGN padding
+    (zero rows), which store no logit and never take part in the argmax (a 0 would win when
+    every real logit is negative). Plain arithmetic: Int32 in the kernel, int in the tests."""
+    return row < vocab
+
+
+def row_major(row, col, stride):
+    """Element (row, col) of a row-major matrix whose rows are `stride` elements apart: a slab
+    [NROWS, K] in the weight arena, a ring stage [rows][kc], staged activations sX [NO][XS]."""
+    return row * stride + col
+
+
+def tile_copy(r, row0, col0, kc, k):
+    """(stage element, slab element) of row r of the ring tile holding rows row0.. and columns
+    [col0, col0 + kc) of a row-major [NROWS, K] slab: the stage holds the tile as [rows][kc];
+    the loader copies row by row when kc < K (a K-chunk), else the whole tile at r = 0."""
+    return row_major(r, 0, kc), row_major(row0 + r, col0, k)
+
+
+def k_slice(nv, ksplit, ks, minimum=min):
+    """16-byte vectors [vb, ve) of K-slice ks when a K-chunk of `nv` vectors is cut into
+    `ksplit` contiguous slices, one warp each (the last slices may be short or empty)."""
+    vper = (nv + ksplit - 1) // ksplit
+    vb = ks * vper
+    return vb, minimum(nv, vb + vper)
+
+
+def tile_warp(warp, ksplit):
+    """(tile row, K-slice) of a consumer warp in the pipelined FMA GEMV: ksplit = NW / tile
+    rows warps share each row of a ring tile (matvec.gemv_tile)."""
+    r = warp // ksplit
+    return r, warp - r * ksplit
+
+
+def chunk_ksplit(ng, num_warps: int, maximum=max):
+    """K-slices of the global-memory FMA GEMV for a row chunk of `ng` row groups: the warps
+    split K when there are fewer groups than warps (matvec.gemv)."""
+    return maximum(1, num_warps // ng)
+
+
+def acc_index(ks, n, row, no: int, nrp):
+    """Element of sAcc [ksplit][NO][nrp] holding K-slice ks's partial of (activation row n,
+    row `row` of the row chunk); the epilogues add the slices in order (matvec.acc_value)."""
+    return (ks * no + n) * nrp + row
+
+
+def attn_scale(head_dim: int) -> float:
+    """The softmax scale of attention scores: 1 / sqrt(head_dim) of q and k."""
+    return head_dim ** -0.5
+
+
+def attn_query(qi, g, b, group: int, tokens: int):
+    """(token t, q head, activation row n) of query qi = t * G + j of ATTN_PARTIAL (sequence b,
+    kv head g): q head g * G + j reads kv head g (GQA, q heads grouped by kv head)."""
+    t = qi // group
+    return t, g * group + qi - t * group, b * tokens + t
+
+
+def attn_warp(warp, wq: int):
+    """(first query, share) of a warp when WQ warps share each query's keys; the warp then
+    takes queries first, first + NW / WQ, ..."""
+    q = warp // wq
+    return q, warp - q * wq
+
+
+def attn_keys(s, n_splits, length, t, part, wq: int, tokens: int, minimum=min, maximum=max):
+    """Keys [kb, ke) of token t's query that share `part` of WQ reads in split s of n_splits:
+    the split's range of the ctx = length + T positions, cut at the query's causal limit
+    length + t + 1, then into WQ contiguous shares."""
+    ctx = length + tokens
+    lo = s * ctx // n_splits
+    hi = (s + 1) * ctx // n_splits
+    nk = maximum(minimum(hi, length + t + 1) - lo, 0)
+    return lo + part * nk // wq, lo + (part + 1) * nk // wq
+
+
+def kv_row(layer, b, g, s_max, batch: int, kv_heads: int):
+    """First row of (KV cache slot `layer`, sequence b, kv head g) in a KV cache
+    [slots, B, Hkv, S_max, D] (kv_slot gives a decoder layer's slot)."""
+    return ((layer * batch + b) * kv_heads + g) * s_max
+
+
+def kv_slot(layer, attn_layers: tuple[int, ...], minimum=min, maximum=max):
+    """KV cache slot of attention layer `layer` (the record's LAYER): the slots are the attention
+    layers in order (program/buffers.py), so the slot counts the attention layers before it.
+    `attn_layers` () means every layer has attention (slot = layer, no arithmetic: the dense
+    builds); otherwise the unrolled count sum over a in attn_layers[1:] of [layer >= a], as
+    min(max(layer - a + 1, 0), 1). Plain arithmetic: Int32 in the kernel, int in the tests."""
+    if not attn_layers:
+        return layer
+    slot = 0
+    for a in attn_layers[1:]:
+        slot = slot + minimum(maximum(layer - a + 1, 0), 1)
+    return slot
+
+
+def ring_slot(j, stages: int):
+    """Tile j's (stage, full-barrier parity, empty-barrier parity) in a ring of `stages`: the
+    consumers wait full[stage] for `full`, the loader waits empty[stage] for `empty` (a fresh
+    mbarrier counts as having completed the phase before phase 0, so round 0 does not block).
+    Plain arithmetic: the kernel calls it on Int32, the host mirror on int."""
+    rnd = j // stages
+    return j % stages, rnd & 1, (rnd & 1) ^ 1
+

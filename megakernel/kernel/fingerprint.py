@@ -1,0 +1,42 @@
+"""The key of a compiled kernel: what a cubin is compiled from (the device-code sources, the ISA
+and the layer kinds' declarations it reads, the DSL version, the static config). A build cache or a
+build directory whose key differs is stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from megakernel import isa
+from megakernel.kernel.spec import KernelSpec
+
+# the device code (a build's cubin is compiled from these); the host-only modules of the folder
+# (build, JIT cache, tools) do not change a cubin
+KERNEL_SOURCES = tuple(sorted(p.name for p in Path(__file__).parent.glob("*.py")
+                              if p.name not in ("__init__.py", "build.py", "jit.py", "tools.py",
+                                                "stream.py")))
+
+
+def source_digest() -> str:
+    """sha256 over the device-code sources and the ISA (what the cubin is compiled from)."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        p = here / name
+        h.update(name.encode())
+        h.update(p.read_bytes() if p.exists() else b"<missing>")
+    for pkg in ("isa", "layers"):  # the registry the device code reads its fields from
+        for p in sorted((here.parent / pkg).glob("*.py")):
+            h.update(f"{pkg}/{p.name}".encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def fingerprint(spec: KernelSpec, dsl_version: str) -> str:
+    """Key of a compiled kernel: sources + DSL version + arch + static config + ISA version."""
+    blob = json.dumps({"sources": source_digest(), "dsl": dsl_version, "spec": spec.to_dict(),
+                       "format_version": isa.FORMAT_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+

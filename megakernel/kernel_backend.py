@@ -1,0 +1,260 @@
+"""The kernel backend: `Megakernel` owns one model's program, packed weights, arenas and KV cache on
+a GPU and steps it through the op (torch_op.decode_step); `generate` is `--backend kernel`.
+
+Generation runs prefill and decode on the program (megakernel.engine). `prefill` + `step` load a
+prefill by the torch reference instead, which the GPU checks compare decode steps from. On
+`device="cpu"` the same object runs through the op's CPU implementation, the CPU executor: no GPU
+and no build are needed (`gpu-check --simulate`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from megakernel.device_state import TENSORS, allocate_state, find_build
+from megakernel.launch_checks import ArgumentError, check_header, check_lengths, check_records
+from megakernel.models import ModelConfig
+from megakernel.runtime import KernelUnavailable, Manifest, device_info
+from megakernel.torch_op import register_build, register_program
+
+
+def require_gpu() -> None:
+    if not torch.cuda.is_available():
+        raise KernelUnavailable(
+            "the kernel backend needs an sm_90a (H100/H200) or sm_100a (B200) CUDA GPU and none "
+            "is available here (torch.cuda.is_available() is False); use --backend reference or "
+            "--backend cpu-executor on this machine")
+
+
+class Megakernel:
+    """Packed weights, program, arenas and KV cache of one model on one GPU. `generate` runs
+    prefill and decode on the kernel (megakernel.engine); `prefill` + `step` load a prefill by
+    the torch reference (bf16 mode) instead, which the GPU checks compare decode steps from.
+
+    On `device="cpu"` the same object runs the program compiled for `gpu` (a name of
+    program/gpus.py, default h200) through the op's CPU implementation, the CPU executor: no GPU
+    and no build are needed (`gpu-check --simulate`). `n_splits` forces the attention split count
+    (default: the compiler's choice)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], batch: int,
+                 tokens: int = 1, max_seq_len: int | None = None,
+                 build_dir: str | Path | None = None, device: str | torch.device = "cuda",
+                 replay_window: int | None = None, gpu: str | None = None,
+                 n_splits: int | None = None):
+        from megakernel.program.compiler import compile_program
+        from megakernel.program.gpus import from_device
+        from megakernel.program.gpus import gpu as named_gpu
+
+        self.cfg, self.batch, self.tokens = cfg, batch, tokens
+        self.device = torch.device(device)
+        self.manifest: Manifest | None = None
+        if self.device.type == "cpu":
+            target = named_gpu(gpu or "h200")
+        else:
+            require_gpu()
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            dev = device_info(self.device)
+            self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir,
+                                       replay_window=replay_window or 0)
+            target = from_device(self.device.index)
+        self.prog = compile_program(cfg, batch, target, tokens=tokens, max_seq_len=max_seq_len,
+                                    replay_window=replay_window, n_splits=n_splits)
+        self.max_seq_len = self.prog.max_seq_len
+        if self.manifest is not None:
+            check_records(self.prog.records(), self.manifest.spec)
+            check_header(self.prog.header, self.manifest.spec)
+        self.args = allocate_state(cfg, weights, self.prog, self.device)
+        self.timeline: torch.Tensor | None = None  # the timeline build's records (timeline.py)
+        if self.manifest is not None and self.manifest.spec.get("timeline"):
+            from megakernel.timeline import attach_records
+
+            self.timeline = attach_records(self.args)  # it writes past the program records
+        self.kernel_id = (register_build(self.manifest) if self.manifest is not None
+                          else register_program(self.prog, self.args.packed))
+        for name in TENSORS:
+            setattr(self, name, getattr(self.args, name))
+        self.offsets = self.args.offsets
+        self.lengths: list[int] = [0] * batch  # host mirror of lengths (the op advances them)
+        self._weights_hf = weights
+        self._how = dict(build_dir=build_dir, device=self.device, replay_window=replay_window,
+                         gpu=gpu, n_splits=n_splits)  # what a sibling program for T tokens needs
+        self._chunks: dict[int, Megakernel | None] = {}  # T -> the prefill program (None: no build)
+
+    def _region(self, arena: str, name: str) -> torch.Tensor:
+        return self.args.region(arena, name)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[N, V] fp32 logits of the last step (a view of the scratch arena)."""
+        return self._region("f32", "logits").view(self.prog.rows, self.cfg.vocab_size)
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill with the reference (bf16 mode) on this GPU, its cache copied into the KV cache;
+        returns the first tokens [B]. (`generate` prefills on the program instead.)"""
+        from megakernel.reference.model import ReferenceModel
+
+        if len(prompts) != self.batch:
+            raise ArgumentError(f"{len(prompts)} prompts for a kernel built for batch "
+                                f"{self.batch}")
+        ref = ReferenceModel(self.cfg, self._weights_hf, mode="bf16", device=self.device,
+                             replay_window=self.prog.replay_window or None)
+        cache = ref.new_cache(self.batch, self.max_seq_len)
+        logits = ref.prefill(cache, prompts)  # [B, V] fp32
+        self.args.load_cache(cache)
+        self.lengths = [int(x) for x in cache.lengths.tolist()]
+        return _greedy(logits)
+
+    def step(self, tokens: torch.Tensor | None = None, return_logits: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel step; `tokens` [B, T] (None: the tokens the last step fed back)."""
+        if self.manifest is not None:  # the executor checks its own
+            check_lengths(self.manifest.spec, self.lengths, self.max_seq_len)
+        if tokens is not None:
+            t = torch.as_tensor(tokens).reshape(-1)
+            if t.numel() != self.prog.rows:
+                raise ArgumentError(f"tokens must be [{self.batch}, {self.tokens}], got "
+                                    f"{tuple(torch.as_tensor(tokens).shape)}")
+            if bool(((t < 0) | (t >= self.cfg.vocab_size)).any()):
+                raise ArgumentError(f"token ids must be in [0, {self.cfg.vocab_size})")
+            self._region("i32", "tokens_in").copy_(t.to(torch.int32))
+        out = torch.ops.megakernel.decode_step(*self.op_args(return_logits))
+        self.lengths = [n + self.tokens for n in self.lengths]
+        return out
+
+    def op_args(self, return_logits: bool = False) -> tuple:
+        """The arguments of one `torch.ops.megakernel.decode_step` of this program (what a CUDA
+        graph captures): the tensors in TENSORS order, the kernel id, the offsets."""
+        return (*(getattr(self, n) for n in TENSORS), self.kernel_id, self.offsets,
+                return_logits)
+
+    def fill_context(self, context: int, seed: int = 0) -> None:
+        """Stand in for a prefill of `context` tokens per sequence without the reference (a
+        benchmark of a model too large to hold twice, `weights` drawn on the device): every
+        sequence's length is `context`, its KV (or latent) cache positions below it random
+        N(0, 1) bf16 values, its recurrent state, conv windows and rings zero. Step times do not
+        depend on the values; logits of such steps are checked only for being finite."""
+        if not 0 <= context <= self.max_seq_len - self.tokens:
+            raise ArgumentError(f"context {context} leaves no room for a step of {self.tokens} "
+                                f"token(s) in max_seq_len {self.max_seq_len}")
+        self.reset()
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for cache in (self.k_cache, self.v_cache):
+            if cache.dim() == 5 and not self.prog.buffers.paged:  # [slots, B, heads, S_max, D]
+                cache[:, :, :, :context].normal_(generator=g)
+            else:
+                cache.normal_(generator=g)
+        self._region("i32", "lengths").fill_(context)
+        self.lengths = [context] * self.batch
+
+    def reset(self) -> None:
+        """Empty every sequence: lengths, ring counts and recurrent state to zero (KV slots past
+        the lengths are never read)."""
+        for arena, name in self.prog.buffers.persistent:
+            self.args.region(arena, name).zero_()
+        self.state.zero_()
+        self.lengths = [0] * self.batch
+
+    def chunk_program(self, tokens: int) -> Megakernel | None:
+        """The same model and batch built for `tokens` per step (sharing this one's cache length),
+        for a chunked prefill; None when there is no build for it (then the prefill runs one token
+        per step). Made once per T."""
+        if tokens not in self._chunks:
+            try:
+                self._chunks[tokens] = Megakernel(self.cfg, self._weights_hf, self.batch, tokens,
+                                                  self.max_seq_len, **self._how)
+            except Exception as e:  # no build for T (or no DSL to make one): one token a step
+                print(f"prefill one token per step: no {tokens}-token program ({e})",
+                      file=sys.stderr)
+                self._chunks[tokens] = None
+        return self._chunks[tokens]
+
+    def generate_program(self, prompts: list[list[int]], steps: int,
+                         eos_token_id: int | None = None, live: list[bool] | None = None,
+                         chunk_tokens: int = 1):  # noqa: ANN201 (engine.Generated)
+        """Greedy generation with the prefill on the program too (megakernel.engine: the common
+        prompt prefix in chunks of `chunk_tokens` by `chunk_program`, when built, then one token
+        per step: every row consumes its next prompt token or its own last new token), from
+        empty caches: the first token comes from the kernel (or the CPU executor on "cpu").
+        Returns engine.Generated (tokens, first_token_s: time to first token)."""
+        from megakernel.engine import program_generate
+
+        if self.tokens != 1:
+            raise ArgumentError("generation runs one token per step; build with --tokens 1")
+        if len(prompts) != self.batch or any(len(p) == 0 for p in prompts):
+            raise ArgumentError(f"generation needs {self.batch} non-empty prompts, got "
+                                f"{[len(p) for p in prompts]} tokens")
+        need = max(len(p) for p in prompts) + steps - 1
+        if need > self.max_seq_len:
+            raise ArgumentError(f"the longest prompt plus {steps} new tokens needs {need} "
+                                f"positions; the program has max_seq_len {self.max_seq_len}")
+        self.reset()
+        chunk = None
+        if chunk_tokens > 1 and min(len(p) for p in prompts) > chunk_tokens:
+            ck = self.chunk_program(chunk_tokens)
+            if ck is not None:
+                ck.reset()
+                chunk = _OpStepper(ck)
+        return program_generate(_OpStepper(self), prompts, steps, eos_token_id, chunk=chunk,
+                                live=live)
+
+    def generate(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
+        """New tokens per prompt, prefill and decode on the program (`generate_program`)."""
+        from megakernel.engine import PREFILL_CHUNK
+
+        if steps <= 0:
+            return [[] for _ in prompts]
+        return self.generate_program(prompts, steps, chunk_tokens=PREFILL_CHUNK).tokens
+
+
+class _OpStepper:
+    """A Megakernel as an engine.Stepper: each step is one `decode_step` through the op."""
+
+    def __init__(self, mk: Megakernel) -> None:
+        self.mk, self.prog, self.tokens = mk, mk.prog, mk.tokens
+        self.n = 0  # steps run, named by a non-finite error
+
+    def step(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        from megakernel.finite import check_logits
+
+        out, _ = self.mk.step(tokens)
+        check_logits(self.mk.logits, self.n, "kernel")  # greedy of NaN logits is token 0
+        self.n += 1
+        return out.view(self.mk.batch, self.tokens).to(torch.int64)
+
+    def arenas(self) -> dict[str, torch.Tensor]:
+        return dict(i32=self.mk.i32, state=self.mk.state, k=self.mk.k_cache, v=self.mk.v_cache)
+
+    def sync(self) -> None:
+        if self.mk.device.type == "cuda":
+            torch.cuda.synchronize(self.mk.device)
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax with the lowest index on ties (torch.argmax's documented behaviour)."""
+    return torch.argmax(logits, dim=-1)
+
+
+def generate(cfg: ModelConfig, weights: dict[str, torch.Tensor], prompts: list[list[int]],
+             steps: int, max_seq_len: int | None = None, seed: int = 0,
+             build_dir: str | Path | None = None, replay_window: int | None = None
+             ) -> list[list[int]]:
+    """Greedy generation for `--backend kernel`: new tokens per prompt (prompt excluded).
+
+    What the kernel cannot run (opcodes without a device handler, e.g. every recurrent kind) is
+    refused first, by name, on any machine; then the GPU is required."""
+    from megakernel.kernel.model_spec import check_kernel_support
+
+    del seed  # the kernel is deterministic; kept for the backend signature
+    check_kernel_support(cfg, bool(replay_window))  # SpecError: before asking for a GPU
+    require_gpu()
+    if not prompts:
+        raise ArgumentError("no prompts given")
+    if max_seq_len is None:
+        max_seq_len = max(len(p) for p in prompts) + max(steps, 1)
+    mk = Megakernel(cfg, weights, batch=len(prompts), tokens=1, max_seq_len=max_seq_len,
+                    build_dir=build_dir, replay_window=replay_window)
+    return mk.generate(prompts, steps)
