@@ -26,11 +26,12 @@ setup: $(STAMP)
 
 # The fast lane (under 5 minutes on 2 cores) and the rest: tests/lanes.py decides from what a test
 # uses (kernel builds beyond one per arch, subprocesses, transformers checkpoints, long runs).
+# One pytest worker per core; the slow lane keeps a file on one worker (its module's builds).
 test: $(STAMP)
-	$(VPY) -m pytest -q -ra -m "not slow"
+	$(VPY) -m pytest -q -ra -n auto -m "not slow"
 
 test-slow: $(STAMP)
-	$(VPY) -m pytest -q -ra -m slow
+	$(VPY) -m pytest -q -ra -n auto --dist loadfile -m slow
 
 demo: $(STAMP)
 	$(VPY) -m megakernel demo

@@ -64,7 +64,10 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 (pytes
         funcs = [getattr(item, "function", None)] + [
             d[-1].func for name, d in defs.items() if d and name not in FAST_FIXTURES]
         names = lanes.uses(funcs, extra=set(getattr(item, "fixturenames", ())) - FAST_FIXTURES)
-        reasons = lanes.slow_reasons(names)
+        callspec = getattr(item, "callspec", None)
+        names |= lanes.param_names(callspec.params) if callspec else set()
+        reasons = sorted(set(lanes.slow_reasons(names))
+                         | set(lanes.param_reasons(callspec.params if callspec else {})))
         if item.get_closest_marker("slow"):  # `make test-slow` runs what a test marks itself
             reasons = reasons or ["marked slow"]
         elif reasons:
@@ -162,14 +165,20 @@ def hf_checkpoint(tmp_path: Path) -> Callable[..., HFCheckpoint]:
 
 
 @pytest.fixture
-def record_numerics() -> Callable[[str, str], None]:
-    """record_numerics(label, text): print now and repeat in the end-of-run summary."""
+def record_numerics(request) -> Callable[[str, str], None]:  # noqa: ANN001
+    """record_numerics(label, text): print now and repeat in the end-of-run summary (carried in
+    the test's report, so that it reaches the summary from a pytest-xdist worker too)."""
 
     def record(label: str, text: str) -> None:
         print(f"{label}: {text}")
-        _NUMERICS.append((label, text))
+        request.node.user_properties.append(("numerics", (label, text)))
 
     return record
+
+
+def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 (pytest hook)
+    if report.when == "call":
+        _NUMERICS.extend(v for k, v in report.user_properties if k == "numerics")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 (pytest hook)

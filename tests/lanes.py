@@ -1,15 +1,18 @@
 """Test lanes: which tests `make test` runs (the fast lane) and which `make test-slow` runs, decided
 from what a test uses, not from a list of tests.
 
-A test is slow when it (its function, the fixtures it requests and the helpers of the test tree
-they call, followed through their code) uses one of the SLOW resources: a kernel build beyond the
-fast lane's one small build per arch (the `lane_build` fixture), a subprocess (the CLI as a user
-runs it, a wheel build), a Hugging Face checkpoint (transformers models built, saved or loaded),
-a long generation on the executor. Everything else is fast. The conftest hook marks the slow ones
-`slow`; `make test` deselects them, `make test-slow` selects only them.
+A test is slow when it (its function, its parameters, the fixtures it requests and the helpers
+of the test tree they call, followed through their code) uses one of the SLOW resources: a
+kernel build beyond the fast lane's one small build per arch (the `lane_build` fixture), a
+subprocess (the CLI as a user runs it, a wheel build), a Hugging Face checkpoint (transformers
+models built, saved or loaded), a free-running generation against the reference, a cost-model
+fit, a whole gpu-check run, the compiled program of a real-size model (a preset that is not a
+`-tiny` one), or an executor step of many rows or splits (parameters batch x tokens of at least
+LARGE_ROWS, or at least LARGE_SPLITS splits). Everything else is fast. The conftest hook marks
+the slow ones `slow`; `make test` deselects them, `make test-slow` selects only them.
 
 "Uses" is read from the code objects (the names a function loads, calls or imports, and its
-string constants), so a new test lands in the right lane without being listed anywhere.
+word-like string constants), so a new test lands in the right lane without being listed.
 """
 
 from __future__ import annotations
@@ -28,8 +31,15 @@ SLOW: dict[str, frozenset[str]] = {
     "subprocess": frozenset({"subprocess"}),
     "transformers checkpoints": frozenset({"hf_checkpoint", "build_hf_model", "save_pretrained",
                                            "from_pretrained", "hf_oracle"}),
-    "long generations": frozenset({"long_generation"}),
+    "long generations": frozenset({"ref_generate"}),
+    "cost-model fits": frozenset({"refit", "least_squares", "--refit", "fit_timeline",
+                                  "hindcast"}),
+    "gpu-check runs": frozenset({"gpu-check"}),
 }
+# a real-size program: one of these with the name of a preset that is not a tiny one
+PROGRAMS = frozenset({"compile_program"})
+# a large step: parameters `batch` x `tokens` (1 when absent) or `n_splits` at least these
+LARGE_ROWS, LARGE_SPLITS = 16, 32
 
 
 def code_names(code: types.CodeType) -> set[str]:
@@ -39,7 +49,7 @@ def code_names(code: types.CodeType) -> set[str]:
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             names |= code_names(c)
-        elif isinstance(c, str) and c.isidentifier():
+        elif isinstance(c, str) and 0 < len(c) < 64 and not any(ch.isspace() for ch in c):
             names.add(c)
     return names
 
@@ -95,7 +105,38 @@ def in_tests(obj: object) -> bool:
 
 def slow_reasons(names: set[str]) -> list[str]:
     """The SLOW resources among `names` (empty: the test is fast)."""
-    return sorted(r for r, ns in SLOW.items() if names & ns)
+    reasons = [r for r, ns in SLOW.items() if names & ns]
+    if names & PROGRAMS and names & large_presets():
+        reasons.append("real-size programs")
+    return sorted(reasons)
+
+
+@functools.cache
+def large_presets() -> frozenset[str]:
+    """The registered presets that are not tiny ones (real shapes, mid-size)."""
+    from megakernel.models.registry import presets
+
+    return frozenset(n for n in presets() if not n.endswith("-tiny"))
+
+
+def param_reasons(params: dict) -> list[str]:
+    """The slow resources a parametrised test's parameters ask for: a large step."""
+    def num(name: str) -> int:
+        v = params.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+    rows = max(num("batch"), 1) * max(num("tokens"), 1)
+    return ["large steps"] if rows >= LARGE_ROWS or num("n_splits") >= LARGE_SPLITS else []
+
+
+def param_names(params: dict) -> set[str]:
+    """The string values of a parametrised test's parameters (tuples and lists opened)."""
+    out: set[str] = set()
+    for v in params.values():
+        for x in v if isinstance(v, tuple | list) else (v,):
+            if isinstance(x, str):
+                out.add(x)
+    return out
 
 
 @functools.cache

@@ -36,6 +36,7 @@ from megakernel.program.pack import pack_weights
 from megakernel.reference.model import ReferenceModel, greedy
 from megakernel.reference.model import generate as ref_generate
 from tests.executor.helpers import check_logits
+from tests.registries import DENSE_TINY
 
 LOGIT_TOL = 0.04  # measured max 0.0296 (module docstring)
 STEPS = 8
@@ -125,7 +126,7 @@ def test_the_logit_bound_rejects_an_unrounded_result(name: str, batch: int, toke
             check_logits(step, l32, l16, l32, LOGIT_TOL)
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "qwen2-tiny"])
+@pytest.mark.parametrize("name", DENSE_TINY)
 def test_generate_matches_reference_token_for_token(name: str) -> None:
     cfg = preset(name)
     w = random_weights(cfg, seed=5)

@@ -32,7 +32,11 @@ KERNEL_DIR = Path(spec_mod.__file__).parent
 
 
 def _function(module: str, name: str) -> ast.FunctionDef:
+    """Function `name` ("Class.method" for a method) of a kernel module."""
     tree = ast.parse((KERNEL_DIR / module).read_text())
+    cls, _, name = name.rpartition(".")
+    if cls:
+        tree = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == cls)
     return next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == name)
 
 
@@ -130,9 +134,9 @@ def test_lm_head_masks_padded_rows(vocab):
 
 
 def test_lm_head_epilogue_uses_the_row_bound_for_stores_and_argmax():
-    fn = _function("matvec.py", "epi_lmhead")
+    fn = _function("epilogues.py", "LMHead.run")
     assert _calls(fn, "lm_row_live") == 2
-    assert "self.V" in ast.unparse(fn)
+    assert "self.mv.V" in ast.unparse(fn)
 
 
 # ---- Qwen2 q/k/v bias (spec.qkv_bias_index) -----------------------------------------------------
@@ -213,9 +217,9 @@ def test_qkv_bias_addresses_of_multi_chunk_slabs():
 
 
 def test_qkv_epilogue_adds_the_bias_before_norm_and_rope():
-    src = ast.unparse(_function("matvec.py", "epi_qkv"))
+    src = ast.unparse(_function("qkv.py", "QKV.run"))
     assert "qkv_bias_index(" in src
-    add, norm, rope = src.index("x[e] = x[e] + b_e"), src.index("rstd"), src.index("x1 * c")
+    add, norm, rope = src.index("x[e] = x[e] + b_e"), src.index("rstd"), src.index("x1 * cs")
     assert add < norm < rope
 
 
@@ -282,7 +286,12 @@ def test_bias_loads_are_compiled_in_only_with_qkv_bias(builds, tmp_path):
     spec = spec_mod.KernelSpec.from_dict(m["spec"])
     assert spec.qkv_bias
     with_bias = (d / "megakernel.ptx").read_text()
-    ptx = Path(compile_to(dataclasses.replace(spec, qkv_bias=False), str(tmp_path))[0])
+    att = list(spec.constants("attention"))
+    att[4] = 0  # (heads, kv_heads, head_dim, qk_norm, qkv_bias, rotary_dim, output_gate)
+    kinds = tuple((k, tuple(att) if k == "attention" else c) for k, c in spec.kinds)
+    no_bias = dataclasses.replace(spec, kinds=kinds)
+    assert not no_bias.qkv_bias
+    ptx = Path(compile_to(no_bias, str(tmp_path))[0])
     without = ptx.read_text()
 
     def scalar_bf16_loads(s: str) -> int:

@@ -27,9 +27,8 @@ from megakernel.layers.moe import MoEConfig
 from megakernel.layers.swiglu import SwiGLUConfig
 from megakernel.models import Block, ModelConfig, preset
 from megakernel.models.weights import random_weights
+from tests.registries import TINY  # the tiny preset of each family (of all its layer kinds)
 
-TINY = ("llama-tiny", "qwen3-tiny", "qwen2-tiny", "qwen3.5-tiny", "kimi-linear-tiny",
-        "nemotron-h-tiny")
 HF_CLASSES = {  # family -> transformers (config class, model class): each family's oracle
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megakernel import isa
-from megakernel.layers import all_kinds, kind
+from megakernel.layers import kind
 from megakernel.layers.attention import AttentionConfig
 from megakernel.layers.base import CONST, SCRATCH, StepShape
 from megakernel.layers.gdn import GDNConfig
@@ -51,8 +51,8 @@ from tests.layers.helpers import (
     pack_tagged,
     tiny_program,
 )
+from tests.registries import KINDS, KV_KINDS, RECURRENT_KINDS
 
-KINDS = ("attention", "swiglu", "relu2", "gdn", "kda", "mamba2", "mla", "moe")
 TINY_BLOCKS = {  # tiny preset -> kind -> how many blocks of it
     "llama-tiny": {"attention": 2, "swiglu": 2},
     "qwen3-tiny": {"attention": 2, "swiglu": 2},
@@ -290,10 +290,22 @@ CHECK_REFUSALS: dict[str, list[tuple[Any, str]]] = {
 
 
 def test_every_kind_and_tiny_preset_has_its_expected_values() -> None:
-    assert sorted(all_kinds()) == sorted(KINDS) == sorted(ROLES) == sorted(VECTORS)
-    assert set(FP32) | set(TABLES) | set(KV) | set(RECURRENT) <= set(KINDS)
+    """The tables above have an entry for every registered kind (RECURRENT for every recurrent
+    kind, KV for every kind with a KV cache), TINY_BLOCKS for every tiny preset, and the
+    executor runs every kind."""
+    for table, what in ((ROLES, "ROLES"), (VECTORS, "VECTORS")):
+        assert sorted(table) == sorted(KINDS), f"{what}: one entry per layer kind {KINDS}"
+    assert sorted(RECURRENT) == sorted(RECURRENT_KINDS), (
+        f"RECURRENT: one entry per recurrent kind {RECURRENT_KINDS}")
+    assert sorted(KV) == sorted(KV_KINDS), f"KV: one entry per KV-cache kind {KV_KINDS}"
+    assert set(FP32) | set(TABLES) <= set(KINDS)
+    assert sorted(TINY_BLOCKS) == sorted(TINY), f"TINY_BLOCKS: one entry per tiny preset {TINY}"
     for name in TINY:
         assert Counter(b.kind for b in preset(name).blocks) == TINY_BLOCKS[name], name
+    for k, r in RECURRENT.items():
+        assert r.preset in TINY and preset(r.preset).has_kind(k), (k, r.preset)
+    ran = {k for case in EXECUTOR.values() for k in case[2].split()}
+    assert set(KINDS) <= ran, f"kinds without an EXECUTOR case: {sorted(set(KINDS) - ran)}"
 
 
 # ---- checkpoint ----------------------------------------------------------------------------------
@@ -405,7 +417,7 @@ def test_cache_and_state_kinds(cfg: ModelConfig, blk: Block) -> None:
         assert kd.constants(blk, cfg, StepShape(3, 2, 40, 2, 8, 0)) == {}
 
 
-@pytest.mark.parametrize(("cfg", "blk"), cases(*KV, variants=False))
+@pytest.mark.parametrize(("cfg", "blk"), cases(*KV_KINDS, variants=False))
 def test_kv_cache_one_slot_per_layer(cfg: ModelConfig, blk: Block) -> None:
     """The kind's K and V entries [B, heads, S, width]; the buffer plan gives each of its layers
     one slot, in order."""
@@ -418,7 +430,7 @@ def test_kv_cache_one_slot_per_layer(cfg: ModelConfig, blk: Block) -> None:
     assert buf.v_shape == (len(layers), 3, vh, 40, vw)
 
 
-@pytest.mark.parametrize(("cfg", "blk"), cases(*RECURRENT, variants=False))
+@pytest.mark.parametrize(("cfg", "blk"), cases(*RECURRENT_KINDS, variants=False))
 def test_recurrent_state(cfg: ModelConfig, blk: Block) -> None:
     """conv [B, C, K-1], state [B, ...], and only with a ReplaySSM ring its entries
     [B, cap, ...]; the buffer plan lays them out layer by layer, contiguously."""
@@ -452,8 +464,10 @@ def test_flow_is_registered_to_the_kind_or_the_frame(kind_name: str) -> None:
         assert isa.spec(getattr(isa.Op, name)).kind in (kind_name, "frame"), name
 
 
-@pytest.mark.parametrize(("window", "kind_name"), [(w, k) for k in RECURRENT for w in (None, 4)],
-                         ids=[f"{k}-{m}" for k in RECURRENT for m in ("recurrent", "replay4")])
+@pytest.mark.parametrize(("window", "kind_name"),
+                         [(w, k) for k in RECURRENT_KINDS for w in (None, 4)],
+                         ids=[f"{k}-{m}" for k in RECURRENT_KINDS
+                              for m in ("recurrent", "replay4")])
 def test_recurrent_stages(window: int | None, kind_name: str) -> None:
     """The last block of the kind (its rows of the per-layer tables are not the first): PROJ (its
     rows in slabs of 16, OUT_W the padded width), one core record per (sequence, unit) naming the
@@ -490,8 +504,8 @@ def test_recurrent_stages(window: int | None, kind_name: str) -> None:
     assert end == ctx.ctr.ids[f"L{blk.layer}.oproj"]
 
 
-PROGRAMS = [(n, k, None) for n, kinds in TINY_BLOCKS.items() for k in kinds] + [
-    (r.preset, k, 4) for k, r in RECURRENT.items()]
+PROGRAMS = [(n, k, None) for n in TINY for k in dict.fromkeys(b.kind for b in preset(n).blocks)
+            ] + [(r.preset, k, 4) for k, r in RECURRENT.items()]
 
 
 @pytest.mark.parametrize(("name", "kind_name", "window"), PROGRAMS,

@@ -24,6 +24,7 @@ from megakernel.models import (
     validate,
 )
 from megakernel.models.weights import expected_shapes
+from tests.registries import ALL_TINY
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------
@@ -222,8 +223,7 @@ def test_validate_refuses_unsupported_shapes_by_name(make: Callable[[], ModelCon
         validate(cfg)
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3.5-tiny", "kimi-linear-tiny",
-                                  "nemotron-h-tiny"])
+@pytest.mark.parametrize("name", ALL_TINY)
 def test_validate_accepts_any_vocab_size(name: str) -> None:
     cfg = preset(name).replace(vocab_size=1001)
     assert validate(cfg) is cfg

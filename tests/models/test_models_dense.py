@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from megakernel.models import ConfigError, config_from_hf_dict, config_from_hf_dir, preset
+from megakernel.models import ConfigError, config_from_hf_dict, config_from_hf_dir, family, preset
 from megakernel.models.dense import DenseConfig
+from tests.registries import DENSE_FAMILIES
 
-DENSE = ["llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b"]  # one published config per family
+DENSE = [family(f).real_presets[0] for f in DENSE_FAMILIES]  # one published config per family
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "llama-3.2-1b", "qwen3-8b",

@@ -25,6 +25,8 @@ from megakernel.models import (
 )
 from megakernel.models.registry import FAMILIES, load_all, register_family
 from megakernel.models.weights import expected_shapes
+from tests.layers.helpers import HF_CLASSES, hf_classes
+from tests.registries import ALL_TINY
 
 # What each family answers to, written out: a family registered under a wrong or missing name
 # would silently send published checkpoints elsewhere (or nowhere).
@@ -160,14 +162,23 @@ def test_unknown_preset_and_spec(tmp_path: Path) -> None:
         config_from_hf_dir(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "qwen2-tiny", "qwen3.5-tiny",
-                                  "kimi-linear-tiny", "nemotron-h-tiny"])
+@pytest.mark.parametrize("name", ALL_TINY)
 def test_resolve_presets_and_directories(name: str, tmp_path: Path) -> None:
     assert resolve(name) is presets()[name]
     (tmp_path / "config.json").write_text(json.dumps(preset(name).to_hf_dict()))
     cfg = resolve(str(tmp_path))
     assert cfg == preset(name).replace(name=tmp_path.name)
     assert config_from_hf_dir(tmp_path) == cfg
+
+
+def test_every_family_has_its_transformers_oracle() -> None:
+    """tests/layers/helpers.py HF_CLASSES (the oracle of the checkpoint tests) names the
+    transformers classes of every family: its model class one of the family's architectures."""
+    assert sorted(HF_CLASSES) == sorted(load_all()), "HF_CLASSES: one entry per family"
+    for name, fam in load_all().items():
+        cfg_cls, model_cls = hf_classes(name)
+        assert model_cls.__name__ in fam.architectures, name
+        assert cfg_cls.model_type in fam.model_types, name
 
 
 # ---- the decorator ------------------------------------------------------------------------------
