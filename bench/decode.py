@@ -66,7 +66,7 @@ def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Name
     `window` > 0: the recurrent layers by ReplaySSM with that fold window (no torch baselines:
     they implement the dense families' recurrent-free step only)."""
     from megakernel.kernel_backend import Megakernel
-    from megakernel.torch_decode import TORCH_DECODE_FAMILIES
+    from megakernel.torch_decode import serves
 
     s_max = args.context + args.iters * 8 + 64
     res: dict = {"batch": batch, "replay_window": window}
@@ -90,7 +90,7 @@ def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Name
                      "bw_fraction": nbytes / t_kernel / bw}
     del mk, graph
     torch.cuda.empty_cache()
-    if window or cfg.family not in TORCH_DECODE_FAMILIES:
+    if window or not serves(cfg):
         return res
 
     base = TorchDecode(cfg, w, batch, s_max)

@@ -7,11 +7,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-TORCH_DECODE_FAMILIES = ("llama", "qwen3", "qwen2")  # what TorchDecode implements
+
+def serves(cfg) -> bool:  # noqa: ANN001 (ModelConfig)
+    """TorchDecode implements the dense stacks (models/dense.py: attention with optional q/k/v
+    biases and q/k norm, SwiGLU), whatever family declares one."""
+    from megakernel.models.dense import DenseConfig
+
+    return isinstance(cfg, DenseConfig)
 
 
 class TorchDecode:
-    """One decode step (T = 1) of the dense families (Llama, Qwen3, Qwen2) in plain torch ops
+    """One decode step (T = 1) of a dense stack (`serves`: Llama, Qwen3, Qwen2) in plain torch ops
     with bf16 weights and a static KV cache [L, B, Hkv, S_max, D] (graph-safe: no host syncs),
     the rounding points of the reference's bf16 mode. The torch.compile baseline's step."""
 

@@ -53,7 +53,7 @@ def bench_items(build_dir: Path, arch: str | None) -> list[dict[str, Any]]:
     variant; the global one and the one without the L2 lookahead on the first case), the
     torch.compile baselines at B = 1 (dense families) and one step's timeline."""
     from megakernel.models import preset
-    from megakernel.torch_decode import TORCH_DECODE_FAMILIES
+    from megakernel.torch_decode import serves
 
     first = BENCH_CASES[0]
     out = [item("measure", first, "default", 60)]
@@ -61,7 +61,7 @@ def bench_items(build_dir: Path, arch: str | None) -> list[dict[str, Any]]:
     out += [item("bench", first, v, 45) for v in ("global", "nolookahead")]
     # the torch.compile baseline (torch_decode.TorchDecode) is of the dense families only
     out += [item("compile", c, "default", 90) for c in BENCH_CASES
-            if c.batch == 1 and preset(c.model).family in TORCH_DECODE_FAMILIES]
+            if c.batch == 1 and serves(preset(c.model))]
     out.append(item("timeline", first, "timeline", 45))
     return [it for it in out if it["kind"] in ("measure", "compile")
             or have_build(build_dir, it, arch)]

@@ -22,8 +22,7 @@ from typing import Any
 import cutlass.cute as cute
 from cutlass import Int32
 
-from megakernel import isa
-from megakernel.kernel.handler import handler_class
+from megakernel.kernel.handler import instances_for
 
 
 @dataclass(frozen=True)
@@ -89,17 +88,4 @@ class Epilogue:
 def epilogues_for(mv: Any, handled: tuple[int, ...]) -> list[Epilogue]:  # noqa: ANN401
     """One instance per epilogue class of the `handled` matvec opcodes (OpSpec.matvec), in
     opcode order, each with its `ops`."""
-    by_class: dict[str, list[int]] = {}
-    for code in handled:
-        path = isa.spec(code).matvec
-        if path:
-            by_class.setdefault(path, []).append(code)
-    out = []
-    for path, codes in by_class.items():
-        e = handler_class(path)(mv)
-        if not isinstance(e, Epilogue):
-            raise TypeError(f"{path} (the epilogue of {[isa.spec(c).name for c in codes]}) is "
-                            "not a kernel.epilogue.Epilogue")
-        e.ops = tuple(codes)
-        out.append(e)
-    return out
+    return instances_for(handled, "matvec", Epilogue, mv)

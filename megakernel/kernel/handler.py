@@ -74,17 +74,24 @@ def handler_class(path: str) -> type:
 def handlers_for(spec: Any, handled: tuple[int, ...]) -> list[Handler]:  # noqa: ANN401
     """One instance per handler class of the `handled` opcodes that name one (OpSpec.handler),
     in opcode order, each with its `ops`."""
+    return instances_for(handled, "handler", Handler, spec)
+
+
+def instances_for(handled: tuple[int, ...], prop: str, base: type, arg: Any) -> list:  # noqa: ANN401
+    """One instance, made with `arg`, of each class that the `handled` opcodes' declarations
+    name in property `prop` (OpSpec.handler or OpSpec.matvec), in opcode order, each with its
+    `ops`; TypeError when a class is not a `base`."""
     by_class: dict[str, list[int]] = {}
     for code in handled:
-        path = isa.spec(code).handler
+        path = getattr(isa.spec(code), prop)
         if path:
             by_class.setdefault(path, []).append(code)
     out = []
     for path, codes in by_class.items():
-        h = handler_class(path)(spec)
-        if not isinstance(h, Handler):
-            raise TypeError(f"{path} (the handler of {[isa.spec(c).name for c in codes]}) is not "
-                            "a kernel.handler.Handler")
-        h.ops = tuple(codes)
-        out.append(h)
+        obj = handler_class(path)(arg)
+        if not isinstance(obj, base):
+            raise TypeError(f"{path} (the {prop} of {[isa.spec(c).name for c in codes]}) is not "
+                            f"a kernel.{base.__module__.rpartition('.')[2]}.{base.__name__}")
+        obj.ops = tuple(codes)
+        out.append(obj)
     return out

@@ -227,19 +227,19 @@ class Matvec:
 
     @cute.jit
     def begin_pass(self, op: Int32, c: Chunk):
-        """The epilogues' begin_pass hooks (only those that have one are compiled in)."""
-        for e in self.epilogues:
-            if cutlass.const_expr(e.has("begin_pass")):
-                if one_of(op, e.ops):
-                    e.begin_pass(op, c)
+        self.pass_hook(op, c, "begin_pass")
 
     @cute.jit
     def end_pass(self, op: Int32, c: Chunk):
-        """The epilogues' end_pass hooks (only those that have one are compiled in)."""
+        self.pass_hook(op, c, "end_pass")
+
+    @cute.jit
+    def pass_hook(self, op: Int32, c: Chunk, hook: str):
+        """The epilogues' pass hook `hook` (only those that have one are compiled in)."""
         for e in self.epilogues:
-            if cutlass.const_expr(e.has("end_pass")):
+            if cutlass.const_expr(e.has(hook)):
                 if one_of(op, e.ops):
-                    e.end_pass(op, c)
+                    getattr(e, hook)(op, c)
 
     @cute.jit
     def gemv_tile(self, sRing: cute.Tensor, sbase: Int32, kc: Int32, rows: Int32, rowl0: Int32,

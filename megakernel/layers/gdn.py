@@ -75,15 +75,8 @@ class GatedDeltaNet(RecurrentKind):
     name = "gdn"
     config = GDNConfig
     core_op, replay_op = GDN_CORE, GDN_REPLAY
-    unit_label = ('key head', 'Hk')
-
-    @classmethod
-    def kernel_shape(cls, spec) -> GDNShape:  # noqa: ANN001 (KernelSpec)
-        return GDNShape.for_spec(spec)
-
-    @classmethod
-    def kernel_check(cls, spec) -> str:  # noqa: ANN001
-        return check_gdn(cls.kernel_shape(spec))
+    unit_label = ("key head", "Hk")
+    index_shape, index_check = GDNShape, staticmethod(check_gdn)
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001

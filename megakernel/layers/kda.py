@@ -60,15 +60,8 @@ class KimiDeltaAttention(RecurrentKind):
     name = "kda"
     config = KDAConfig
     core_op, replay_op = KDA_CORE, KDA_REPLAY
-    unit_label = ('head', 'H')
-
-    @classmethod
-    def kernel_shape(cls, spec) -> KDAShape:  # noqa: ANN001 (KernelSpec)
-        return KDAShape.for_spec(spec)
-
-    @classmethod
-    def kernel_check(cls, spec) -> str:  # noqa: ANN001
-        return check_kda(cls.kernel_shape(spec))
+    unit_label = ("head", "H")
+    index_shape, index_check = KDAShape, staticmethod(check_kda)
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001

@@ -80,15 +80,8 @@ class Mamba2(RecurrentKind):
     name = "mamba2"
     config = Mamba2Config
     core_op, replay_op = MAMBA_CORE, MAMBA_REPLAY
-    unit_label = ('group', 'G')
-
-    @classmethod
-    def kernel_shape(cls, spec) -> MambaShape:  # noqa: ANN001 (KernelSpec)
-        return MambaShape.for_spec(spec)
-
-    @classmethod
-    def kernel_check(cls, spec) -> str:  # noqa: ANN001
-        return check_mamba(cls.kernel_shape(spec))
+    unit_label = ("group", "G")
+    index_shape, index_check = MambaShape, staticmethod(check_mamba)
 
     @classmethod
     def kernel_constants(cls, c) -> tuple[int, ...]:  # noqa: ANN001

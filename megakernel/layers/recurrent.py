@@ -94,6 +94,10 @@ class RecurrentKind(LayerKind):
     unit_name: ClassVar[str] = "UNIT"  # derived: the core records' unit operand
     # the unit in messages: (what it is, the symbol of its count), e.g. ("key head", "Hk")
     unit_label: ClassVar[tuple[str, str]] = ("unit", "U")
+    # its handlers' index arithmetic (a kernel/*_index shape class with for_spec) and the check
+    # naming what of a build's shape they cannot serve (a staticmethod of the shape -> str)
+    index_shape: ClassVar[Any] = None
+    index_check: ClassVar[Any] = None
 
     def __init_subclass__(cls, **kw: Any) -> None:
         from megakernel.isa.registry import spec
@@ -129,6 +133,14 @@ class RecurrentKind(LayerKind):
         fields are the kind's kernel_constants, in order)."""
         c, h = cls.config(*spec.constants(cls.name)), spec.hidden
         return {"PROJ": [(h, cls.proj_width(c))], "OPROJ": [(cls.out_dim(c), h)]}
+
+    @classmethod
+    def kernel_shape(cls, spec):  # noqa: ANN001, ANN206 (KernelSpec -> index_shape)
+        return cls.index_shape.for_spec(spec) if cls.index_shape else None
+
+    @classmethod
+    def kernel_check(cls, spec) -> str:  # noqa: ANN001
+        return cls.index_check(cls.kernel_shape(spec)) if cls.index_check else ""
 
     @classmethod
     def check_kernel_record(cls, d: dict, spec) -> str:  # noqa: ANN001 (KernelSpec)
