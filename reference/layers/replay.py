@@ -13,7 +13,7 @@ overwritten, and the conv window shifts by a + 1. No per-draft state snapshot ex
 cursor reaches the window L, the n committed entries are folded into S_c and the ring restarts.
 Folding at commit (acceptance known) keeps the ring at L - 1 + T_max entries.
 
-Equations (model-math section 4), per head, with log-decays summed over segments (`segsum`):
+Equations (docs/HYBRIDS.md, ReplaySSM), per head, with log-decays summed over segments (`segsum`):
   Mamba2, Lam(t, j) = A * sum dt over (j, t], entries j in (c, t]:
     y_t = e^{Lam(t, c)} S_c C_t + sum_j dt_j e^{Lam(t, j)} (B_j . C_t) x_j + D x_t
     fold: S = e^{Lam(n, c)} S_c + sum_j x_j (dt_j e^{Lam(n, j)} B_j)^T

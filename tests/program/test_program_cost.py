@@ -33,7 +33,8 @@ def test_gpu_descriptions() -> None:
 
 
 def test_floor_and_bytes_match_the_published_anchor() -> None:
-    """Llama-3.2-1B moves 2.47 GB of weights per step (notes/anchors.md)."""
+    """Llama-3.2-1B moves 2.47 GB of weights per step (its published parameter count in bf16,
+    less the tied LM head and the norms; docs/COST-MODEL.md)."""
     prog = compile_program(preset("llama-3.2-1b"), 1, gpu("h200"), context=0)
     weights = sum(i.w_bytes for i in prog.instrs)
     assert weights == 2 * (preset("llama-3.2-1b").num_parameters() - 2 * 2048 * 16 - 2048)
