@@ -57,13 +57,18 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 
 
 def load_tokenizer(spec: str) -> Any:
-    """AutoTokenizer for a checkpoint directory; CliError when there is none."""
+    """AutoTokenizer for a checkpoint directory or a GGUF file (from its metadata); CliError
+    when there is none."""
     from pathlib import Path
 
+    from megakernel.models.gguf import gguf_tokenizer, is_gguf
+
+    if is_gguf(spec):
+        return gguf_tokenizer(spec)
     root = Path(spec)
     if not root.is_dir():
-        raise CliError(f"--prompt needs a checkpoint directory with a tokenizer; {spec!r} is a "
-                       "preset with random weights (use --prompt-ids)")
+        raise CliError(f"--prompt needs a checkpoint directory or GGUF file with a tokenizer; "
+                       f"{spec!r} is a preset with random weights (use --prompt-ids)")
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
     if not any((root / n).is_file() for n in names):
         raise CliError(f"no tokenizer in {spec} (looked for {', '.join(names)}); use --prompt-ids")

@@ -164,6 +164,24 @@ class ModelConfig:
                 return ours + name[len(theirs):]
         return name
 
+    # GGUF form (models/gguf.py): llama.cpp's architecture name, its metadata as Hugging Face
+    # config fields, and the inverse of llama.cpp's transform of a tensor
+    gguf_arch: ClassVar[str] = ""
+
+    @classmethod
+    def hf_dict_from_gguf(cls, meta: Any) -> dict[str, Any]:
+        """The Hugging Face config fields of a GGUF file's metadata (`GGUFMetadata`)."""
+        raise ConfigError(f"the {cls.family} family has no GGUF form")
+
+    def gguf_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape (torch order) llama.cpp writes tensor `name` of Hugging Face `shape` in."""
+        return shape
+
+    def from_gguf_tensor(self, name: str, t: Any) -> Any:
+        """Tensor `name` as the Hugging Face checkpoint holds it, from its GGUF form (shaped
+        `gguf_shape`; identity unless llama.cpp's converter transforms it)."""
+        return t
+
 
 # ---- Hugging Face config parsing helpers --------------------------------------------------------
 def refuse(d: dict[str, Any], **expected: Any) -> None:

@@ -106,6 +106,44 @@ class DenseConfig(ModelConfig):
             tie_word_embeddings=as_bool(d, "tie_word_embeddings"),
             max_position_embeddings=as_int(d, "max_position_embeddings", 8192), name=name)
 
+    @classmethod
+    def hf_dict_from_gguf(cls, meta: Any) -> dict[str, Any]:
+        """llama.cpp's dense keys (`{arch}.block_count`, ...); the vocabulary from the
+        embedding's rows; tied when the file has no `output.weight`."""
+        from megakernel.models.registry import family
+
+        scaling = meta.get("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise ConfigError(f"unsupported GGUF RoPE scaling {meta.arch}.rope.scaling.type="
+                              f"{scaling!r}")
+        heads = meta.int("attention.head_count")
+        hidden = meta.int("embedding_length")
+        head_dim = meta.int("attention.key_length", hidden // heads)
+        if meta.int("attention.value_length", head_dim) != head_dim:
+            raise ConfigError(f"GGUF {meta.arch}.attention.value_length differs from key_length "
+                              f"({head_dim}); only equal head sizes are supported")
+        if meta.int("rope.dimension_count", head_dim) != head_dim:
+            raise ConfigError(f"GGUF {meta.arch}.rope.dimension_count must equal the head size "
+                              f"({head_dim}): partial rotary is not supported for {cls.family}")
+        if "token_embd.weight" not in meta.tensor_names:
+            raise ConfigError("GGUF file has no token_embd.weight")
+        return {
+            "architectures": [family(cls.family).architectures[0]],
+            "model_type": cls.family,
+            "vocab_size": meta.tensor_shapes["token_embd.weight"][0],
+            "hidden_size": hidden,
+            "num_hidden_layers": meta.int("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": meta.int("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "intermediate_size": meta.int("feed_forward_length"),
+            "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon"),
+            "rope_theta": meta.float("rope.freq_base", 10000.0),
+            "max_position_embeddings": meta.int("context_length", 8192),
+            "tie_word_embeddings": "output.weight" not in meta.tensor_names,
+            "hidden_act": "silu",
+        }
+
     def to_hf_dict(self) -> dict[str, Any]:
         from megakernel.models.registry import family
 

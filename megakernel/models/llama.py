@@ -40,6 +40,19 @@ def _presets() -> dict[str, LlamaConfig]:
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig(DenseConfig):
     family = "llama"
+    gguf_arch = "llama"
+
+    def from_gguf_tensor(self, name: str, t: Any) -> Any:
+        """llama.cpp stores q/k projection rows of each head with the two rotary halves
+        interleaved (its RoPE pairs neighbours); put the halves back (rows of head h: pair i of
+        the GGUF order is rows 2i, 2i + 1 -> rows i and i + d/2)."""
+        for proj, heads in (("self_attn.q_proj.", self.num_heads),
+                            ("self_attn.k_proj.", self.num_kv_heads)):
+            if proj in name:
+                rows = t.shape[0]
+                return (t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2)
+                        .reshape(t.shape))
+        return t
 
     def to_hf_dict(self) -> dict[str, Any]:
         return {**super().to_hf_dict(), "attention_bias": False}

@@ -33,6 +33,7 @@ def _presets() -> dict[str, Qwen2Config]:
 @dataclass(frozen=True, kw_only=True)
 class Qwen2Config(DenseConfig):
     family = "qwen2"
+    gguf_arch = "qwen2"
     qkv_bias = True
     refused_flags = ("mlp_bias",)  # q/k/v biases are Qwen2's own; sliding window checked below
 

@@ -32,6 +32,7 @@ def _presets() -> dict[str, Qwen3Config]:
 @dataclass(frozen=True, kw_only=True)
 class Qwen3Config(DenseConfig):
     family = "qwen3"
+    gguf_arch = "qwen3"
     qk_norm = True
 
     def to_hf_dict(self) -> dict[str, Any]:

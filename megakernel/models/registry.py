@@ -79,6 +79,17 @@ def family(name: str) -> Family:
         raise ConfigError(e.args[0]) from None
 
 
+def gguf_family(arch: str, source: str = "GGUF file") -> Family:
+    """The family whose `gguf_arch` is llama.cpp's architecture name `arch`."""
+    fams = load_all().values()
+    for f in fams:
+        if f.cls.gguf_arch == arch:
+            return f
+    known = sorted(f.cls.gguf_arch for f in fams if f.cls.gguf_arch)
+    raise ConfigError(f"{source}: unsupported GGUF architecture {arch!r}; supported: "
+                      f"{', '.join(known)}")
+
+
 _PRESETS: dict[str, ModelConfig] | None = None
 
 
@@ -156,10 +167,14 @@ def config_from_hf_dir(path: str | Path) -> ModelConfig:
 
 
 def resolve(spec: str) -> ModelConfig:
-    """A preset name or a Hugging Face checkpoint directory."""
+    """A preset name, a Hugging Face checkpoint directory or a GGUF file."""
+    from megakernel.models.gguf import config_from_gguf, is_gguf
+
     if spec in presets():
         return presets()[spec]
     if Path(spec).is_dir():
         return config_from_hf_dir(spec)
-    raise ConfigError(f"{spec!r} is neither a preset ({', '.join(presets())}) nor a checkpoint "
-                      "directory")
+    if is_gguf(spec):
+        return config_from_gguf(spec)
+    raise ConfigError(f"{spec!r} is neither a preset ({', '.join(presets())}), a checkpoint "
+                      "directory nor a .gguf file")

@@ -357,7 +357,9 @@ class LazyRandomWeights(Mapping):
 
 def load_model(spec: str, seed: int = 0, dtype: torch.dtype | None = torch.bfloat16
                ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A preset name -> random weights from `seed`; a directory -> its checkpoint in `dtype`."""
+    """A preset name -> random weights from `seed`; a directory or a .gguf file -> its checkpoint
+    in `dtype`."""
+    from megakernel.models.gguf import is_gguf, load_gguf
     from megakernel.models.registry import presets, resolve
 
     if spec in presets():
@@ -365,5 +367,7 @@ def load_model(spec: str, seed: int = 0, dtype: torch.dtype | None = torch.bfloa
         return cfg, random_weights(cfg, seed, dtype or torch.bfloat16)
     if Path(spec).is_dir():
         return load_checkpoint(spec, dtype=dtype)
+    if is_gguf(spec):
+        return load_gguf(spec, dtype=dtype)
     resolve(spec)  # raises the error naming every preset
     raise ConfigError(f"cannot load {spec!r}")
