@@ -112,12 +112,20 @@ class LLM:
         self._packed = None
 
     # ---- input ---------------------------------------------------------------------------------
-    def _prompts(self, prompts: list[list[int]] | list[str], max_new_tokens: int
-                 ) -> list[list[int]]:
+    def _prompts(self, prompts: list[list[int]] | list[str], max_new_tokens: int,
+                 chat: bool = False) -> list[list[int]]:
         if isinstance(prompts, str) or not prompts:
             raise GenerationError("prompts must be a non-empty list (of token id lists or, with "
                                   "a tokenizer, of strings)")
-        if all(isinstance(p, str) for p in prompts):
+        if chat:
+            from megakernel.chat import chat_ids
+
+            if not all(isinstance(p, str | list) and p and not isinstance(p[0], int)
+                       for p in prompts):
+                raise GenerationError("chat=True takes text prompts (or conversations of "
+                                      "messages), not token ids")
+            prompts = [chat_ids(self.tokenizer, p) for p in prompts]
+        elif all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise GenerationError("text prompts need a checkpoint with a tokenizer; pass "
                                       "token ids")
@@ -143,10 +151,17 @@ class LLM:
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]] | list[str], max_new_tokens: int = 16,
-                 eos_token_id: int | None = None) -> GenerationOutput:
+                 eos_token_id: int | None = None, chat: bool = False) -> GenerationOutput:
         """Greedy generation of up to max_new_tokens per prompt; a prompt stops at its EOS
-        (included) and the call returns when every prompt has stopped."""
-        ids = self._prompts(prompts, max_new_tokens)
+        (included) and the call returns when every prompt has stopped. `chat`: each prompt (a
+        user message, or a list of {"role", "content"} messages) goes through the model's chat
+        template, generation stops at the model's EOS unless `eos_token_id` says otherwise, and
+        the texts leave special tokens out."""
+        from megakernel.chat import model_eos, until_eos
+
+        ids = self._prompts(prompts, max_new_tokens, chat)
+        if chat and eos_token_id is None:
+            eos_token_id = model_eos(self.tokenizer)
         t0 = time.perf_counter()
         first_s = None
         if self.backend == "reference":
@@ -154,9 +169,9 @@ class LLM:
         else:
             g = self._program(ids, max_new_tokens, eos_token_id)
             tokens, first_s = g.tokens, g.first_token_s
-        tokens = [_until_eos(t, eos_token_id) for t in tokens]
-        texts = ([self.tokenizer.decode(t) for t in tokens] if self.tokenizer is not None
-                 else None)
+        tokens = [until_eos(t, eos_token_id) for t in tokens]
+        texts = ([self.tokenizer.decode(t, skip_special_tokens=chat) for t in tokens]
+                 if self.tokenizer is not None else None)
         return GenerationOutput(tokens, self.backend, texts, first_s, time.perf_counter() - t0)
 
     def _reference(self, ids: list[list[int]], steps: int) -> list[list[int]]:
@@ -213,26 +228,25 @@ class LLM:
         return self._kernels[batch]
 
 
-def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
-
-
 def load(model: str | Path, backend: str = "auto", max_batch: int = 8, max_seq_len: int = 4096,
          replay_window: int | None = None, seed: int = 0,
          build_dir: str | Path | None = None) -> LLM:
-    """Load a preset (random bf16 weights from `seed`) or a Hugging Face checkpoint directory
-    (its tokenizer too, when it has one) and pick the backend; see the module docstring."""
+    """Load a preset (random bf16 weights from `seed`), a Hugging Face checkpoint directory or a
+    GGUF file (its tokenizer too, when it has one) and pick the backend; see the module
+    docstring."""
+    from megakernel.models.gguf import is_gguf
     from megakernel.models.weights import load_model
 
     cfg, weights = load_model(str(model), seed=seed, dtype=torch.bfloat16)
     tokenizer = None
-    if Path(model).is_dir():
+    if Path(model).is_dir() or is_gguf(model):
         from megakernel.cli import CliError
+        from megakernel.errors import ConfigError
         from megakernel.generate_cli import load_tokenizer
 
         try:
             tokenizer = load_tokenizer(str(model))
-        except CliError:
+        except (CliError, ConfigError):  # no tokenizer files, or none in the GGUF metadata
             tokenizer = None  # token ids only
     return LLM(cfg, weights, backend, max_batch, max_seq_len, replay_window, tokenizer,
                build_dir)

