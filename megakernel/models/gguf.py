@@ -80,10 +80,23 @@ class GGUFMetadata:
         return int(v)
 
     def float(self, key: str, default: Any = ...) -> float:
+        """A float key as the decimal the converter wrote: GGUF stores float32 (1e-6 reads back
+        as 9.99999997e-07); the shortest decimal that rounds to the same float32 is the config's
+        value for any decimal of at most 7 significant digits."""
+        if default is not ... and self.get(key) is None:
+            return default
         v = self._need(key, default)
         if isinstance(v, bool) or not isinstance(v, int | float | np.number):
             raise ConfigError(f"GGUF key {self.arch}.{key} must be a number, got {v!r}")
-        return float(v)
+        return float(str(np.float32(v)))
+
+    def vocab(self) -> dict[str, Any]:
+        """vocab_size from the embedding's rows (llama.cpp may pad the token list, never the
+        tensor) and tie_word_embeddings from the absence of `output.weight`."""
+        if "token_embd.weight" not in self.tensor_names:
+            raise ConfigError("GGUF file has no token_embd.weight")
+        return {"vocab_size": self.tensor_shapes["token_embd.weight"][0],
+                "tie_word_embeddings": "output.weight" not in self.tensor_names}
 
     def _need(self, key: str, default: Any) -> Any:
         v = self.get(key)
@@ -169,7 +182,7 @@ def _gguf_names(cfg: ModelConfig, arch: str) -> dict[str, str]:
     table = gguf.get_tensor_name_map(arch_ids[arch], len({b.layer for b in cfg.blocks}))
     out, unmapped = {}, []
     for ours in expected_shapes(cfg):
-        theirs = table.get_name(ours, try_suffixes=(".weight", ".bias"))
+        theirs = table.get_name(cfg.gguf_source_name(ours), try_suffixes=(".weight", ".bias"))
         if theirs is None:
             unmapped.append(ours)
         else:

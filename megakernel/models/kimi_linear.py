@@ -3,6 +3,9 @@
 
 Checkpoint names: KDA and MLA under `self_attn.`, the MoE under `block_sparse_moe.`, dense layers
 under `mlp.` (save_pretrained writes them as `block_sparse_moe.*_proj`: both are accepted).
+
+GGUF (llama.cpp's `kimi-linear`): recognised and refused (`hf_dict_from_gguf`), its tensors not
+being one-to-one with the Hugging Face ones.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def _check_index(i: Any, n: int, field: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class KimiLinearConfig(LayerTypesConfig):
     family = "kimi_linear"
+    gguf_arch = "kimi-linear"
     mixers = ("kda", "mla")
 
     intermediate_size: int  # dense MLP
@@ -200,6 +204,18 @@ class KimiLinearConfig(LayerTypesConfig):
             first_k_dense=first_dense,
             name=name,
         )
+
+    @classmethod
+    def hf_dict_from_gguf(cls, meta: Any) -> dict[str, Any]:
+        """Refused: llama.cpp's converter (KimiLinearModel) writes tensors that are not one per
+        Hugging Face tensor, and the GGUF loader maps names one to one."""
+        raise ConfigError(
+            f"GGUF architecture {meta.arch!r} (Kimi Linear) is not supported: llama.cpp's "
+            "converter stacks each MoE layer's per-expert w1/w2/w3 into one 3-D "
+            "ffn_gate_exps/ffn_down_exps/ffn_up_exps tensor, and splits each MLA layer's "
+            "kv_b_proj into attn_k_b (transposed, [heads, kv_lora_rank, qk_nope]) and attn_v_b "
+            "([heads, v_head_dim, kv_lora_rank]) without writing kv_b_proj; the GGUF loader reads "
+            "one GGUF tensor per Hugging Face tensor. Load the Hugging Face checkpoint instead")
 
     def to_hf_dict(self) -> dict[str, Any]:
         k, m, e = self.kda, self.mla, self.moe

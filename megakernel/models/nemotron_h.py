@@ -1,6 +1,14 @@
 """Nemotron-H (NemotronHForCausalLM): one block per layer (RMSNorm -> mixer -> residual); mixers
 are Mamba2 (M), grouped-query attention without RoPE (*) and a relu^2 MLP (-). MoE blocks are not
 supported. Weights under `backbone.` (transformers renames it `model.`: both accepted).
+
+GGUF form (llama.cpp's `nemotron_h`, convert_hf_to_gguf.py's NemotronHModel): the layer pattern is
+in the per-layer arrays `attention.head_count_kv` (non-zero: attention) and `feed_forward_length`
+(non-zero: MLP; both zero: Mamba2); attention q/k rows are permuted as Llama's; Mamba2's A_log is
+stored as A = -exp(A_log) [H, 1], D as [H, 1], the conv squeezed to [C, K], the gated norm as
+[G, d_inner / G], dt_bias under `ssm_dt.bias` (`from_gguf_tensor` undoes each). llama.cpp writes
+context_length = 2**20 for it, not the checkpoint's max_position_embeddings, and no
+time_step_min (the default 0.001 is read).
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ from megakernel.models.config import (
     positive,
     refuse,
 )
-from megakernel.models.layer_types import LayerTypesConfig
+from megakernel.models.layer_types import (
+    LayerTypesConfig,
+    a_log_from_gguf,
+)
 from megakernel.models.registry import register_family
 
 _KINDS = {"mamba2": "mamba2", "attention": "attention", "mlp": "relu2"}
@@ -60,6 +71,7 @@ def _presets() -> dict[str, NemotronHConfig]:
 @dataclass(frozen=True, kw_only=True)
 class NemotronHConfig(LayerTypesConfig):
     family = "nemotron_h"
+    gguf_arch = "nemotron_h"
     mixers = ("mamba2", "attention", "mlp")
     embed_name = "backbone.embeddings.weight"
     final_norm_name = "backbone.norm_f.weight"
@@ -160,6 +172,100 @@ class NemotronHConfig(LayerTypesConfig):
             ),
             name=name,
         )
+
+    # ---- GGUF form (models/gguf.py) ------------------------------------------------------------
+    @classmethod
+    def hf_dict_from_gguf(cls, meta: Any) -> dict[str, Any]:
+        """llama.cpp's nemotron_h keys (NemotronHModel / GraniteHybridModel.set_gguf_parameters):
+        the layer pattern from the per-layer `attention.head_count_kv` and `feed_forward_length`
+        arrays, Mamba2's sizes under `ssm.*`, the conv bias from the presence of its tensor."""
+        n = meta.int("block_count")
+        kv, ff = meta.get("attention.head_count_kv"), meta.get("feed_forward_length")
+        if not (isinstance(kv, list) and isinstance(ff, list) and len(kv) == len(ff) == n):
+            raise ConfigError(f"GGUF {meta.arch}.attention.head_count_kv and feed_forward_length "
+                              f"must be per-layer arrays of block_count ({n}) entries (they hold "
+                              f"the layer pattern), got {kv!r} and {ff!r}")
+        types = []
+        for i, (k, f) in enumerate(zip(kv, ff, strict=True)):
+            if k and f:
+                raise ConfigError(f"GGUF {meta.arch} layer {i} has both kv heads ({k}) and a "
+                                  f"feed-forward length ({f}): not a Nemotron-H layer")
+            types.append("full_attention" if k else "mlp" if f else "linear_attention")
+
+        def uniform(values: list[Any], what: str, default: int) -> int:
+            """The one non-zero value of a per-layer array (`default` when all are zero)."""
+            found = sorted({int(v) for v in values if v})
+            if len(found) > 1:
+                raise ConfigError(f"GGUF {meta.arch}.{what} varies by layer ({found}); only "
+                                  "uniform layers are supported")
+            return found[0] if found else default
+
+        heads = meta.int("attention.head_count")
+        hidden = meta.int("embedding_length")
+        nh = meta.int("ssm.time_step_rank")
+        inner = meta.int("ssm.inner_size")
+        if nh <= 0 or inner % nh:
+            raise ConfigError(f"GGUF {meta.arch}.ssm.inner_size ({inner}) must be a multiple of "
+                              f"ssm.time_step_rank ({nh}, the Mamba2 heads)")
+        mamba = [i for i, t in enumerate(types) if t == "linear_attention"]
+        eps_key = ("attention.layer_norm_rms_epsilon"
+                   if meta.get("attention.layer_norm_rms_epsilon") is not None
+                   else "attention.layer_norm_epsilon")
+        return {
+            "architectures": ["NemotronHForCausalLM"],
+            "model_type": "nemotron_h",
+            **meta.vocab(),
+            "hidden_size": hidden,
+            "layers_block_type": types,
+            "num_attention_heads": heads,
+            "num_key_value_heads": uniform(kv, "attention.head_count_kv", heads),
+            "head_dim": meta.int("attention.key_length", hidden // heads),
+            # no MLP layer: the file holds no intermediate size, and any builds the same model
+            "intermediate_size": uniform(ff, "feed_forward_length", 1),
+            "mamba_num_heads": nh,
+            "mamba_head_dim": inner // nh,
+            "ssm_state_size": meta.int("ssm.state_size"),
+            "n_groups": meta.int("ssm.group_count"),
+            "conv_kernel": meta.int("ssm.conv_kernel"),
+            "use_conv_bias": (not mamba
+                              or f"blk.{mamba[0]}.ssm_conv1d.bias" in meta.tensor_names),
+            "layer_norm_epsilon": meta.float(eps_key, 1e-5),
+            "max_position_embeddings": meta.int("context_length", 4096),
+        }
+
+    def gguf_source_name(self, name: str) -> str:
+        """The converter (Mamba2Model) renames dt_bias to dt_proj.bias before its name-table
+        lookup."""
+        return name.removesuffix("dt_bias") + "dt_proj.bias" if name.endswith(".dt_bias") else name
+
+    def gguf_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        m = self.mamba2
+        if name.endswith(".mixer.conv1d.weight"):  # squeezed [C, 1, K] -> [C, K]
+            return (shape[0], shape[2])
+        if name.endswith((".mixer.A_log", ".mixer.D")):  # [H] -> [H, 1]
+            return (*shape, 1)
+        if name.endswith(".mixer.norm.weight"):  # the gated norm per group
+            return (m.n_groups, m.d_inner // m.n_groups)
+        return shape
+
+    def from_gguf_tensor(self, name: str, t: Any) -> Any:
+        """Undo NemotronHModel.modify_tensors: Mamba2Model's reshapes and A = -exp(A_log), and
+        LlamaModel's q/k row permutation (llama.cpp's RoPE pairs neighbours; Nemotron-H has no
+        RoPE, the converter permutes anyway): rows 2i, 2i + 1 of a head -> rows i, i + d/2."""
+        if name.endswith(".mixer.conv1d.weight"):
+            return t.unsqueeze(1)
+        if name.endswith(".mixer.A_log"):
+            return a_log_from_gguf(name, t.reshape(-1))
+        if name.endswith((".mixer.D", ".mixer.norm.weight")):
+            return t.reshape(-1)
+        a = self.attention
+        for proj, heads in (("mixer.q_proj.weight", a.num_heads),
+                            ("mixer.k_proj.weight", a.num_kv_heads)):
+            if name.endswith(proj):
+                rows = t.shape[0]
+                return (t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2)
+                        .reshape(t.shape))
+        return t
 
     def to_hf_dict(self) -> dict[str, Any]:
         a, m = self.attention, self.mamba2

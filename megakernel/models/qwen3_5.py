@@ -5,12 +5,20 @@ the zero-centred (1 + w) form.
 
 Published multimodal checkpoints prefix the text model with `model.language_model.` and carry
 `model.visual.*` and `mtp.*`: the prefix is mapped to `model.` and the rest skipped.
+
+GGUF form (llama.cpp's `qwen35`, convert_hf_to_gguf.py's Qwen3_5TextModel): the layer pattern is
+`full_attention_interval` (layer i is attention when (i + 1) % interval == 0); every (1 + w) norm
+is stored as 1 + w; A_log as A = -exp(A_log); conv1d squeezed to [C, K]; dt_bias under
+`ssm_dt.bias`; and with fewer key than value heads the gated delta rule's value heads are
+reordered from grouped (by key head) to tiled (`from_gguf_tensor` undoes each).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from megakernel.layers.attention import AttentionConfig
 from megakernel.layers.gdn import GDNConfig
@@ -29,7 +37,11 @@ from megakernel.models.config import (
     positive,
     refuse,
 )
-from megakernel.models.layer_types import LayerTypesConfig
+from megakernel.models.layer_types import (
+    LayerTypesConfig,
+    a_log_from_gguf,
+    v_heads_grouped,
+)
 from megakernel.models.registry import register_family
 
 
@@ -79,6 +91,7 @@ def _presets() -> dict[str, Qwen35Config]:
 @dataclass(frozen=True, kw_only=True)
 class Qwen35Config(LayerTypesConfig):
     family = "qwen3_5"
+    gguf_arch = "qwen35"
     norm_kind = "rms_1p"
     mixers = ("gdn", "attention")
     skipped_prefixes = ("model.visual.", "mtp.", "model.mtp.")
@@ -158,6 +171,105 @@ class Qwen35Config(LayerTypesConfig):
                 v_head_dim=as_int(d, "linear_value_head_dim", 128),
                 conv_kernel=as_int(d, "linear_conv_kernel_dim", 4)),
             name=name)
+
+    # ---- GGUF form (models/gguf.py) ------------------------------------------------------------
+    @classmethod
+    def hf_dict_from_gguf(cls, meta: Any) -> dict[str, Any]:
+        """llama.cpp's qwen35 keys (Qwen3NextModel.set_gguf_parameters): the gated delta rule's
+        sizes under `ssm.*`, the layer pattern as `full_attention_interval`, the rotary width as
+        `rope.dimension_count` (`rope.dimension_sections`, the MRoPE split, is plain RoPE for
+        text positions)."""
+        scaling = meta.get("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise ConfigError(f"unsupported GGUF RoPE scaling {meta.arch}.rope.scaling.type="
+                              f"{scaling!r}")
+        if meta.get("expert_count"):
+            raise ConfigError(f"GGUF {meta.arch}.expert_count is set: Qwen3.5 MoE text models are "
+                              "not supported")
+        n = meta.int("block_count")
+        heads = meta.int("attention.head_count")
+        hidden = meta.int("embedding_length")
+        head_dim = meta.int("attention.key_length", hidden // heads)
+        if meta.int("attention.value_length", head_dim) != head_dim:
+            raise ConfigError(f"GGUF {meta.arch}.attention.value_length differs from key_length "
+                              f"({head_dim}); only equal head sizes are supported")
+        rotary = meta.int("rope.dimension_count")
+        prf = rotary / head_dim
+        if int(head_dim * prf) // 2 * 2 != rotary:
+            raise ConfigError(f"GGUF {meta.arch}.rope.dimension_count = {rotary} must be even and "
+                              f"at most the head size ({head_dim})")
+        interval = meta.int("full_attention_interval", 4)
+        if interval <= 0:
+            raise ConfigError(f"GGUF {meta.arch}.full_attention_interval must be positive, got "
+                              f"{interval}")
+        hv = meta.int("ssm.time_step_rank")
+        inner = meta.int("ssm.inner_size")
+        if hv <= 0 or inner % hv:
+            raise ConfigError(f"GGUF {meta.arch}.ssm.inner_size ({inner}) must be a multiple of "
+                              f"ssm.time_step_rank ({hv}, the value heads)")
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            **meta.vocab(),
+            "hidden_size": hidden,
+            "intermediate_size": meta.int("feed_forward_length"),
+            "num_hidden_layers": n,
+            "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                            for i in range(n)],
+            "num_attention_heads": heads,
+            "num_key_value_heads": meta.int("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon"),
+            "max_position_embeddings": meta.int("context_length", 32768),
+            "rope_parameters": {"rope_type": "default",
+                                "rope_theta": meta.float("rope.freq_base", 10000.0),
+                                "partial_rotary_factor": prf},
+            "linear_num_key_heads": meta.int("ssm.group_count"),
+            "linear_num_value_heads": hv,
+            "linear_key_head_dim": meta.int("ssm.state_size"),
+            "linear_value_head_dim": inner // hv,
+            "linear_conv_kernel_dim": meta.int("ssm.conv_kernel"),
+        }
+
+    def gguf_source_name(self, name: str) -> str:
+        """The converter renames dt_bias to dt_proj.bias before its name-table lookup."""
+        return name.removesuffix("dt_bias") + "dt_proj.bias" if name.endswith(".dt_bias") else name
+
+    def gguf_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if name.endswith(".linear_attn.conv1d.weight"):  # squeezed [C, 1, K] -> [C, K]
+            return (shape[0], shape[2])
+        return shape
+
+    def from_gguf_tensor(self, name: str, t: Any) -> Any:
+        """Undo Qwen3_5TextModel.modify_tensors: the +1 of every (1 + w) norm (all but the gated
+        delta rule's output norm), A = -exp(A_log), the conv squeeze, and (Hk != Hv) the
+        grouped -> tiled reorder of value heads (`_reorder_v_heads`) in in_proj_qkv's v rows,
+        in_proj_z, in_proj_a/b, A_log, dt_bias, the conv's v channels and out_proj's columns."""
+        if ".linear_attn." not in name:
+            return t - 1 if name.endswith("norm.weight") else t
+        local = name.rpartition(".linear_attn.")[2]
+        if local == "A_log":
+            t = a_log_from_gguf(name, t)
+        elif local == "conv1d.weight":
+            t = t.unsqueeze(1)
+        g = self.gdn
+        if g.num_k_heads == g.num_v_heads:
+            return t
+
+        def grouped(x: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
+            return v_heads_grouped(x, dim, g.num_k_heads, g.num_v_heads, head_dim)
+
+        if local in ("in_proj_qkv.weight", "conv1d.weight"):  # v rows / channels after q, k
+            qk = 2 * g.key_dim
+            return torch.cat((t[:qk], grouped(t[qk:], 0, g.v_head_dim)))
+        if local == "in_proj_z.weight":
+            return grouped(t, 0, g.v_head_dim)
+        if local in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+            return grouped(t, 0, 1)
+        if local == "out_proj.weight":
+            return grouped(t, 1, g.v_head_dim)
+        return t
 
     def to_hf_dict(self) -> dict[str, Any]:
         a, g = self.attention, self.gdn

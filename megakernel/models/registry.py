@@ -164,17 +164,3 @@ def config_from_hf_dir(path: str | Path) -> ModelConfig:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"{p} is not valid JSON: {e}") from None
     return config_from_hf_dict(d, name=Path(path).name)
-
-
-def resolve(spec: str) -> ModelConfig:
-    """A preset name, a Hugging Face checkpoint directory or a GGUF file."""
-    from megakernel.models.gguf import config_from_gguf, is_gguf
-
-    if spec in presets():
-        return presets()[spec]
-    if Path(spec).is_dir():
-        return config_from_hf_dir(spec)
-    if is_gguf(spec):
-        return config_from_gguf(spec)
-    raise ConfigError(f"{spec!r} is neither a preset ({', '.join(presets())}), a checkpoint "
-                      "directory nor a .gguf file")

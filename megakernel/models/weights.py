@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from megakernel.errors import UserError
-from megakernel.models.config import ConfigError, ModelConfig, expected_shapes
+from megakernel.models.config import ModelConfig, expected_shapes
 
-__all__ = ["WeightError", "expected_shapes", "load_checkpoint", "random_weights", "load_model",
+__all__ = ["WeightError", "expected_shapes", "load_checkpoint", "random_weights",
            "save_checkpoint", "check_weights", "keep_fp32"]
 
 SINGLE_FILE = "model.safetensors"
@@ -353,21 +353,3 @@ class LazyRandomWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.shapes)
-
-
-def load_model(spec: str, seed: int = 0, dtype: torch.dtype | None = torch.bfloat16
-               ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A preset name -> random weights from `seed`; a directory or a .gguf file -> its checkpoint
-    in `dtype`."""
-    from megakernel.models.gguf import is_gguf, load_gguf
-    from megakernel.models.registry import presets, resolve
-
-    if spec in presets():
-        cfg = presets()[spec]
-        return cfg, random_weights(cfg, seed, dtype or torch.bfloat16)
-    if Path(spec).is_dir():
-        return load_checkpoint(spec, dtype=dtype)
-    if is_gguf(spec):
-        return load_gguf(spec, dtype=dtype)
-    resolve(spec)  # raises the error naming every preset
-    raise ConfigError(f"cannot load {spec!r}")

@@ -15,7 +15,7 @@ import torch
 import megakernel as mk
 from megakernel.executor import Executor
 from megakernel.launch_checks import ArgumentError
-from megakernel.models.weights import load_model
+from megakernel.models.sources import load_model
 from megakernel.reference.model import ReferenceModel
 from megakernel.reference.model import generate as ref_generate
 from megakernel.runtime import KernelUnavailable

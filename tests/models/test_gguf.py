@@ -17,8 +17,9 @@ from megakernel.models.dense import DenseConfig
 from megakernel.models.gguf import config_from_gguf, load_gguf
 from megakernel.models.gguf_quants import BLOCK_TYPES, dequantize
 from megakernel.models.registry import load_all, presets
-from megakernel.models.weights import WeightError, load_model, random_weights
-from tests.models.gguf_files import dense_meta, dense_tensors, write_dense, write_gguf
+from megakernel.models.sources import load_model
+from megakernel.models.weights import WeightError, random_weights
+from tests.models.gguf_writing import dense_meta, dense_tensors, write_dense, write_gguf
 
 # the dense families with a GGUF form, each by its tiny preset
 DENSE_GGUF = tuple(n for n, c in presets().items() if n.endswith("-tiny")
@@ -89,7 +90,7 @@ def test_dense_gguf_round_trip(tmp_path: Path, name: str) -> None:
               "head_dim", "intermediate_size", "tie_word_embeddings", "max_position_embeddings"):
         assert getattr(got_cfg, f) == getattr(cfg, f), f
     assert got_cfg.rope.theta == cfg.rope.theta and got_cfg.family == cfg.family
-    assert abs(got_cfg.rms_norm_eps - cfg.rms_norm_eps) <= 1e-6 * cfg.rms_norm_eps  # stored f32
+    assert got_cfg.rms_norm_eps == cfg.rms_norm_eps  # stored as float32, read back as written
     assert set(got) == set(w)
     quantized = 0
     for n, t in w.items():
@@ -156,7 +157,6 @@ def test_not_a_gguf_file(tmp_path: Path, capsys) -> None:
 
 def test_unknown_architecture(tmp_path: Path, tiny_parts, capsys) -> None:
     _, meta, tensors = tiny_parts
-    meta = {k.replace("llama.", "gpt2."): v for k, v in meta.items()}
     path = write_gguf(tmp_path / "a.gguf", "gpt2", meta, tensors)
     with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'; supported: "
                        ".*llama.*qwen2.*qwen3"):
@@ -166,8 +166,7 @@ def test_unknown_architecture(tmp_path: Path, tiny_parts, capsys) -> None:
 
 def test_unsupported_block_type_names_the_tensor(tmp_path: Path, tiny_parts, capsys) -> None:
     cfg, meta, tensors = tiny_parts
-    arr, _ = tensors["blk.1.ffn_up.weight"]
-    rows, cols = arr.shape
+    rows, cols = tensors["blk.1.ffn_up.weight"].shape
     q2k = gguf.GGMLQuantizationType.Q2_K
     block, nbytes = gguf.GGML_QUANT_SIZES[q2k]
     raw = np.zeros((rows, cols // block * nbytes), dtype=np.uint8)
@@ -179,8 +178,7 @@ def test_unsupported_block_type_names_the_tensor(tmp_path: Path, tiny_parts, cap
 
 def test_shape_mismatch_names_the_tensor(tmp_path: Path, tiny_parts, capsys) -> None:
     cfg, meta, tensors = tiny_parts
-    arr, t = tensors["blk.0.attn_k.weight"]
-    tensors["blk.0.attn_k.weight"] = (arr[:-64], t)
+    tensors["blk.0.attn_k.weight"] = tensors["blk.0.attn_k.weight"][:-64]
     path = write_gguf(tmp_path / "s.gguf", "llama", meta, tensors)
     line = _error(path, capsys)
     assert "'blk.0.attn_k.weight' has shape [64, 256], expected [128, 256]" in line
@@ -197,20 +195,19 @@ def test_missing_and_unexpected_tensors(tmp_path: Path, tiny_parts, capsys) -> N
 
 def test_nan_values_name_the_tensor(tmp_path: Path, tiny_parts, capsys) -> None:
     cfg, meta, tensors = tiny_parts
-    arr, t = tensors["blk.0.attn_v.weight"]
-    arr = arr.copy()
+    arr = tensors["blk.0.attn_v.weight"].copy()
     arr[3, 7] = np.nan
-    tensors["blk.0.attn_v.weight"] = (arr, t)
+    tensors["blk.0.attn_v.weight"] = arr
     path = write_gguf(tmp_path / "n.gguf", "llama", meta, tensors)
     assert "'blk.0.attn_v.weight'" in _error(path, capsys)
 
 
 def test_missing_metadata_and_rope_factors(tmp_path: Path, tiny_parts, capsys) -> None:
     cfg, meta, tensors = tiny_parts
-    short = {k: v for k, v in meta.items() if k != "llama.attention.head_count"}
+    short = {k: v for k, v in meta.items() if k != "attention.head_count"}
     path = write_gguf(tmp_path / "k.gguf", "llama", short, tensors)
     assert "llama.attention.head_count" in _error(path, capsys)
-    tensors["rope_freqs.weight"] = (np.ones(32, np.float32), "F32")
+    tensors["rope_freqs.weight"] = np.ones(32, np.float32)
     path = write_gguf(tmp_path / "r.gguf", "llama", meta, tensors)
     assert "rope_freqs.weight" in _error(path, capsys)
 

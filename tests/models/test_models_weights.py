@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from megakernel.models import ConfigError, ModelConfig, RopeConfig, family, preset, presets
+from megakernel.models.sources import load_model
 from megakernel.models.weights import (
     WeightError,
     check_weights,
@@ -26,7 +27,6 @@ from megakernel.models.weights import (
     init_stats,
     keep_fp32,
     load_checkpoint,
-    load_model,
     random_weights,
     save_checkpoint,
     tensor_roles,

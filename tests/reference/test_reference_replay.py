@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megakernel.models import preset
-from megakernel.models.weights import load_model, random_weights
+from megakernel.models.sources import load_model
+from megakernel.models.weights import random_weights
 from megakernel.reference import ReferenceError, ReferenceModel, generate
 from megakernel.reference.layers.replay import (
     delta_rule_fold,
