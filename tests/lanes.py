@@ -5,11 +5,12 @@ A test is slow when it (its function, its parameters, the fixtures it requests a
 of the test tree they call, followed through their code) uses one of the SLOW resources: a
 kernel build beyond the fast lane's one small build per arch (the `lane_build` fixture), a
 subprocess (the CLI as a user runs it, a wheel build), a Hugging Face checkpoint (transformers
-models built, saved or loaded), a free-running generation against the reference, a cost-model
-fit, a whole gpu-check run, the compiled program of a real-size model (a preset that is not a
-`-tiny` one), or an executor step of many rows or splits (parameters batch x tokens of at least
-LARGE_ROWS, or at least LARGE_SPLITS splits). Everything else is fast. The conftest hook marks
-the slow ones `slow`; `make test` deselects them, `make test-slow` selects only them.
+models built, saved or loaded), a real trained model (SmolLM2, fetched into the cache), a
+free-running generation against the reference, a cost-model fit, a whole gpu-check run, the
+compiled program of a real-size model (a preset that is not a `-tiny` one), or an executor step
+of many rows or splits (parameters batch x tokens of at least LARGE_ROWS, or at least
+LARGE_SPLITS splits). Everything else is fast. The conftest hook marks the slow ones `slow`;
+`make test` deselects them, `make test-slow` selects only them.
 
 "Uses" is read from the code objects (the names a function loads, calls or imports, and its
 word-like string constants), so a new test lands in the right lane without being listed.
@@ -35,6 +36,7 @@ SLOW: dict[str, frozenset[str]] = {
     "cost-model fits": frozenset({"refit", "least_squares", "--refit", "fit_timeline",
                                   "hindcast"}),
     "gpu-check runs": frozenset({"gpu-check"}),
+    "real models": frozenset({"SMOLLM2"}),  # fetched with pip, then 30 layers on the CPU
 }
 # a real-size program: one of these with the name of a preset that is not a tiny one
 PROGRAMS = frozenset({"compile_program"})

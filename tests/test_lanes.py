@@ -38,6 +38,7 @@ def test_a_test_is_slow_for_what_it_uses_and_through_its_helpers():
     assert lanes.slow_reasons(lanes.uses([plain], extra={"kernel_build"})) == ["kernel builds"]
     assert lanes.slow_reasons(lanes.uses([plain], extra={"hf_checkpoint"})) == [
         "transformers checkpoints"]
+    assert lanes.slow_reasons(lanes.uses([plain], extra={"SMOLLM2"})) == ["real models"]
     assert lanes.slow_reasons(lanes.uses([plain])) == []
     assert lanes.slow_reasons(lanes.uses([lambda: lanes.TESTS.exists()])) == []
 

