@@ -65,10 +65,16 @@ class ExecutorStepper:
         self.ex = Executor(prog, packed, check=check, arenas=arenas)
         self.ex.state.zero_()  # recurrent state and conv windows start empty
         self.seed = seed
+        self.steps = 0  # steps run, named by a logits error
 
     def step(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        from megakernel.finite import check_logits
+
         self.seed += 1
-        return self.ex.step(tokens, seed=self.seed)
+        out = self.ex.step(tokens, seed=self.seed)
+        check_logits(self.ex.logits, self.steps, "cpu-executor")  # greedy of them is token 0
+        self.steps += 1
+        return out
 
     def arenas(self) -> dict[str, torch.Tensor]:
         return {n: self.ex.arena_tensor(n) for n in STATE_ARENAS}

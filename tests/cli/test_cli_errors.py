@@ -45,6 +45,36 @@ def test_non_finite_logits_stop_generation(capsys, tmp_path: Path, backend: str)
     assert err.startswith(f"error: {backend}: non-finite") and "step" in err, err
 
 
+def overflowing_projection(tmp_path: Path, name: str = "llama-tiny") -> Path:
+    """Finite weights whose activations overflow where no Inf reaches the logits: an o_proj of
+    1e30s makes the residual ~1e32, the next RMSNorm's sum of squares overflows fp32 and
+    normalises the row to exactly 0, so every logit is 0 and greedy decoding says token 0."""
+    cfg = preset(name)
+    w = random_weights(cfg, seed=3)
+    w["model.layers.0.self_attn.o_proj.weight"].fill_(1e30)
+    return save_checkpoint(cfg, w, tmp_path / "overflow-oproj")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-executor"])
+def test_overflow_to_zero_logits_stops_generation(capsys, tmp_path: Path, backend: str) -> None:
+    """Every backend: an error naming the step and rows, exit 2, not token 0 forever."""
+    d = overflowing_projection(tmp_path)
+    rc, out, err = run_cli(capsys, "generate", "--model", str(d), "--prompt-ids", "1,2;3",
+                           "--steps", "3", "--backend", backend)
+    assert rc == 2 and "new tokens" not in out, out
+    assert err.startswith(f"error: {backend}: degenerate logits at step 0 (rows [0, "), err
+    assert "every logit equals 0" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-executor"])
+def test_overflow_to_zero_logits_raises_in_the_api(tmp_path: Path, backend: str) -> None:
+    import megakernel as mk
+
+    llm = mk.load(str(overflowing_projection(tmp_path)), backend=backend, max_seq_len=32)
+    with pytest.raises(NonFiniteError, match=f"{backend}: degenerate logits at step 0"):
+        llm.generate([[1, 2, 3], [4]], max_new_tokens=3)
+
+
 def test_kernel_path_checks_the_logits_the_op_returns(tmp_path: Path) -> None:
     """The op's logits are checked per step (a GPU build has no executor check behind it)."""
     from megakernel.kernel_backend import Megakernel
@@ -65,6 +95,19 @@ def test_kernel_path_checks_the_logits_the_op_returns(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match="kernel: non-finite logits at step 2"):
         mk.generate([[1, 2], [3]], 4)
 
+    calls.clear()
+
+    def zeroed_step(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        out = real_step(*a, **k)
+        calls.append(1)
+        if len(calls) == 2:
+            mk.logits[0].zero_()  # what a step whose final norm overflowed returns
+        return out
+
+    mk.step = zeroed_step
+    with pytest.raises(NonFiniteError, match=r"kernel: degenerate logits at step 1 \(rows \[0\]"):
+        mk.generate([[1, 2], [3]], 4)
+
 
 def test_check_logits_names_rows() -> None:
     x = torch.randn(3, 11)
@@ -72,6 +115,13 @@ def test_check_logits_names_rows() -> None:
     x[2, 4] = -math.inf
     with pytest.raises(NonFiniteError, match=r"step 5 \(rows \[2\]\)"):
         check_logits(x, 5, "t")
+    y = torch.randn(2, 3, 11)  # [B, T, V] as a multi-token step returns them
+    y[1, 2] = 0.25
+    with pytest.raises(NonFiniteError, match=r"degenerate logits at step 1 \(rows \[5\]: every "
+                       r"logit equals 0.25\)"):
+        check_logits(y, 1, "t")
+    y[1, 2, 0] = 0.5  # one logit differs: a real (if odd) row
+    check_logits(y, 1, "t")
 
 
 # ---- flags named as passed -------------------------------------------------------------------
