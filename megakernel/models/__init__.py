@@ -23,7 +23,6 @@ from megakernel.models.registry import (
     real_presets,
     register_family,
 )
-from megakernel.models.sources import resolve
 
 __all__ = [
     "FAMILIES", "Block", "ConfigError", "ModelConfig", "RopeConfig", "config_from_hf_dict",
@@ -44,3 +43,13 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     for blk in cfg.blocks:
         kind(blk.kind).check(blk, cfg)
     return cfg
+
+
+def __getattr__(name: str):  # noqa: ANN202 (PEP 562: `resolve` imported on first use)
+    """`resolve` from models/sources.py, imported when first asked for: importing the package
+    stays cheap (no family module, no GGUF or safetensors reader)."""
+    if name == "resolve":
+        from megakernel.models.sources import resolve
+
+        return resolve
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
