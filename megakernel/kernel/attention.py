@@ -7,8 +7,12 @@ share a query's keys and their (m, l, o) are merged in shared memory in a fixed 
 
 Inside a warp, keys go 32 at a time: lane = key for the scores (q from shared memory, 16-byte
 loads of the key row), a warp max/sum for the online softmax, then lane = E head dims for the
-weighted sum of the value rows (the probability of key j broadcast with a shuffle). D = 64, 128
-or 256: E = D / 32 = 2, 4 or 8 contiguous dims per lane; sQ / sO hold one D-row per warp.
+weighted sum of the value rows (the probability of key j broadcast with a shuffle), their loads
+issued a batch at a time (dense_index.attn_value_batch) so that a chunk costs one or two memory
+round trips, not one per key. D = 64, 128 or 256: E = D / 32 = 2, 4 or 8 contiguous dims per
+lane; sQ / sO hold one D-row per warp. The cached keys/values reach L2 through a prefetch that
+runs a bounded lead ahead of each warp (dense_index.attn_kv_lead), not the whole split at once:
+at 32K keys a layer's splits would be ~64 MiB, more than L2, and evict the weights' lookahead.
 
 A paged build (KernelSpec.paged) reads the keys and values through the block table, page by
 page (kernel/paged_index.py); a padding row (slot_mapping < 0) sees no keys and its output is 0.
@@ -26,8 +30,12 @@ from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel.dense_index import (
     attn_keys,
+    attn_kv_lead,
+    attn_merge_batch,
+    attn_merge_split,
     attn_query,
     attn_scale,
+    attn_value_batch,
     attn_warp,
     gate_index,
     kv_row,
@@ -36,7 +44,14 @@ from megakernel.kernel.dense_index import (
 from megakernel.kernel.fields import common, word
 from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.limits import LANES, VEC
-from megakernel.kernel.memory import ld, load_bf16_vec, load_bf16x8, st, store_f32_vec
+from megakernel.kernel.memory import (
+    ld,
+    load_bf16_into,
+    load_bf16x8,
+    load_f32_into,
+    st,
+    store_f32_vec,
+)
 from megakernel.kernel.paged_index import k_elem, page_base, slot_block, table_entry, v_elem
 from megakernel.kernel.spec import KernelSpec
 from megakernel.kernel.sync import cta_sync
@@ -136,22 +151,43 @@ class Attention(Handler):
                warp: Int32, lane: Int32):
         """Online softmax over keys [kb, ke) of one query: (m, l, o[E] of this lane). Keys of
         (sequence b, kv head g) at rows kv_row0 + key of the contiguous cache, or (paged) in
-        the pages of b's block table in cache slot `cslot`."""
+        the pages of b's block table in cache slot `cslot`.
+
+        Per chunk of 32 keys the value rows are loaded VB at a time (attn_value_batch), all VB
+        loads issued before the first is used, the first batch with the keys' loads; they are
+        summed key by key in order, so o is bit-identical to one load per key. The contiguous
+        build's lane 0 requests the chunk attn_kv_lead keys on into L2 (prefetch_kv requested
+        the first ones before the wait)."""
         D, E, pg = self.D, self.E, self.pg
+        VB, lead = attn_value_batch(D, pg is not None), attn_kv_lead(D)
         m = Float32(NEG_INF)
         lsum = Float32(0.0)
         o = cute.make_rmem_tensor((E,), Float32)
         o.fill(0.0)
+        vb = cute.make_rmem_tensor((E, VB), BFloat16)  # a batch of value rows, this lane's dims
         for k0 in cutlass.range(kb, ke, LANES):
             key = k0 + lane
+            nvalid = cutlass.min(ke - k0, Int32(LANES))
             score = Float32(NEG_INF)
             kslot = Int32(0)  # paged: the key's block * block_size + offset
-            if key < ke:
-                dot = Float32(0.0)
-                if cutlass.const_expr(pg is not None):
+            blk, ko = Int32(0), Int32(0)
+            if cutlass.const_expr(pg is not None):
+                if key < ke:
                     col, ko = table_entry(b, key, pg.block_size, pg.max_blocks)
                     blk = ld(pI, pg.table_off + col)
                     kslot = blk * pg.block_size + ko
+            else:
+                if lane == 0:  # the sliding L2 prefetch, `lead` keys ahead of this chunk
+                    ahead = k0 + lead
+                    if ahead < ke:
+                        n = cutlass.min(ke - ahead, Int32(LANES)) * (D * 2)
+                        off = (kv_row0 + ahead) * Int64(D * 2)
+                        prefetch_l2(pK.toint() + off, n)
+                        prefetch_l2(pV.toint() + off, n)
+            self.load_values(vb, kv_row0, cslot, g, k0, Int32(0), nvalid, kslot, pV, lane)
+            if key < ke:
+                dot = Float32(0.0)
+                if cutlass.const_expr(pg is not None):
                     kbase = page_base(Int64(cslot), Int64(blk), Int64(g), pg.num_blocks,
                                       self.Hkv, pg.page_elems)
                     for c in cutlass.range_constexpr(D // VEC):  # the contiguous path's order
@@ -172,19 +208,40 @@ class Attention(Handler):
             lsum = lsum * alpha + cute.arch.warp_reduction_sum(p)
             for e in cutlass.range_constexpr(E):
                 o[e] = o[e] * alpha
-            nvalid = cutlass.min(ke - k0, Int32(LANES))
-            for jj in cutlass.range(nvalid):
-                pj = cute.arch.shuffle_sync(p, jj)
-                vrow = (kv_row0 + k0 + jj) * D
-                if cutlass.const_expr(pg is not None):  # key k0 + jj's slot, from its lane
-                    vblk, vo = slot_block(cute.arch.shuffle_sync(kslot, jj), pg.block_size)
-                    vrow = v_elem(page_base(Int64(cslot), Int64(vblk), Int64(g), pg.num_blocks,
-                                            self.Hkv, pg.page_elems), vo, 0, D)
-                vv = load_bf16_vec(pV, vrow + lane * E, E)
-                for e in cutlass.range_constexpr(E):
-                    o[e] = o[e] + pj * vv[e]
+            self.add_values(o, vb, p, Int32(0), nvalid)
+            if cutlass.const_expr(VB < LANES):
+                for j0 in cutlass.range(VB, nvalid, VB, unroll=1):
+                    self.load_values(vb, kv_row0, cslot, g, k0, j0, nvalid, kslot, pV, lane)
+                    self.add_values(o, vb, p, j0, nvalid)
             m = m_new
         return m, lsum, o
+
+    @cute.jit
+    def load_values(self, vb: cute.Tensor, kv_row0: Int64, cslot: Int32, g: Int32, k0: Int32,
+                    j0: Int32, nvalid: Int32, kslot: Int32, pV: cute.Pointer, lane: Int32):
+        """This lane's E dims of the value rows of keys k0 + j0 .. k0 + j0 + VB - 1 into vb
+        [E, VB], every load issued before any is used; a key past the chunk's nvalid loads
+        the last valid row instead (in range; add_values skips it)."""
+        D, E, pg = self.D, self.E, self.pg
+        for j in cutlass.range_constexpr(attn_value_batch(D, pg is not None)):
+            jj = cutlass.min(j0 + j, nvalid - 1)
+            vrow = (kv_row0 + k0 + jj) * D
+            if cutlass.const_expr(pg is not None):  # key k0 + jj's slot, from its lane
+                vblk, vo = slot_block(cute.arch.shuffle_sync(kslot, jj), pg.block_size)
+                vrow = v_elem(page_base(Int64(cslot), Int64(vblk), Int64(g), pg.num_blocks,
+                                        self.Hkv, pg.page_elems), vo, 0, D)
+            load_bf16_into(vb[None, j], pV, vrow + lane * E, E)
+
+    @cute.jit
+    def add_values(self, o: cute.Tensor, vb: cute.Tensor, p: Float32, j0: Int32,
+                   nvalid: Int32):
+        """o += p_j v_j for keys j0 .. j0 + VB - 1 of the chunk below nvalid, in key order (the
+        probability of key j broadcast from its lane)."""
+        for j in cutlass.range_constexpr(attn_value_batch(self.D, self.pg is not None)):
+            pj = cute.arch.shuffle_sync(p, j0 + j)
+            if nvalid > j0 + j:
+                for e in cutlass.range_constexpr(self.E):
+                    o[e] = o[e] + pj * vb[e, j].to(Float32)
 
     @cute.jit
     def load_key8(self, pK: cute.Pointer, base: Int64, d0: int, o: Int32) -> cute.TensorSSA:
@@ -237,21 +294,44 @@ class Attention(Handler):
     def merge(self, b: Int32, g: Int32, n_splits: Int32, po_off: Int32, pml_off: Int32,
               out_off: Int32, pF: cute.Pointer, pB: cute.Pointer, warp: Int32, lane: Int32):
         """out[n, head] = bf16(sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)), splits in order;
-        (output gate) times sigmoid(gate[n, head]) in fp32 before the rounding."""
+        (output gate) times sigmoid(gate[n, head]) in fp32 before the rounding.
+
+        The partials are read a batch of splits at a time (attn_merge_batch), every load of a
+        batch issued before the first is used: the m of MB splits for M, then the m, l and o of
+        SB splits for the sums. The max and the sums still go split by split in order, so the
+        result is bit-identical to one load at a time. A split past n_splits loads the last
+        one's (attn_merge_split) and is skipped in the sums."""
+        E, (MB, SB) = self.E, attn_merge_batch(self.D)
+        mv = cute.make_rmem_tensor((max(MB, SB),), Float32)
+        lv = cute.make_rmem_tensor((SB,), Float32)
+        ov = cute.make_rmem_tensor((E, SB), Float32)
         for qi in cutlass.range(warp, self.QG, self.NW):
             _, head, n = attn_query(qi, g, b, self.G, self.T)
+            ml0 = pml_off + (n * self.Hq + head) * 2  # split s's (m, l) at ml0 + s * stride
+            o0 = po_off + (n * self.Hq + head) * self.D + lane * E
+            stride = self.N * self.Hq
             mm = Float32(NEG_INF)
-            for s in cutlass.range(n_splits):
-                mm = cute.arch.fmax(mm, ld(pF, pml_off + ((s * self.N + n) * self.Hq + head) * 2))
+            for s0 in cutlass.range(0, n_splits, MB, unroll=1):
+                for j in cutlass.range_constexpr(MB):
+                    sl = attn_merge_split(s0, j, n_splits, cutlass.min) * stride
+                    mv[j] = ld(pF, ml0 + sl * 2)
+                for j in cutlass.range_constexpr(MB):
+                    mm = cute.arch.fmax(mm, mv[j])
             den = Float32(0.0)
-            o = cute.make_rmem_tensor((self.E,), Float32)
+            o = cute.make_rmem_tensor((E,), Float32)
             o.fill(0.0)
-            for s in cutlass.range(n_splits):
-                slot = (s * self.N + n) * self.Hq + head
-                w = cute.math.exp(ld(pF, pml_off + slot * 2) - mm)
-                den = den + ld(pF, pml_off + slot * 2 + 1) * w
-                for e in cutlass.range_constexpr(self.E):
-                    o[e] = o[e] + ld(pF, po_off + slot * self.D + lane * self.E + e) * w
+            for s0 in cutlass.range(0, n_splits, SB, unroll=1):
+                for j in cutlass.range_constexpr(SB):
+                    sl = attn_merge_split(s0, j, n_splits, cutlass.min) * stride
+                    mv[j] = ld(pF, ml0 + sl * 2)
+                    lv[j] = ld(pF, ml0 + sl * 2 + 1)
+                    load_f32_into(ov[None, j], pF, o0 + sl * self.D, E)
+                for j in cutlass.range_constexpr(SB):
+                    if n_splits > s0 + j:
+                        w = cute.math.exp(mv[j] - mm)
+                        den = den + lv[j] * w
+                        for e in cutlass.range_constexpr(E):
+                            o[e] = o[e] + ov[e, j] * w
             base = out_off + n * (self.Hq * self.D) + head * self.D + lane * self.E
             for e in cutlass.range_constexpr(self.E):
                 a = base + e
@@ -270,19 +350,23 @@ class Attention(Handler):
     @cute.jit
     def prefetch_kv(self, rec: cute.Tensor, layer: Int32, pI: cute.Pointer, pK: cute.Pointer,
                     pV: cute.Pointer, s_max: Int32, tidx: Int32):
-        """L2 prefetch of this split's keys/values below lengths[b] (they predate this step)."""
+        """L2 prefetch of the keys/values below lengths[b] (they predate this step) that each
+        warp share of the split reads first: its first attn_kv_lead keys, so that a record's
+        requests stay within WQ x 2 x ATTN_KV_LEAD_BYTES at any context (attend's lane 0 slides
+        on from there). Thread 2 p + 0 / 1: the keys / values of share p."""
         b, g = rec[word(Op.ATTN_PARTIAL, "B_IDX")], rec[word(Op.ATTN_PARTIAL, "KV_HEAD")]
         s, n_splits = rec[word(Op.ATTN_PARTIAL, "SPLIT")], rec[word(Op.ATTN_PARTIAL, "N_SPLITS")]
         len_off = rec[word(Op.ATTN_PARTIAL, "LEN_OFF")]
-        length = ld(pI, len_off + b)
-        ctx = length + self.T
-        lo = s * ctx // n_splits
-        hi = cutlass.min((s + 1) * ctx // n_splits, length)
-        if tidx < 2:
+        if tidx < 2 * self.WQ:
+            length = ld(pI, len_off + b)
+            part = tidx // 2
+            lo, ke = attn_keys(s, n_splits, length, self.T - 1, part, self.WQ, self.T,
+                               cutlass.min, cutlass.max)
+            hi = cutlass.min(cutlass.min(ke, lo + attn_kv_lead(self.D)), length)
             if hi > lo:
                 cslot = kv_slot(layer, self.spec.attn_layers, cutlass.min, cutlass.max)
                 base = pK.toint()
-                if tidx == 1:
+                if tidx % 2 == 1:
                     base = pV.toint()
                 if cutlass.const_expr(self.pg is not None):  # the pages holding keys [lo, hi)
                     pg = self.pg
@@ -298,12 +382,17 @@ class Attention(Handler):
 
 
 @cute.jit
+def prefetch_l2(addr: Int64, nbytes: Int32):
+    """One cp.async.bulk.prefetch.L2 of [addr, addr + nbytes) (a multiple of 16 bytes)."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                         read_only_args=[addr, nbytes])
+
+
+@cute.jit
 def prefetch_span(addr: Int64, nbytes: Int32):
     """cp.async.bulk.prefetch.L2 of [addr, addr + nbytes) in KV_PREFETCH_CHUNK requests."""
     for off in cutlass.range(0, nbytes, KV_PREFETCH_CHUNK):
-        size = cutlass.min(Int32(KV_PREFETCH_CHUNK), nbytes - off)
-        cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                             read_only_args=[addr + Int64(off), size])
+        prefetch_l2(addr + Int64(off), cutlass.min(Int32(KV_PREFETCH_CHUNK), nbytes - off))
 
 
 def load_smem_bf16x8_f32(s: cute.Tensor, offset):

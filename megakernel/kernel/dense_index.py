@@ -6,7 +6,7 @@ attention, the weight ring), no DSL: plain functions the device code calls on In
 
 from __future__ import annotations
 
-from megakernel.kernel.limits import MMA_K_ALIGN, MMA_N
+from megakernel.kernel.limits import LANES, MMA_K_ALIGN, MMA_N, NUM_THREADS
 
 
 def mma_operand_word(row, step, t, row_words):
@@ -135,6 +135,86 @@ def attn_keys(s, n_splits, length, t, part, wq: int, tokens: int, minimum=min, m
     hi = (s + 1) * ctx // n_splits
     nk = maximum(minimum(hi, length + t + 1) - lo, 0)
     return lo + part * nk // wq, lo + (part + 1) * nk // wq
+
+
+# bf16 values of V rows one lane holds in flight in Attention.attend (32 registers)
+ATTN_VALUES_IN_FLIGHT = 64
+# bytes of K (and as many of V) a warp has requested into L2 ahead of the chunk it reads
+ATTN_KV_LEAD_BYTES = 8 * 1024
+
+
+# value rows in flight in the paged build, whose every row address is a page lookup (64-bit)
+ATTN_PAGED_VALUE_BATCH = 8
+
+
+def attn_value_batch(head_dim: int, paged: bool = False) -> int:
+    """Value rows whose loads a lane issues before using any (Attention.attend): the whole chunk
+    of 32 keys at D = 64, 16 at D = 128, 8 at D = 256 (at most 8 in the paged build, whose row
+    addresses take registers of their own). The first batch is issued with the chunk's key
+    loads, before the scores (it does not depend on them)."""
+    vb = min(LANES, ATTN_VALUES_IN_FLIGHT // (head_dim // LANES))
+    return min(vb, ATTN_PAGED_VALUE_BATCH) if paged else vb
+
+
+def attn_kv_lead(head_dim: int) -> int:
+    """Keys a warp's L2 prefetch runs ahead of the chunk it reads (a multiple of 32): before
+    the wait each warp's share has its first lead keys requested (Attention.prefetch_kv), then
+    each chunk requests the chunk `lead` keys on, so that at most ATTN_KV_LEAD_BYTES of K and of
+    V per warp share sit in L2 ahead of use, whatever the context."""
+    return max(LANES, ATTN_KV_LEAD_BYTES // (head_dim * 2) // LANES * LANES)
+
+
+def attn_round_trips(keys: int, head_dim: int, group: int, tokens: int,
+                     num_warps: int = NUM_THREADS // LANES) -> int:
+    """Dependent global round trips on the longest warp of one ATTN_PARTIAL of `keys` keys
+    (Attention.partial / attend, counted from the loop nest): per query the warp takes, one for
+    q (into shared memory), then per chunk of 32 keys one for the keys with the first value
+    batch, one per further value batch, and one for the partial's store. The cost model charges
+    each one L2 round trip (cost.Rates.work)."""
+    queries = group * tokens
+    wq = max(1, num_warps // queries)
+    per_warp = -(-queries // (num_warps // wq))  # queries a warp walks in turn
+    share = -(-keys // wq)
+    chunks = -(-share // LANES)
+    vb = attn_value_batch(head_dim)
+    return per_warp * (2 + chunks * (1 + (LANES - 1) // vb))
+
+
+# splits whose m Attention.merge loads before using any, for the maximum: the most a kind
+# splits into (layers.base.Kind.splits), so that a default program's maximum takes one trip
+ATTN_MERGE_SPLITS = 16
+# splits whose (m, l, o) Attention.merge loads before using any, for the sums: ptxas keeps
+# about 8 splits' loads ahead of their use (sm_90a SASS of the 16-split batch), so a batch of 8
+# is what one round trip covers
+ATTN_MERGE_SUM_SPLITS = 8
+# fp32 partial values (m, l and this lane's E dims of o, per split) a lane holds in flight in
+# Attention.merge's sums (64 registers)
+ATTN_MERGE_IN_FLIGHT = 64
+
+
+def attn_merge_batch(head_dim: int) -> tuple[int, int]:
+    """(splits a batch of the maximum's loads covers, splits a batch of the sums' loads covers)
+    in Attention.merge: every split's m, then every split's m, l and this lane's E = D / 32
+    dims of o, all of a batch issued before the first is used; (16, 8) at D = 64 and 128,
+    (16, 6) at D = 256."""
+    return ATTN_MERGE_SPLITS, min(ATTN_MERGE_SUM_SPLITS,
+                                  ATTN_MERGE_IN_FLIGHT // (head_dim // LANES + 2))
+
+
+def attn_merge_split(s0, j: int, n_splits, minimum=min):
+    """Split whose partials entry j of the merge batch starting at split s0 loads: s0 + j, past
+    the last split the last one (in range; a repeated m leaves the maximum as it is, and the
+    sums skip the entry). Plain arithmetic: Int32 in the kernel, int in the tests."""
+    return minimum(s0 + j, n_splits - 1)
+
+
+def attn_merge_round_trips(n_splits: int, head_dim: int, group: int, tokens: int,
+                           num_warps: int = NUM_THREADS // LANES) -> int:
+    """Dependent global round trips of the split-KV merge (Attention.merge) on its longest warp:
+    per query the warp takes, one per batch of the maximum's loads, one per batch of the sums'
+    (attn_merge_batch), one for the gate and the store."""
+    mb, sb = attn_merge_batch(head_dim)
+    return -(-group * tokens // num_warps) * (-(-n_splits // mb) + -(-n_splits // sb) + 1)
 
 
 def kv_row(layer, b, g, s_max, batch: int, kv_heads: int):

@@ -101,6 +101,18 @@ class GDNShape:
     # partial buffers: two alternate per token (recurrent); replay has one per token
     part_bufs = property(lambda self: self.tokens if self.cap else 2)
 
+    def round_trips(self) -> int:
+        """Dependent global round trips of one core record on its longest warp, counted from
+        the loop nest above (the cost model's per-record latency term): the conv (1), the gates
+        and norms (1), one per column tile of the R value heads' states (its loads, then its T
+        tokens in registers), and the output: per (token, value head) a warp takes, the
+        RMSNorm's loads, z, the weight and the store (4). ReplaySSM adds the ring (1) and warp
+        0's solve of each tile, one trip per ring entry (CAP) at most."""
+        trips = 2 + self.rep * self.tiles + 4 * -(-self.tokens * self.rep // self.num_warps)
+        if self.cap:
+            trips += 1 + self.rep * self.tiles * self.cap
+        return trips
+
     # ---- shared memory (fp32 words from the start of the scratch span) --------------------------
     def smem(self) -> dict[str, int]:
         """name -> word offset, and "words" the total: x [T][ch] (conv outputs: q | k | v),

@@ -149,6 +149,18 @@ class MambaShape:
 
     dt_items = property(lambda self: -(-self.cap * self.rep // self.threads))  # ring dt (r1)
 
+    def round_trips(self) -> int:
+        """Dependent global round trips of one core record, counted from the loop nest above
+        (the cost model's per-record latency term): the conv batches with the gates (one per
+        conv chunk), one per state tile (the next tile's loads overlap this tile's work, so the
+        tiles' trips chain), the output (1). ReplaySSM adds the ring's B and dt (one per
+        RING_BATCH values a thread loads) before the tiles."""
+        trips = self.conv_chunks + self.tiles + 1
+        if self.cap:
+            trips += -(-self.cap * self.state_size // (self.threads * self.ring_batch))
+            trips += self.dt_items
+        return trips
+
     # ---- shared memory (fp32 words from the start of the scratch span) --------------------------
     def smem(self) -> dict[str, int]:
         """name -> word offset, and "words" the total: x [T][ch] (conv outputs: x | B | C),

@@ -204,6 +204,9 @@ class DecodeMegakernel:
                     j = self.matvec.run_piped(op, rec, layer, weights, f32, bf16, i32, k_cache,
                                               v_cache, s_max, len_off, sX, sAcc, sRstd, sBest,
                                               sRing, sRed, mbar, j, tidx, warp, lane)
+                    if cutlass.const_expr(self.pipe.moe.on):  # before the signal (pipeline.py)
+                        if one_of(op, self.pipe.moe.codes):
+                            self.pipe.wait_bound(mbar, pc, tidx)
                 else:
                     self.matvec.run(op, rec, layer, weights, f32, bf16, i32, k_cache, v_cache,
                                     s_max, len_off, sX, sAcc, sRstd, sBest, tidx, warp, lane)

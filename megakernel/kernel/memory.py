@@ -64,6 +64,20 @@ def load_bf16_vec(base: cute.Pointer, offset, n: int):
     return r.load().to(Float32)
 
 
+def load_bf16_into(dst: cute.Tensor, base: cute.Pointer, offset, n: int) -> None:
+    """n (2, 4 or 8) consecutive bf16 at `base + offset` (aligned to 2n bytes) into the bf16
+    register tensor `dst` [n], left unconverted: loads in flight hold half the registers."""
+    g = cute.make_tensor(elem_ptr(base, offset, 2 * n), cute.make_layout(n))
+    cute.autovec_copy(g, dst)
+
+
+def load_f32_into(dst: cute.Tensor, base: cute.Pointer, offset, n: int) -> None:
+    """n consecutive fp32 at `base + offset` (aligned to 4n bytes, as store_f32_vec wrote them)
+    into the fp32 register tensor `dst` [n]."""
+    g = cute.make_tensor(elem_ptr(base, offset, 4 * n), cute.make_layout(n))
+    cute.autovec_copy(g, dst)
+
+
 def store_f32_vec(base: cute.Pointer, offset, v, n: int) -> None:
     """n consecutive fp32 to `base + offset` (aligned to 4n bytes)."""
     r = cute.make_rmem_tensor((n,), Float32)

@@ -9,16 +9,20 @@ Who reads the binding, and when (everyone agrees on the bound W and the passes, 
 loader streams are the tiles the consumers read, and an unbound slot streams and reads none):
 - the consumers, after the record's dependency wait (the router's counter for EXPERT_GATEUP,
   gate/up's for EXPERT_DOWN, which implies the router's);
-- the loader warp (pipeline.py) waits on the same counter itself (sync.spin_counter) before it
-  reads the binding and streams the record. No deadlock: when the loader reaches record r it
-  has issued every tile of the records before r, so the consumers can finish those without it,
-  and r's counter then completes exactly as it does for the consumers' own wait at r;
-- the loader's L2 lookahead cursor (Pipeline.prefetch_tiles) enters an expert record only once
-  the loader has reached it (has waited); the global-memory build's lookahead
-  (lookahead.Lookahead.extend), which runs before the consumers' wait, stops at an expert record
-  and leaves its slab to the demand loads.
-The work list stays valid until the loader and the consumers have read it: the next MoE layer's
-router overwrites it only after this layer's combine, which waits on every down record.
+- the loader warp (pipeline.py) once the binding is the router's: it waits on the layer's router
+  counter (`wait_queued`, moe_index.bind_counter), not on the record's own dependency, so a down
+  record's slab streams while gate/up runs; the shared expert (static binding) waits on nothing.
+  No deadlock: the router's counter never depends on the records after it in a queue;
+- the loader's L2 lookahead cursor (Pipeline.prefetch_tiles) enters an expert record the loader
+  has not reached once its binding is readable (`bound_yet`, no wait); the global-memory build's
+  lookahead (lookahead.Lookahead.extend), which runs before the consumers' wait, stops at an
+  expert record and leaves its slab to the demand loads.
+The work list is one region for every MoE layer, so a binding must be read before the next MoE
+layer's router rewrites it: the consumers leave an expert record only after the loader has read
+its binding (Pipeline.wait_bound; an unbound slot has no tiles that would order them), and the
+next router waits (through the combine) on every expert record of the layer (the verifier's
+binding rule, program/verify.py). So every read of a row, the lookahead's included (it reads only
+records ahead of the loader, which the consumers have not passed), precedes its rewrite.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
+from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel import moe_index as mi
 from megakernel.kernel.dense_index import row_major
 from megakernel.kernel.epilogue import Chunk, Epilogue
-from megakernel.kernel.fields import OpTable, common, shared_word, word
+from megakernel.kernel.fields import OpTable, common, one_of, shared_word, word
 from megakernel.kernel.handler import Handler, Step
 from megakernel.kernel.limits import VEC
 from megakernel.kernel.memory import ld, load_f32x8, record_word, st, store_f32x8
@@ -86,12 +91,38 @@ class Experts(Handler):
                          record_word(queue, pc, word(Op.EXPERT_GATEUP, "WORK_OFF")), pI)
 
     @cute.jit
-    def wait_queued(self, counters: cute.Pointer, queue: cute.Pointer, pc: Int32, epoch: Int32):
-        """One thread (the loader): wait for record pc's dependency counter, as the consumers do
-        before running it; after it the work list row of its slot is the router's."""
-        spin_counter(counters, record_word(queue, pc, common("WAIT_CID")),
-                     epoch * record_word(queue, pc, common("WAIT_TOTAL"))
-                     + record_word(queue, pc, common("WAIT_TARGET")))
+    def bind_target(self, op: Int32, queue: cute.Pointer, pc: Int32, epoch: Int32):
+        """(counter, target) after which record pc's binding is readable: the layer's router
+        counter (moe_index.bind_counter), or (-1, 0) for the shared expert (static binding)."""
+        down = Int32(0)
+        if one_of(op, self.down):
+            down = Int32(1)
+        cid = mi.bind_counter(down, record_word(queue, pc, common("WAIT_CID")))
+        if record_word(queue, pc, word(Op.EXPERT_GATEUP, "SLOT")) < 0:
+            cid = Int32(-1)
+        return cid, (epoch + 1) * Int32(mi.ROUTER_SIGNALS)
+
+    @cute.jit
+    def wait_queued(self, op: Int32, counters: cute.Pointer, queue: cute.Pointer, pc: Int32,
+                    epoch: Int32):
+        """One thread (the loader): wait until record pc's binding is the router's (`bind_target`;
+        not the record's own dependency: a down record's slab needs no gate/up output)."""
+        cid, target = self.bind_target(op, queue, pc, epoch)
+        spin_counter(counters, cid, target)
+
+    @cute.jit
+    def bound_yet(self, op: Int32, counters: cute.Pointer, queue: cute.Pointer, pc: Int32,
+                  epoch: Int32) -> Int32:
+        """1 when record pc's binding is readable now (the L2 lookahead, which must not wait):
+        `bind_target` met (one acquire load), else 0."""
+        cid, target = self.bind_target(op, queue, pc, epoch)
+        ok = Int32(1)
+        if cid >= 0:
+            v = cute.arch.load(counters + (cid + isa.COUNTER_BASE), Int32, sem="acquire",
+                               scope="gpu")
+            if v - target < 0:
+                ok = Int32(0)
+        return ok
 
     @cute.jit
     def rows(self, slot: Int32, work_off: Int32, pI: cute.Pointer, i: Int32):

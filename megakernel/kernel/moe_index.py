@@ -8,6 +8,13 @@ Binding (layers/moe.py): an expert record names a work-list SLOT; row SLOT of th
 past the routed experts) has m = 0: no rows, no passes, no tiles. SLOT = -1 is the shared expert:
 its own W and every row n, with s = top_k.
 
+Binding counter: a slot's row is the layer's ROUTER's, so the loader (and its L2 lookahead) reads
+it once the router's counter is met, not the record's own dependency (`bind_counter`): a gate/up
+record waits on the router's counter itself, a down record on the layer's gate/up counter, which
+the compiler numbers right after the router's (layers/moe.py, checked by the verifier). The
+router's counter gets ROUTER_SIGNALS increments per step. The shared expert's binding is static:
+no wait.
+
 Tiles: a bound slab is streamed once per pass of NO pair rows, ceil(live / NO) passes (`passes`),
 in the matvec tile order (spec.matvec_tiles), by the loader and the consumers alike.
 
@@ -22,6 +29,7 @@ slot is the one with the least id above the previous, `takes`), then the shared 
 from __future__ import annotations
 
 SHARED = -1  # the SLOT of the shared expert's records (layers/moe.SHARED)
+ROUTER_SIGNALS = 1  # increments of a layer's router counter per step (its one ROUTER record)
 NO_EXPERT = 1 << 30  # above every expert id
 WALK_START = (-1, NO_EXPERT)  # the selection walk's (previous id, best) before each step
 
@@ -30,6 +38,13 @@ def x_stride(inter: int, hidden: int) -> int:
     """MOE_X_STRIDE: elements from expert x's packed gate/up + down to expert x + 1's
     (layers/moe.expert_stride)."""
     return 3 * inter * hidden
+
+
+def bind_counter(down, wait_cid):  # noqa: ANN001, ANN201 (int or Int32)
+    """The layer's router counter, after which a routed slot's binding is readable, from an
+    expert record's WAIT_CID: itself for gate/up (down = 0), WAIT_CID - 1 for down (down = 1).
+    The shared expert (SLOT = -1) needs no wait."""
+    return wait_cid - down
 
 
 def work_row(slot, rows: int):

@@ -6,7 +6,8 @@ the weights and the work list, on one CTA. The phases, the thread mapping and th
 are in moe_router_index.py (plain arithmetic, emulated on the host by the tests). Loads are
 issued in batches into registers and consumed from there (a warp issues in order: a load used in
 the iteration that issues it costs an L2 round trip each), in the unbatched order of the sums.
-Shared memory: the consumers' `rstd` region (one fp32 per row). All math in fp32.
+Shared memory: the consumers' `rstd` region (one fp32 per row: spec.smem_regions sizes it for
+the build's N rows when it handles ROUTER_SCORE). All math in fp32.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class MoERouter(Handler):
                         ss = ss + hv[u] * hv[u]
             ss = cute.arch.warp_reduction_sum(ss)
             if lane == 0:
-                sRstd[n] = cute.math.rsqrt(ss / k.to(Float32) + Float32(self.eps))
+                # 1 / sqrt as every other norm (and the executor's rounding), not rsqrt.approx
+                sRstd[n] = Float32(1.0) / cute.math.sqrt(ss / k.to(Float32) + Float32(self.eps))
         cta_sync(self.named)
         for t in cutlass.range(warp, ne * self.N, self.NW, unroll=1):
             e, n = score_task(t, self.N)

@@ -20,9 +20,11 @@ counting the CTA out, consumer thread 0 waits for `done` and traps unless the co
 Weights never depend on activations, so the loader runs up to S tiles ahead of the consumers,
 across instruction boundaries and across their dependency waits. The one exception: an expert
 record (EXPERT_GATEUP / EXPERT_DOWN) is bound at run time to its work-list slot's expert, so the
-loader waits on that record's dependency counter (only reading it) before it reads the binding,
-and streams the bound slab for ceil(live rows / NO) passes, nothing for an unbound slot
-(moe.py: the rule, and why it cannot deadlock).
+loader waits on the layer's router counter (only reading it; none for the shared expert) before
+it reads the binding, streams the bound slab for ceil(live rows / NO) passes, nothing for an
+unbound slot, and publishes that it has read it (the `bound` word): the consumers leave an expert
+record only once it has (`wait_bound`), so no binding is read after the next MoE layer's router
+rewrites the work list (moe.py: the rule, and why it cannot deadlock).
 Before each tile it also runs the L2 lookahead (`prefetch_tiles`): a second cursor over the
 same tile sequence prefetches the tiles that follow, up to `spec.prefetch_window` bytes past the
 ones issued, so HBM keeps streaming exactly the bytes the loader will copy while the ring is
@@ -82,7 +84,14 @@ class Pipeline:
             cute.arch.mbarrier_init(mbar + s, 1)  # full[s]: the loader's expect_tx
             cute.arch.mbarrier_init(mbar + self.S + s, self.NW)  # empty[s]: one per warp
         cute.arch.mbarrier_init(mbar + 2 * self.S, 1)  # done: the loader reached END
+        self.bound_word(mbar)[0] = Int32(0)  # no expert record bound yet
         cute.arch.mbarrier_init_fence()
+
+    def bound_word(self, mbar: cute.Pointer) -> cute.Tensor:
+        """The int32 after the tile count (spec.smem_regions "mbar"): 1 + the queue position of
+        the last expert record whose binding the loader has read."""
+        return cute.make_tensor(cute.recast_ptr(mbar + 2 * self.S + 2, dtype=Int32),
+                                cute.make_layout(1))
 
     # ---- loader warp --------------------------------------------------------------------------
     @cute.jit
@@ -112,8 +121,12 @@ class Pipeline:
                 w_base, nrows, k = slab_record(queue, pc)
                 if cutlass.const_expr(self.moe.on):
                     if one_of(op, self.moe.codes):
-                        self.moe.wait_queued(counters, queue, pc, epoch)
+                        self.moe.wait_queued(op, counters, queue, pc, epoch)
                 w_base, passes = self.bind(op, queue, pc, w_base, pI)
+                if cutlass.const_expr(self.moe.on):
+                    if one_of(op, self.moe.codes):  # read: the consumers may leave it
+                        cute.arch.store(self.bound_word(mbar).iterator, pc + 1, sem="release",
+                                        scope="cta")
                 tr = self.tile_rows(cutlass.min(Int32(KC), k))
                 src0 = weights.toint() + w_base * Int64(2)
                 if cutlass.const_expr(tl is not None):
@@ -129,7 +142,7 @@ class Pipeline:
                                 # (none built when the spec's l2_window is 0)
                                 if cutlass.const_expr(self.window > 0):
                                     f_pc, f_p, f_rc, f_kc, f_t, f_vol = self.prefetch_tiles(
-                                        weights, queue, pI, pc, vol + Int64(self.window), f_pc,
+                                        weights, queue, pI, counters, epoch, pc, vol, f_pc,
                                         f_p, f_rc, f_kc, f_t, f_vol)
                                 s, _, empty_parity = ring_slot(j, self.S)
                                 mbar_wait(mbar + self.S + s, empty_parity)
@@ -169,20 +182,26 @@ class Pipeline:
 
     @cute.jit
     def prefetch_tiles(self, weights: cute.Pointer, queue: cute.Pointer, pI: cute.Pointer,
-                       loader_pc: Int32, limit: Int64, pc: Int32, p: Int32, rc0: Int32,
-                       kc0: Int32, t0: Int32, vol: Int64):
+                       counters: cute.Pointer, epoch: Int32, loader_pc: Int32, loader_vol: Int64,
+                       pc: Int32, p: Int32, rc0: Int32, kc0: Int32, t0: Int32, vol: Int64):
         """The L2 lookahead of the pipelined build: a second walk over the loader's own tile
         sequence (same records, passes, row chunks, K-chunks and tile rows, as an odometer) that
         issues cp.async.bulk.prefetch.L2 for each tile's bytes (one request for whole rows, one
-        per row of a K-chunk) until the bytes it has covered reach `limit` (the loader's volume +
-        window). So HBM fetches exactly what the loader will copy, in its order, `window` bytes
-        ahead, within slabs and across the consumers' waits. The cursor: (record, pass, row
-        chunk start, K-chunk start, tile row, covered bytes); returned advanced. It holds at an
-        expert record the loader (at `loader_pc`) has not reached: that record's binding is
-        not known before the loader's wait. Host mirror: spec.loader_lookahead_plan."""
+        per row of a K-chunk) until the bytes it has covered reach the loader's volume
+        (`loader_vol`, at its record `loader_pc`) + window. So HBM fetches exactly what the
+        loader will copy, in its order, `window` bytes ahead, within slabs and across the
+        consumers' waits. The cursor: (record, pass, row chunk start, K-chunk start, tile row,
+        covered bytes); returned advanced. It holds at an expert record whose binding is not
+        readable yet (`held`), and one it held at that the loader has passed since (unbound: no
+        tiles) is behind it: it restarts at the loader's record, never reading a binding the
+        consumers may have left. Host mirror: spec.loader_lookahead_plan."""
         KC, RC = self.spec.k_chunk, self.spec.row_chunk
+        limit = loader_vol + Int64(self.window)
+        if pc < loader_pc:
+            pc, p, rc0, kc0, t0, vol = loader_pc, Int32(0), Int32(0), Int32(0), Int32(0), \
+                loader_vol
         op = record_word(queue, pc, common("OPCODE"))
-        held = self.held(op, pc, loader_pc)
+        held = self.held(op, counters, queue, pc, loader_pc, epoch)
         more = (vol < limit) & (op != Op.END) & (held == 0)
         while more:
             passes = Int32(0)
@@ -220,19 +239,20 @@ class Pipeline:
             else:  # no slab, or an unbound expert slot: no tiles
                 pc = pc + 1
             op = record_word(queue, pc, common("OPCODE"))
-            held = self.held(op, pc, loader_pc)
+            held = self.held(op, counters, queue, pc, loader_pc, epoch)
             more = (vol < limit) & (op != Op.END) & (held == 0)
         return pc, p, rc0, kc0, t0, vol
 
     @cute.jit
-    def held(self, op: Int32, pc: Int32, loader_pc: Int32) -> Int32:
-        """1 when record pc is an expert record the loader has not reached (its binding is not
-        readable yet), else 0."""
+    def held(self, op: Int32, counters: cute.Pointer, queue: cute.Pointer, pc: Int32,
+             loader_pc: Int32, epoch: Int32) -> Int32:
+        """1 when record pc is an expert record ahead of the loader whose binding is not readable
+        yet (its router counter unmet: moe.Experts.bound_yet), else 0."""
         h = Int32(0)
         if cutlass.const_expr(self.moe.on):
             if one_of(op, self.moe.codes):
                 if pc > loader_pc:
-                    h = Int32(1)
+                    h = 1 - self.moe.bound_yet(op, counters, queue, pc, epoch)
         return h
 
     # ---- consumer side ------------------------------------------------------------------------
@@ -241,6 +261,23 @@ class Pipeline:
         """Block until tile j is in its stage."""
         s, full_parity, _ = ring_slot(j, self.S)
         mbar_wait(mbar + s, full_parity)
+
+    @cute.jit
+    def wait_bound(self, mbar: cute.Pointer, pc: Int32, tidx: Int32):
+        """Consumer thread 0 at expert record pc, before it signals: spin (acquire, with the
+        watchdog) until the loader has read the record's binding (module docstring)."""
+        if tidx == 0:
+            word = self.bound_word(mbar).iterator
+            pending = Int32(0)
+            if cute.arch.load(word, Int32, sem="acquire", scope="cta") <= pc:
+                pending = Int32(1)
+            if pending != 0:
+                t0 = cute.arch.globaltimer()
+                while pending != 0:
+                    if cute.arch.load(word, Int32, sem="acquire", scope="cta") > pc:
+                        pending = Int32(0)
+                    elif cute.arch.globaltimer() - t0 > Int64(WAIT_TIMEOUT_NS):
+                        cute.arch.inline_ptx("trap;")  # the loader never bound it: fail
 
     @cute.jit
     def check_done(self, mbar: cute.Pointer, j: Int32):

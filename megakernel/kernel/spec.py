@@ -330,6 +330,12 @@ class KernelSpec:
         shapes = (kd.kernel_shape(self) for kd in self.layer_kinds())
         return max((4 * s.smem()["words"] for s in shapes if s is not None), default=0)
 
+    @property
+    def rstd_rows(self) -> int:
+        """Rows of the `rstd` region: a pass's NO (the matvec prologue), all N rows where the build
+        handles ROUTER_SCORE (its RMSNorm keeps every row's), at least 32."""
+        return max(self.no, self.rows if isa.Op.ROUTER_SCORE in self.ops else 0, 32)
+
     # shared memory carve-up (bytes, every region 128-byte aligned)
     def smem_regions(self) -> dict[str, tuple[int, int]]:
         """name -> (offset, bytes)."""
@@ -337,7 +343,7 @@ class KernelSpec:
         sizes = [
             ("x", 2 * self.no * self.x_stride),  # bf16 [NO, KC] (rows x_stride apart)
             ("acc", 4 * self.acc_words),  # fp32 [ks][n][row]
-            ("rstd", 4 * max(self.no, 32)),  # fp32 per activation row
+            ("rstd", 4 * self.rstd_rows),  # fp32 per activation row
             ("best", 8 * max(self.no, 32)),  # (max, index) per activation row
             ("q", 4 * nw * d),  # fp32 per warp: the query of attention
             ("o", 4 * nw * d),  # fp32 per warp: attention partial output
@@ -352,8 +358,9 @@ class KernelSpec:
         if self.pipelined:
             sizes += [
                 ("ring", self.smem_stages * SMEM_STAGE_BYTES),  # bf16 weight tiles
-                # full[S], empty[S], done mbarriers, then the loader's tile count (int64 slot)
-                ("mbar", 8 * (2 * self.smem_stages + 2)),
+                # full[S], empty[S], done mbarriers, the loader's tile count (int64 slot), the
+                # last expert record it bound (int32, pipeline.Pipeline.bound_word)
+                ("mbar", 8 * (2 * self.smem_stages + 3)),
             ]
         out, off = {}, 0
         for name, n in sizes:

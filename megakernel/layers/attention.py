@@ -20,6 +20,7 @@ import torch
 from megakernel.errors import ConfigError, positive
 from megakernel.isa.records import SUPPORTED_HEAD_DIMS
 from megakernel.isa.registry import MATVEC, OpSpec, register
+from megakernel.kernel.dense_index import attn_merge_round_trips, attn_round_trips
 from megakernel.layers.base import (
     CONST,
     LayerKind,
@@ -334,8 +335,10 @@ class Attention(LayerKind):
                 store_bytes=tokens * g * (d + 2) * 4,
                 fp32_flops=4.0 * tokens * g * keys_split * d,
                 merge_l2_bytes=n_splits * tokens * g * (d + 2) * 4 + gate_bytes,
+                round_trips=attn_round_trips(keys_split, d, g, tokens),
                 merge_store_bytes=tokens * g * d * 2,
-                merge_flops=4.0 * n_splits * tokens * g * d)
+                merge_flops=4.0 * n_splits * tokens * g * d,
+                merge_round_trips=attn_merge_round_trips(n_splits, d, g, tokens))
 
         out.append(Stage(f"L{layer}.attn_partial", ATTN_PARTIAL, layer,
                          ctx.batch * hkv * n_splits, False, mk_part))

@@ -260,6 +260,13 @@ class LayerKind:
         kind's invariants."""
 
     @classmethod
+    def binding(cls, d: dict, blk: Block, prog: Any) -> tuple[int, bool, bool] | None:
+        """For a record that writes or reads a run-time binding region (the MoE's work list):
+        (the region's offset, whether it writes it, whether a reader may find nothing bound and
+        stream no tiles); None for other records. The verifier's binding rule reads it."""
+        return None
+
+    @classmethod
     def slab_passes(cls, blk: Block, prog: Any) -> dict[str, int]:
         """Times per step the block's slab records cover a packed matrix (key suffix), for the
         matrices not covered exactly once: a matrix reached only through a run-time binding (0)

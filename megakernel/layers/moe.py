@@ -32,6 +32,7 @@ import torch
 from megakernel.errors import ConfigError, positive
 from megakernel.isa.records import GATEUP_BLOCK, ROW_ALIGN
 from megakernel.isa.registry import MATVEC, OpSpec, register
+from megakernel.kernel.moe_index import ROUTER_SIGNALS, bind_counter
 from megakernel.layers.base import CONST, LayerKind, Need, StepShape, register_kind
 from megakernel.layers.swiglu import gateup_pairs_error, gateup_rows
 from megakernel.program.stages import Instr, PlanError, Stage
@@ -298,6 +299,8 @@ class MoE(LayerKind):
         c_s, c_r, c_gu, c_dn, c_c = (ctr(f"L{layer}.score"), ctr(f"L{layer}.router"),
                                      ctr(f"L{layer}.xgu"), ctr(f"L{layer}.xdn"),
                                      ctr(f"L{layer}.down"))
+        if bind_counter(1, c_gu) != c_r:  # the kernel finds the router's counter so
+            raise PlanError(f"layer {layer}: the gate/up counter is not the router's + 1")
         router = f32["router"]
         router_off = router.offset + ctx.buf.row("moe", layer) * router.shape[1]
         scores = f32["moe_scores"].offset
@@ -353,7 +356,7 @@ class MoE(LayerKind):
                 ins = ctx.matvec(EXPERT_GATEUP, layer, lay[f"{key}.x{x}.gateup"].offset, r0, rows,
                                  hid, norm, f32["h"].offset, bf["act_moe"].offset, c_r, c_gu,
                                  n * rows, SLOT=w, WORK_OFF=work)
-                return _weighted(ins, 1.0 if w == SHARED else bound)
+                return _bound(ins, w, c_r, bound)
             return mk
 
         def mk_dn(w: int, x: int):  # noqa: ANN202
@@ -362,7 +365,7 @@ class MoE(LayerKind):
                 ins = ctx.matvec(EXPERT_DOWN, layer, lay[f"{key}.x{x}.down"].offset, r0, rows,
                                  ie, -1, bf["act_moe"].offset, f32["moe_y"].offset, c_gu, c_dn,
                                  n * rows * 4, SLOT=w, WORK_OFF=work)
-                return _weighted(ins, 1.0 if w == SHARED else bound)
+                return _bound(ins, w, c_r, bound)
             return mk
 
         for w, x in bindings:
@@ -391,6 +394,16 @@ class MoE(LayerKind):
         e = blk.cfg
         out = {f"x{x}.{m}": 0 for x in range(1, e.num_experts) for m in ("gateup", "down")}
         return out | {f"x0.{m}": e.work_slots(prog.rows) for m in ("gateup", "down")}
+
+    @classmethod
+    def binding(cls, d: dict, blk, prog) -> tuple[int, bool, bool] | None:  # noqa: ANN001
+        """The router writes the work list; a routed slot's records read it (bound at run time;
+        unbound, with no tiles, where the step's rows may pick fewer experts than its slots)."""
+        if d["OPCODE"] == ROUTER:
+            return d["WORK_OFF"], True, False
+        if d["OPCODE"] in (EXPERT_GATEUP, EXPERT_DOWN) and d["SLOT"] != SHARED:
+            return d["WORK_OFF"], False, blk.cfg.work_slots(prog.rows) > blk.cfg.top_k
+        return None
 
     @classmethod
     def check_record(cls, d: dict, blk, prog, where: str) -> None:  # noqa: ANN001
@@ -425,6 +438,12 @@ class MoE(LayerKind):
         slot = d["SLOT"]
         if not (SHARED if e.num_shared_experts else 0) <= slot < e.work_slots(rows):
             raise ProgramError(f"{where}: slot {slot} outside the work list")
+        if slot != SHARED:  # the loader waits on the router's counter for the binding
+            bind = bind_counter(int(name == "EXPERT_DOWN"), d["WAIT_CID"])
+            c = prog.counters[bind] if 0 <= bind < len(prog.counters) else None
+            if c is None or (c.name, c.total) != (f"L{blk.layer}.router", ROUTER_SIGNALS):
+                raise ProgramError(f"{where}: its binding counter ({bind}) is not the layer's "
+                                   "router counter")
         x = e.num_experts if slot == SHARED else 0
         m = prog.layout[f"{blk.key}.x{x}.{'gateup' if name == 'EXPERT_GATEUP' else 'down'}"]
         if not m.offset <= d["W"] < m.offset + m.numel:
@@ -452,6 +471,15 @@ class MoE(LayerKind):
 def f32_bits(x: float) -> int:
     """The int32 whose bits are float32(x)."""
     return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def _bound(ins: Instr, slot: int, router: int, share: float) -> Instr:
+    """An expert slab record of `slot`: its weight stream waits for the router's counter (the
+    binding; the shared expert's is static) and its cost is weighted by the chance that the slot
+    is bound."""
+    if slot != SHARED:
+        ins.stream_wait = router
+    return _weighted(ins, 1.0 if slot == SHARED else share)
 
 
 def _weighted(ins: Instr, share: float) -> Instr:

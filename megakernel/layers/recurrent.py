@@ -19,6 +19,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from megakernel.isa.records import ROW_ALIGN
 from megakernel.isa.registry import OpCode, OpSpec, register
+from megakernel.kernel.limits import LANES, NUM_THREADS
 from megakernel.layers.base import CONST, LayerKind, Need, StepShape
 from megakernel.layers.frame import OPROJ, proj_stage, residual_stage
 from megakernel.program.stages import Instr, Stage
@@ -154,6 +155,17 @@ class RecurrentKind(LayerKind):
         return ""
 
     @classmethod
+    def round_trips(cls, cfg, batch: int, tokens: int, window: int) -> int:  # noqa: ANN001
+        """Dependent global round trips of one core record (the cost model's latency term),
+        counted by the handler's index shape (kernel/*_index.py `round_trips`); 0 without one."""
+        if cls.index_shape is None:
+            return 0
+        cap = window - 1 + tokens if window else 0
+        shape = cls.index_shape.of(cls.kernel_constants(cfg), batch, tokens,
+                                   NUM_THREADS // LANES, cap)
+        return shape.round_trips()
+
+    @classmethod
     def proj_width(cls, cfg) -> int:  # noqa: ANN001
         return -(-cls.proj_rows(cfg) // ROW_ALIGN) * ROW_ALIGN
 
@@ -211,6 +223,8 @@ class RecurrentKind(LayerKind):
         else:
             pre, st_store = st_bytes, st_bytes
 
+        trips = cls.round_trips(c, ctx.batch, tokens, window)
+
         def mk_core(u0: int, u1: int) -> Instr:
             b, unit = divmod(u0, units)
             return Instr(op, layer, {"B_IDX": b, cls.unit_name: unit, **common},
@@ -219,7 +233,8 @@ class RecurrentKind(LayerKind):
                          w_bytes=pre + win_bytes + unit_w,
                          l2_bytes=tokens * (ch + out_cols + 2 * cls.unit_gates(c)) * 4,
                          store_bytes=int(st_store) + win_bytes + tokens * out_cols * 2,
-                         fp32_flops=tokens * (6.0 * st_bytes / 4 + 2.0 * ch * c.conv_kernel))
+                         fp32_flops=tokens * (6.0 * st_bytes / 4 + 2.0 * ch * c.conv_kernel),
+                         round_trips=trips)
 
         core = Stage(f"L{layer}.core", op, layer, ctx.batch * units, False, mk_core)
         o, c_o = residual_stage(ctx, OPROJ, blk, "o", cls.out_dim(c), bf["ssm_out"].offset,

@@ -111,16 +111,7 @@ class DenseConfig(ModelConfig):
         """llama.cpp's dense keys (`{arch}.block_count`, ...) and `GGUFMetadata.vocab`."""
         from megakernel.models.registry import family
 
-        scaling = meta.get("rope.scaling.type", "none")
-        if scaling not in ("none", None):
-            raise ConfigError(f"unsupported GGUF RoPE scaling {meta.arch}.rope.scaling.type="
-                              f"{scaling!r}")
-        heads = meta.int("attention.head_count")
-        hidden = meta.int("embedding_length")
-        head_dim = meta.int("attention.key_length", hidden // heads)
-        if meta.int("attention.value_length", head_dim) != head_dim:
-            raise ConfigError(f"GGUF {meta.arch}.attention.value_length differs from key_length "
-                              f"({head_dim}); only equal head sizes are supported")
+        heads, hidden, head_dim = meta.attention()
         if meta.int("rope.dimension_count", head_dim) != head_dim:
             raise ConfigError(f"GGUF {meta.arch}.rope.dimension_count must equal the head size "
                               f"({head_dim}): partial rotary is not supported for {cls.family}")

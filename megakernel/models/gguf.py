@@ -90,6 +90,21 @@ class GGUFMetadata:
             raise ConfigError(f"GGUF key {self.arch}.{key} must be a number, got {v!r}")
         return float(str(np.float32(v)))
 
+    def attention(self) -> tuple[int, int, int]:
+        """(query heads, hidden size, head size) of llama.cpp's attention keys, refusing RoPE
+        scaling and unequal key/value head sizes."""
+        scaling = self.get("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise ConfigError(f"unsupported GGUF RoPE scaling {self.arch}.rope.scaling.type="
+                              f"{scaling!r}")
+        heads = self.int("attention.head_count")
+        hidden = self.int("embedding_length")
+        head_dim = self.int("attention.key_length", hidden // heads)
+        if self.int("attention.value_length", head_dim) != head_dim:
+            raise ConfigError(f"GGUF {self.arch}.attention.value_length differs from key_length "
+                              f"({head_dim}); only equal head sizes are supported")
+        return heads, hidden, head_dim
+
     def vocab(self) -> dict[str, Any]:
         """vocab_size from the embedding's rows (llama.cpp may pad the token list, never the
         tensor) and tie_word_embeddings from the absence of `output.weight`."""

@@ -179,20 +179,11 @@ class Qwen35Config(LayerTypesConfig):
         sizes under `ssm.*`, the layer pattern as `full_attention_interval`, the rotary width as
         `rope.dimension_count` (`rope.dimension_sections`, the MRoPE split, is plain RoPE for
         text positions)."""
-        scaling = meta.get("rope.scaling.type", "none")
-        if scaling not in ("none", None):
-            raise ConfigError(f"unsupported GGUF RoPE scaling {meta.arch}.rope.scaling.type="
-                              f"{scaling!r}")
         if meta.get("expert_count"):
             raise ConfigError(f"GGUF {meta.arch}.expert_count is set: Qwen3.5 MoE text models are "
                               "not supported")
         n = meta.int("block_count")
-        heads = meta.int("attention.head_count")
-        hidden = meta.int("embedding_length")
-        head_dim = meta.int("attention.key_length", hidden // heads)
-        if meta.int("attention.value_length", head_dim) != head_dim:
-            raise ConfigError(f"GGUF {meta.arch}.attention.value_length differs from key_length "
-                              f"({head_dim}); only equal head sizes are supported")
+        heads, hidden, head_dim = meta.attention()
         rotary = meta.int("rope.dimension_count")
         prf = rotary / head_dim
         if int(head_dim * prf) // 2 * 2 != rotary:

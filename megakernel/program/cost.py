@@ -93,6 +93,22 @@ class Rates:
     sliding: bool = False
     stage_all: bool = False  # what-if (CostParams.prefetch_to_smem): every prefetched byte staged
 
+    def work(self, ins) -> float:  # noqa: ANN001 (stages.Instr)
+        """Seconds of an instruction's own work after its activations arrive: its flops at
+        the tensor-core and CUDA-core rates plus its dependent global round trips (the
+        handler's loop nest, declared where the layer kind makes the record from the
+        handler's index module: `Instr.round_trips`), each one L2 hit latency."""
+        return (ins.tensor_flops / self.tensor + ins.fp32_flops / self.fp32
+                + ins.round_trips * self.l2_lat)
+
+    def merge(self, ins) -> float:  # noqa: ANN001 (stages.Instr)
+        """Seconds from a ticket opcode's last signal to its merge's done signal: the ticket's
+        atomic round trip, the partials read, the merge's flops and serial round trips, its
+        stores, the fence and the release add."""
+        return (self.lat + ins.merge_l2_bytes / self.l2 + ins.merge_flops / self.fp32
+                + ins.merge_round_trips * self.l2_lat + ins.merge_store_bytes / self.bw
+                + 2 * self.lat)
+
     @property
     def stage_cap(self) -> float:
         """Most bytes of a slab the consumers find staged in shared memory after a wait."""
@@ -162,10 +178,11 @@ class SimState:
         after = ins.l2_bytes + ins.hbm_bytes
         t_act = start + (r.lat + ins.l2_bytes / r.l2 + ins.hbm_bytes / r.bw if after else 0.0)
         w = ins.w_bytes
-        compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
+        compute = r.work(ins)
         if w:
             kv = spec(ins.op).reach  # prefetched whole when the CTA reaches it
             ls = np.maximum(load_end, free if kv else win)
+            ls = np.maximum(ls, self.visible(ins.stream_wait))  # a run-time binding's wait
             ls = ls + np.where(ls > load_end, r.lat, 0.0)  # restart latency after a stall
             pre = np.clip((t_act - ls) * r.bw, 0.0, w if kv else min(w, r.lookahead))
             t_w = np.where(pre < w, t_act + (w - pre) / r.bw, ls + w / r.bw)
@@ -204,6 +221,7 @@ class SimState:
         t_w = t_act
         if w:
             ls = max(le, reach if kv else float(self.win[s]))
+            ls = max(ls, self.visible(ins.stream_wait))  # a run-time binding's wait
             if ls > le:
                 ls += r.lat  # the stream restarts after a stall
             got, t1 = 0.0, ls
@@ -219,7 +237,7 @@ class SimState:
                 # the prefetched head is in L2 (beyond the ring): the rest of the slab passes
                 # the SM's L2 port after the wait
                 t_w = max(t_w, t_act + r.l2_lat + (w - staged) / r.l2)
-        compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
+        compute = r.work(ins)
         t_c1 = max(t_w, t_act + compute) + ins.store_bytes / r.bw
         self.free[s] = t_c1 + r.lat  # fence before the signal
         self.load_end[s] = le
@@ -236,8 +254,7 @@ class SimState:
             if spec(ins.op).ticket:
                 # the last split's CTA merges: ticket (atomic round trip), read the partials,
                 # merge, store, fence, release add; max over the group = the last split
-                merge = (r.lat + ins.merge_l2_bytes / r.l2 + ins.merge_flops / r.fp32
-                         + ins.merge_store_bytes / r.bw + 2 * r.lat)
+                merge = r.merge(ins)
                 done = ins.operands["DONE_CID"]
                 t = self.counter_done[ins.signal] + merge
                 self.counter_done[done] = max(self.counter_done.get(done, 0.0), t)

@@ -13,6 +13,8 @@ event-driven fluid model instead, with the same parameters (cost.CostParams, gpu
   offset of the slab of the instruction the CTA has reached) + window, or the end of that slab
   once the CTA consumes it (the demand loads past the window).
   When the CTA reaches an ATTN_PARTIAL its cached keys/values are fetched first (prefetch_kv).
+  A slab bound at run time (Instr.stream_wait: an expert slot's, bound by the layer's router)
+  is not fetched before that counter is visible: the loader and its lookahead wait for it.
   All streams that can move share the copy bandwidth equally, each at most its cap (the L2 share,
   as in SimState; a stream held at its sliding limit, its consumer's rate) with the capped ones'
   leftover shared by the rest: prefetched bytes cost HBM bandwidth like any other;
@@ -97,6 +99,13 @@ def replay(prog, params: CostParams | None = None,  # noqa: ANN001
     wbytes = [[0.0 if r else float(i.w_bytes) for i, r in zip(q, rq, strict=True)] + [0.0]
               for q, rq in zip(queues, reach, strict=True)]
     wstart = [np.concatenate(([0.0], np.cumsum(w))) for w in wbytes]  # slab stream offsets
+    # per SM and instruction: the counter its weight stream waits for (-1: none; a padding column
+    # past the queue), and the counters' visibility with a last entry for -1 (always visible)
+    gate = np.full((n, int(qlen.max(initial=0)) + 1), NO_COUNTER, dtype=np.int64)
+    for s, q in enumerate(queues):
+        gate[s, : len(q)] = [i.stream_wait for i in q]
+    gate_seen = np.full(len(totals) + 1, np.inf)
+    gate_seen[-1] = -np.inf
     lq = np.zeros(n, dtype=np.int64)  # instruction whose weight bytes the stream fetches
     lrem = np.array([w[0] for w in wbytes])  # its bytes still to fetch
     wpos = np.zeros(n)  # weight bytes fetched so far (the stream offset)
@@ -154,6 +163,7 @@ def replay(prog, params: CostParams | None = None,  # noqa: ANN001
         last_land[cid] = max(last_land[cid], land)
         if seen[cid] == totals[cid]:
             visible[cid] = last_land[cid] + r.lat  # the waiter's poll
+            gate_seen[cid] = visible[cid]
             for w in waiting_on.pop(cid, []):
                 heapq.heappush(wake, (visible[cid], w))
 
@@ -171,7 +181,7 @@ def replay(prog, params: CostParams | None = None,  # noqa: ANN001
             if not r.sliding:
                 limit[s] = max(limit[s], wstart[s][i] + wbytes[s][i])  # demand loads: the slab
             phase[s] = _CONSUME
-            compute = ins.tensor_flops / r.tensor + ins.fp32_flops / r.fp32
+            compute = r.work(ins)
             consume_min[s] = t + compute
             staged = 0.0 if kvb[s][i] else float(staged_bytes(pre, r.stage_cap,
                                                                    t - reached[s], r.l2))
@@ -195,9 +205,7 @@ def replay(prog, params: CostParams | None = None,  # noqa: ANN001
                 last = spec(ins.op).ticket and seen[ins.signal] + 1 == totals[ins.signal]
                 signal(ins.signal, land)
                 if last:  # ticket returns, merge, store, fence, done add lands
-                    merge = (r.lat + ins.merge_l2_bytes / r.l2 + ins.merge_flops / r.fp32
-                             + ins.merge_store_bytes / r.bw + 2 * r.lat)
-                    signal(ins.operands["DONE_CID"], land + merge)
+                    signal(ins.operands["DONE_CID"], land + r.merge(ins))
             ci[s] += 1
             enter_wait(s)
 
@@ -208,7 +216,8 @@ def replay(prog, params: CostParams | None = None,  # noqa: ANN001
         kv_on = kvrem > _EPS
         lim = cpos + r.lookahead if r.sliding else limit
         room = np.where(kv_on, kvrem, np.minimum(lrem, lim - wpos))
-        streaming = (lq < qlen) & (lrem > _EPS)
+        gated = gate_seen[gate[np.arange(n), lq]] > t  # binding not visible yet
+        streaming = (lq < qlen) & (lrem > _EPS) & ~gated
         # the consumer of a sliding build: reading ahead of the arrivals (free) or right behind
         # them (coupled to its stream)
         reading = (crate > 0) & (cpos < cend - _EPS)
@@ -220,6 +229,9 @@ def replay(prog, params: CostParams | None = None,  # noqa: ANN001
         rate = _fair_rates(active, cap, gpu.copy_bw)
         c_rate = np.where(c_free, crate, np.where(reading & ~kv_on, np.minimum(crate, rate), 0.0))
         t_next = float(phase_end.min())
+        opens = gate_seen[gate[np.arange(n), lq]][gated & (lq < qlen)]
+        if opens.size:
+            t_next = min(t_next, float(opens.min()))  # a gated stream may start (inf: unknown)
         if wake:
             t_next = min(t_next, wake[0][0])
         on = active & (rate > 0)

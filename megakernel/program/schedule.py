@@ -107,7 +107,7 @@ def _waterfill(st: SimState, stg: Stage) -> list[int]:
     pre = np.clip((t_act - ls) * r.bw, 0.0, r.lookahead)
     ub = float(one.w_bytes)
     su = float(one.store_bytes)
-    cu = one.tensor_flops / r.tensor + one.fp32_flops / r.fp32
+    cu = r.work(one)
     per_unit_t = cu + su / r.bw  # compute-bound time per unit
 
     # a prefetched head is read from L2 after the wait: the whole slab then passes the SM's L2

@@ -30,6 +30,9 @@ class Instr:
     operands: dict[str, int]
     wait: int = NO_COUNTER
     signal: int = NO_COUNTER
+    # counter the loader's weight stream waits for before the slab (a run-time binding: an
+    # expert slot's, the layer's router counter); NO_COUNTER: weights never wait
+    stream_wait: int = NO_COUNTER
     stage: int = -1
     # cost attributes (bytes, flops); see cost.py
     w_bytes: int = 0  # streamed before the wait may be met (weights, cached KV, recurrent state)
@@ -38,10 +41,15 @@ class Instr:
     store_bytes: int = 0
     tensor_flops: float = 0.0
     fp32_flops: float = 0.0
+    # dependent global round trips of the handler's loop nest after the wait (a warp issues in
+    # order: a loop whose trip uses its own load pays one per trip), counted by a function next
+    # to the handler's index arithmetic (e.g. kernel/dense_index.attn_round_trips)
+    round_trips: int = 0
     # a ticket opcode (ATTN_PARTIAL): the merge the last signaller runs
     merge_l2_bytes: int = 0
     merge_store_bytes: int = 0
     merge_flops: float = 0.0
+    merge_round_trips: int = 0
     # placement
     sm: int = -1
     pos: int = -1

@@ -16,7 +16,14 @@ the compiler's stages.
   block's first opcodes on the previous block's last opcode (EMBED before the first block), the
   others on the opcode the kind's `flow` names in the same block, the LM head on the last block,
   ARGMAX on the LM head; so a dropped or misdirected wait is reported by name;
-- deadlock freedom: a symbolic run of the queues with counter counts reaches the end.
+- deadlock freedom: a symbolic run of the queues with counter counts reaches the end;
+- run-time bindings (layer kinds `binding`: the MoE's work list, one region for every layer):
+  every record that rewrites a binding region waits, through the counters and queue order, for
+  every record that reads the previous contents, and on each reader's SM for a record at or after
+  it that the loader warp must have passed, so that the loader's late read of a binding cannot
+  follow the rewrite. With the kernel's rule (LOADER_HOLDS_READERS, kernel/pipeline.py: the
+  consumers leave a reader only once the loader has read its binding) the reader itself; without
+  it, a later record that always streams tiles (a reader that may find nothing bound has none).
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ import heapq
 
 from megakernel import isa
 from megakernel.layers import kind
+
+# the consumers leave a record that reads a run-time binding only once the loader warp has read it
+# (kernel/pipeline.py Pipeline.wait_bound); the binding rule relies on it
+LOADER_HOLDS_READERS = True
 
 
 class ProgramError(ValueError):
@@ -188,6 +199,84 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
     for key, n in want_cover.items():
         _check_cover(key, sorted(cover.get(key, [])), n, times.get(key, 1))
     _check_deadlock(recs, names, totals)
+    _check_bindings(recs, owner, blocks, prog)
+
+
+def _check_bindings(recs, owner: dict, blocks: _Blocks, prog,  # noqa: ANN001
+                    holds: bool | None = None) -> None:
+    """The run-time binding rule (module docstring); `holds`: LOADER_HOLDS_READERS unless
+    given."""
+    holds = LOADER_HOLDS_READERS if holds is None else holds
+    uses: dict[int, list[tuple[int, int, int, bool, bool]]] = {}  # region -> (layer, s, i, ...)
+    for s, q in enumerate(recs):
+        for i, (_, d) in enumerate(q):
+            b = owner[id(d)]
+            if b < 0:
+                continue
+            blk = blocks.blocks[b]
+            got = kind(blk.kind).binding(d, blk, prog)
+            if got is not None:
+                region, writes, may_skip = got
+                uses.setdefault(region, []).append((d["LAYER"], s, i, writes, may_skip))
+    if not uses:
+        return
+    sig_at: dict[int, list[tuple[int, int]]] = {}  # counter -> (SM, index) of its signallers
+    for s, q in enumerate(recs):
+        for i, (_, d) in enumerate(q):
+            c = d["SIGNAL_CID"]
+            if c != isa.NO_COUNTER:
+                sig_at.setdefault(c, []).append((s, i))
+                if isa.spec(d["OPCODE"]).ticket:  # its last signaller merges, signals DONE_CID
+                    sig_at.setdefault(d["DONE_CID"], []).append((s, i))
+    for region, recs_of in uses.items():
+        writers = sorted((u for u in recs_of if u[3]), key=lambda u: u[0])
+        for prev, w in zip(writers, writers[1:], strict=False):
+            done = _before(recs, sig_at, w[1], w[2])
+            for layer, s, i, writes, may_skip in recs_of:
+                if writes or not prev[0] <= layer < w[0]:
+                    continue
+                q = recs[s]
+                last = done[s]  # the reader's SM has finished records [0, last] when w runs
+                ok = last >= i if holds else any(
+                    isa.spec(q[k][1]["OPCODE"]).slab and not _skips(q[k][1], owner, blocks, prog)
+                    for k in range(i + (0 if not may_skip else 1), last + 1))
+                if not ok:
+                    d, wd = q[i][1], recs[w[1]][w[2]][1]
+                    raise ProgramError(
+                        f"SM {s} position {q[i][0]} {d['OPCODE'].name} (layer {layer}) reads a "
+                        f"binding at {region} that SM {w[1]} position {recs[w[1]][w[2]][0]} "
+                        f"{wd['OPCODE'].name} (layer {w[0]}) may rewrite before the loader warp "
+                        "has read it")
+
+
+def _skips(d: dict, owner: dict, blocks: _Blocks, prog) -> bool:  # noqa: ANN001
+    """A record that may stream no tiles: a binding reader that may find nothing bound."""
+    b = owner[id(d)]
+    if b < 0:
+        return False
+    blk = blocks.blocks[b]
+    got = kind(blk.kind).binding(d, blk, prog)
+    return got is not None and got[2]
+
+
+def _before(recs, sig_at: dict, s0: int, i0: int) -> list[int]:  # noqa: ANN001
+    """Per SM, the last queue index every run must have finished before record i0 of SM s0
+    starts (-1: none): its queue predecessors and, through the counters they and it wait on,
+    their signallers and those signallers' predecessors, to a fixed point."""
+    done = [-1] * len(recs)
+    todo = [(s0, i0 - 1)]
+    waits = [(s0, i0)]
+    while todo or waits:
+        while waits:
+            s, i = waits.pop()
+            c = recs[s][i][1]["WAIT_CID"]
+            if c != isa.NO_COUNTER:
+                todo += sig_at.get(c, [])
+        s, i = todo.pop() if todo else (0, -1)
+        if i > done[s]:
+            waits += [(s, k) for k in range(done[s] + 1, i + 1)]
+            done[s] = i
+    return done
 
 
 def _check_cover(key: tuple, spans: list[tuple[int, int]], n: int, times: int) -> None:

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.executor import Executor
 from megakernel.launch_checks import ArgumentError
 from megakernel.models.sources import load_model
 from megakernel.reference.model import ReferenceModel
@@ -31,19 +30,6 @@ def no_reference_prefill(monkeypatch):  # noqa: ANN001, ANN201
     def refuse(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("the reference prefill ran")
     monkeypatch.setattr(ReferenceModel, "prefill", refuse)
-
-
-@pytest.fixture
-def executor_steps(monkeypatch):  # noqa: ANN001, ANN201
-    """Counts Executor.step calls by T (tokens per sequence of the program)."""
-    counts: dict[int, int] = {}
-    step = Executor.step
-
-    def counted(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        counts[self.prog.tokens] = counts.get(self.prog.tokens, 0) + 1
-        return step(self, *a, **k)
-    monkeypatch.setattr(Executor, "step", counted)
-    return counts
 
 
 def test_readme_python_api_example_runs(capsys):  # noqa: ANN001

@@ -18,25 +18,11 @@ import torch
 
 import megakernel as mk
 from megakernel.engine import PREFILL_CHUNK
-from megakernel.executor import Executor
 from megakernel.models.sources import load_model
 from megakernel.reference.model import ReferenceModel, greedy
 
 STEPS = 3
 MODEL = "llama-tiny"
-
-
-@pytest.fixture
-def steps_by_t(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
-    """Executor.step calls by T (every path's programs, the op's CPU executor included)."""
-    counts: dict[int, int] = {}
-    step = Executor.step
-
-    def counted(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        counts[self.prog.tokens] = counts.get(self.prog.tokens, 0) + 1
-        return step(self, *a, **k)
-    monkeypatch.setattr(Executor, "step", counted)
-    return counts
 
 
 def prompts_with_shortest(n: int, vocab: int) -> list[list[int]]:
@@ -59,7 +45,7 @@ def reference_agrees(cfg, w, prompts: list[list[int]], tokens: list[list[int]]) 
 @pytest.mark.parametrize("shortest", [2 * PREFILL_CHUNK, 2 * PREFILL_CHUNK + 1])
 @pytest.mark.parametrize("path", ["executor", "api", "kernel"])
 def test_chunked_prefill_at_the_chunk_boundary(path: str, shortest: int,
-                                               steps_by_t: dict[int, int]) -> None:
+                                               executor_steps: dict[int, int]) -> None:
     """Shortest prompt a multiple of the chunk (one chunk fewer than it holds: its last token
     stays for T = 1) or a multiple plus one (every whole chunk): tokens equal the reference's,
     and the chunk and single steps are exactly those the boundary calls for."""
@@ -82,5 +68,5 @@ def test_chunked_prefill_at_the_chunk_boundary(path: str, shortest: int,
     reference_agrees(cfg, w, prompts, tokens)
     chunks = (shortest - 1) // PREFILL_CHUNK  # every whole chunk that leaves a token
     assert chunks == (2 if shortest % PREFILL_CHUNK else 1)
-    assert steps_by_t == {PREFILL_CHUNK: chunks,
-                          1: longest - chunks * PREFILL_CHUNK + STEPS - 1}, steps_by_t
+    assert executor_steps == {PREFILL_CHUNK: chunks,
+                          1: longest - chunks * PREFILL_CHUNK + STEPS - 1}, executor_steps

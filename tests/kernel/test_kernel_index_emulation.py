@@ -10,7 +10,8 @@ matrix products (float64):
   epilogue's in-order sum; pipelined FMA, pipelined mma (tile product plain: test_kernel_mma
   checks the fragments) and the global-memory FMA path;
 - split-KV GQA attention: which queries a warp serves, which kv head and keys it reads, the
-  softmax scale of the kernel's Attention, the warp-share and split merges.
+  softmax scale of the kernel's Attention, the warp-share and split merges (the latter in
+  batches of attn_merge_batch splits, as Attention.merge loads them).
 Shapes: llama-tiny, llama-mid, llama-3.2-1b, qwen3-0.6b at B = 1 and 16.
 """
 
@@ -22,6 +23,8 @@ import pytest
 from megakernel.kernel.dense_index import (
     acc_index,
     attn_keys,
+    attn_merge_batch,
+    attn_merge_split,
     attn_query,
     attn_warp,
     chunk_ksplit,
@@ -201,6 +204,14 @@ def test_global_memory_gemv_indexing_computes_the_matrix_product():
 
 
 # ---- attention ----------------------------------------------------------------------------------
+def _merge_batches(size: int, n_splits: int, stride: int,
+                   slot0: int) -> list[tuple[int, int, int]]:
+    """(first split, entry, partial slot) of each load of Attention.merge's batches of `size`
+    splits: entries past n_splits load the last split (attn_merge_split)."""
+    return [(s0, j, attn_merge_split(s0, j, n_splits) * stride + slot0)
+            for s0 in range(0, n_splits, size) for j in range(size)]
+
+
 def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.ndarray,
                        vc: np.ndarray, lengths: list[int], layer: int, n_splits: int,
                        fetch=None, live=None) -> np.ndarray:  # noqa: ANN001
@@ -256,18 +267,24 @@ def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.nda
                     pml[slot] = (mm, sum(p[1] * wt for p, wt in zip(parts, wts, strict=True)))
                     po[slot] = sum(p[2] * wt for p, wt in zip(parts, wts, strict=True))
     out = np.full((N, Hq, D), np.nan)
-    for b in range(spec.batch):  # the merge of the last split's CTA
+    MB, SB = attn_merge_batch(D)
+    for b in range(spec.batch):  # the merge of the last split's CTA, a batch of splits a trip
         for g in range(spec.kv_heads):
             for qi in range(spec.attn_queries):
                 _, head, n = attn_query(qi, g, b, G, T)
-                slots = [(s * N + n) * Hq + head for s in range(n_splits)]
-                mm = max(pml[sl, 0] for sl in slots)
-                wts = [np.exp(pml[sl, 0] - mm) if mm > -np.inf else 0.0 for sl in slots]
-                den = sum(pml[sl, 1] * wt for sl, wt in zip(slots, wts, strict=True))
+                slot0 = n * Hq + head  # split s's partial at slot s * N * Hq + slot0
+                mm = -np.inf  # over every loaded m, the repeats past n_splits included
+                for _, _, sl in _merge_batches(MB, n_splits, N * Hq, slot0):
+                    mm = max(mm, pml[sl, 0])
+                den, o = 0.0, np.zeros(D)  # in split order, the repeats skipped
+                for s0, j, sl in _merge_batches(SB, n_splits, N * Hq, slot0):
+                    if n_splits > s0 + j:
+                        wt = np.exp(pml[sl, 0] - mm) if mm > -np.inf else 0.0
+                        den, o = den + pml[sl, 1] * wt, o + po[sl] * wt
                 if not den > 0:  # a padding row of a paged step saw no keys: 0
                     out[n, head] = 0.0
                     continue
-                out[n, head] = sum(po[sl] * wt for sl, wt in zip(slots, wts, strict=True)) / den
+                out[n, head] = o / den
     return out
 
 
@@ -289,7 +306,8 @@ def _reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: l
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("batch,tokens,n_splits", [(1, 1, 3), (16, 1, 2), (2, 3, 2)])
+@pytest.mark.parametrize("batch,tokens,n_splits", [(1, 1, 3), (16, 1, 2), (2, 3, 2),
+                                                    (2, 1, 21)])
 def test_attention_indexing_computes_gqa_attention(model, batch, tokens, n_splits):
     pytest.importorskip("cutlass", reason="the kernel's Attention holds the softmax scale")
     from megakernel.kernel.attention import Attention

@@ -62,3 +62,29 @@ def test_the_real_kimi_preset_builds_for_both_archs(kernel_build, window):
     for s in specs_within_budgets(builds).values():
         assert set(s.handled_ops) == program_ops(cfg, bool(window)) and s.pipelined
         assert s.constants("kda") == (32, 128, 4) and s.constants("mla") == (32, 512, 128, 64, 128)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_work_list_and_router_norm_in_the_ptx(kernel_build, arch):
+    """kimi-linear-tiny at B = 4 (a step may leave work slots unbound): the loader publishes each
+    expert record it has bound (st.release.cta to shared memory) and the consumers wait for it at
+    the record (ld.acquire.cta), so no binding is read after the next router rewrites the work
+    list (pipeline.py); ROUTER_SCORE's RMSNorm is 1 / sqrt as every other norm, with no
+    rsqrt.approx (an ulp there can flip a near-tie top-k against the executor)."""
+    ptx = (kernel_build(preset(KIMI), arch, 4, 1)[0] / "megakernel.ptx").read_text()
+    assert "rsqrt.approx" not in ptx
+    assert len(re.findall(r"st\.release\.cta\.shared::cta\.b32", ptx)) >= 1
+    assert len(re.findall(r"ld\.acquire\.cta\.shared::cta\.b32", ptx)) >= 1
+
+
+def test_router_rstd_region_holds_every_row():
+    """ROUTER_SCORE keeps one rstd per activation row in the `rstd` region: sized
+    from the build, not a pass's rows (32 fp32 before: rows past 32 overran into the next
+    region); builds without the router keep a pass's."""
+    from megakernel.kernel.model_spec import make_spec
+
+    for batch in (1, 33, 64):
+        s = make_spec(preset(KIMI), batch, 1, "sm_90a")
+        assert s.smem_regions()["rstd"][1] >= 4 * s.rows
+    dense = make_spec(preset("llama-tiny"), 64, 1, "sm_90a")
+    assert dense.smem_regions()["rstd"][1] == 4 * max(dense.no, 32)

@@ -485,7 +485,7 @@ def test_loader_and_consumers_compare_tile_counts_at_end():
 
     spec = make_spec(preset("llama-3.2-1b"), 1, 1, "sm_90a", smem_stages=STAGES)
     off, n = spec.smem_regions()["mbar"]
-    assert n == 8 * (2 * STAGES + 2) and off % 8 == 0  # full[S], empty[S], done, count
+    assert n == 8 * (2 * STAGES + 3) and off % 8 == 0  # full[S], empty[S], done, count, bound
     load = inspect.getsource(pl.Pipeline.load_queue)
     tail = load[load.index("while op != Op.END"):]
     assert "mbar + 2 * self.S + 1" in tail and "mbarrier_arrive(mbar + 2 * self.S)" in tail

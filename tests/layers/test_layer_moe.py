@@ -183,3 +183,25 @@ def test_work_list() -> None:
         assert pairs[:m] == sorted(pairs[:m]) and set(pairs[m:]) <= {-1}
         assert [int(ids.reshape(-1)[p]) for p in pairs[:m]] == [x] * m
     assert int(w[:, 1].sum()) == ids.numel()  # every (row, top-k slot) pair once
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_expert_streams_wait_only_for_the_binding(batch: int) -> None:
+    """A routed slot's slabs (gate/up and down) stream once the layer's router has bound them,
+    not after their own dependency (down: every gate/up record); the shared expert's binding is
+    static and its stream waits for nothing. The kernel finds the same counter from the encoded
+    record (moe_index.bind_counter: gate/up WAIT_CID, down WAIT_CID - 1)."""
+    from megakernel.kernel.moe_index import bind_counter
+    from megakernel.layers.moe import SHARED
+
+    prog = tiny_program("kimi-linear-tiny", batch)
+    router = {i.layer: i.signal for i in prog.instrs if i.op == isa.Op.ROUTER}
+    experts = [i for i in prog.instrs if i.op in (isa.Op.EXPERT_GATEUP, isa.Op.EXPERT_DOWN)]
+    assert experts
+    for i in experts:
+        if i.operands["SLOT"] == SHARED:
+            assert i.stream_wait == isa.NO_COUNTER
+        else:
+            down = int(i.op == isa.Op.EXPERT_DOWN)
+            assert i.stream_wait == router[i.layer] == bind_counter(down, i.wait)
+            assert (i.wait != i.stream_wait) == bool(down)

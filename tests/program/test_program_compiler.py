@@ -31,7 +31,7 @@ llama-tiny   h100/8  4 1 eeceb47f1e5a9e0c464ce91ccbea462f574e8ee3431604cb34d18c3
 qwen3-tiny   h100/8  2 3 b4a43ae0aca530f66fd1c542c5f41eb4b8b50b219381a69a5dd310cf57e3a856
 llama-mid    h100/16 4 2 677a4828d88625a88fd9afbf339a1c333c2ee22dc2e68cb08459ee3234eb797f
 llama-3.2-1b h200    1 1 2b46752df4ad1db94a95f80b6ecda0221a398bc9bc74e361d5926969746a5da7
-qwen3-0.6b   h200    8 1 4dc0dfc6f705d57cd5599a978be62923a82a17039986b8341c5dcebb2704788c
+qwen3-0.6b   h200    8 1 cf9f81c3ddd5005c988f2beaefa86720a18880ca7a7d4ffd36cfd8a98d37919f
 """.strip().splitlines())}
 
 
@@ -120,14 +120,21 @@ def test_real_plans_are_deadlock_free(name: str) -> None:
     assert len(checked) >= len({gpu(g).num_sms for g in gpus}) * 3
 
 
-def test_kimi_plan_is_within_1_5x_of_its_floor() -> None:
-    """kimi-linear-48b-a3b at B = 1 on H200: the cost model's step within 1.5x of the bytes /
+def test_kimi_plan_is_within_1_55x_of_its_floor() -> None:
+    """kimi-linear-48b-a3b at B = 1 on H200: the cost model's step within 1.55x of the bytes /
     read-bandwidth floor (the routed experts charged at their expected bytes), with MLA split
-    about once per SM (16 splits: 1.52x)."""
-    prog = compile_program(preset("kimi-linear-48b-a3b"), 1, gpu("h200"))
+    about once per SM, which beats 16 splits by more than 5%.
+
+    The target was 1.5x (met at 1.38x) while the model charged neither the loader's wait for
+    each MoE layer's router nor the handlers' dependent round trips; charging both (+267 us)
+    puts the same schedule at 1.54x (16 splits: 1.69x). docs/PERFORMANCE.md has the numbers."""
+    cfg = preset("kimi-linear-48b-a3b")
+    prog = compile_program(cfg, 1, gpu("h200"))
     assert prog.n_splits == 64
-    assert prog.cost.predicted_s <= 1.5 * prog.cost.floor_s, (prog.cost.predicted_s,
-                                                             prog.cost.floor_s)
+    assert prog.cost.predicted_s <= 1.55 * prog.cost.floor_s, (prog.cost.predicted_s,
+                                                              prog.cost.floor_s)
+    sixteen = compile_program(cfg, 1, gpu("h200"), n_splits=16)
+    assert sixteen.cost.predicted_s >= 1.05 * prog.cost.predicted_s
 
 
 @pytest.mark.parametrize("name,batch,window,layers", [

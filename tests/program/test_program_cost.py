@@ -196,3 +196,37 @@ def test_prediction_below_the_achievable_bandwidth_is_refused() -> None:
         replay(fast, cost.CostParams(mem_latency=1e-12, fixed_per_instr=0.0, launch=0.0))
     measured = dataclasses.replace(prog, gpu=g.with_copy_bandwidth(100 * g.read_bw))
     replay(measured, cost.CostParams(mem_latency=1e-12, fixed_per_instr=0.0, launch=0.0))
+
+
+def test_expert_slabs_stream_after_their_binding_not_before() -> None:
+    """The replay (plan's prediction and the predicted timeline) holds a routed expert slab's
+    stream until its layer's router counter is visible, as the loader warp waits for it, and no
+    longer: a down slab's stream may start while the layer's gate/up still runs, the shared
+    expert's before the router."""
+    from megakernel.program.replay import TRACE_FIELDS, replay
+
+    prog = compile_program(preset("kimi-linear-tiny"), 4, gpu("h200"))
+    trace: list = []
+    replay(prog, trace=trace)
+    load0, fin = TRACE_FIELDS.index("load_start"), TRACE_FIELDS.index("finish")
+    at = {}
+    for s, q in enumerate(prog.queues):
+        for i, k in enumerate(q):
+            at[k] = trace[s][i]
+    router_done = {prog.instrs[k].layer: at[k][fin] for k in at if prog.instrs[k].op.name
+                   == "ROUTER"}
+    gu_done: dict[int, float] = {}
+    for k in at:
+        if prog.instrs[k].op.name == "EXPERT_GATEUP":
+            gu_done[prog.instrs[k].layer] = max(gu_done.get(prog.instrs[k].layer, 0.0),
+                                                at[k][fin])
+    routed = [(k, prog.instrs[k]) for k in at if prog.instrs[k].stream_wait >= 0]
+    assert routed
+    started = [(k, ins) for k, ins in routed if at[k][load0] == at[k][load0]]  # not NaN
+    assert started
+    assert all(at[k][load0] >= router_done[ins.layer] for k, ins in started)
+    assert any(at[k][load0] < gu_done[ins.layer] for k, ins in started
+               if ins.op.name == "EXPERT_DOWN")
+    shared = [k for k in at if prog.instrs[k].op.name in ("EXPERT_GATEUP", "EXPERT_DOWN")
+              and prog.instrs[k].stream_wait < 0]
+    assert any(at[k][load0] < router_done[prog.instrs[k].layer] for k in shared)

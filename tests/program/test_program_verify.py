@@ -140,3 +140,50 @@ def test_verifier_names_a_planted_bug(bug: str) -> None:
     plant(rec)
     with pytest.raises(ProgramError, match=match):
         check_program(prog, rec)
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_work_list_reuse_flagged_without_the_loader_holding_its_readers(batch: int,
+                                                                        monkeypatch) -> None:
+    """One work list serves every MoE layer. With the kernel's rule (the consumers leave an
+    expert record only once the loader has read its binding) the compiled kimi-linear-tiny
+    program on 132 SMs passes; under the pre-fix kernel (consumers pass an unbound slot without
+    the loader) the same program is flagged: an SM whose expert record has no tile-bearing record
+    after it lets the next layer's router rewrite the list before its loader reads the binding."""
+    import megakernel.program.verify as verify
+
+    prog = compile_program(preset("kimi-linear-tiny"), batch, gpu("h200"))
+    check_program(prog)
+    monkeypatch.setattr(verify, "LOADER_HOLDS_READERS", False)
+    with pytest.raises(ProgramError, match="may rewrite before the loader warp has read it"):
+        check_program(prog)
+
+
+def test_work_list_rule_has_no_false_alarm_when_every_slot_is_bound(monkeypatch) -> None:
+    """At one row a step routes exactly top_k experts to its top_k slots: every expert record
+    streams tiles, so the loader passes it before its consumers finish, under either rule."""
+    import megakernel.program.verify as verify
+
+    monkeypatch.setattr(verify, "LOADER_HOLDS_READERS", False)
+    check_program(compile_program(preset("kimi-linear-tiny"), 1, gpu("h200")))
+
+
+def test_binding_counter_must_be_the_routers() -> None:
+    """The loader finds an expert record's binding counter from its WAIT_CID (gate/up: itself,
+    down: the one before, kernel/moe_index.bind_counter): a program whose counters are numbered
+    otherwise (the router's and the scores' swapped, every record renumbered alike, so its
+    dataflow is intact) is refused by name."""
+    import copy
+
+    prog = _program(*KIMI)
+    c_s = next(i for i, c in enumerate(prog.counters) if c.name == "L1.score")
+    c_r = next(i for i, c in enumerate(prog.counters) if c.name == "L1.router")
+    rec = prog.records().clone()
+    for w in (1, 4):  # WAIT_CID, SIGNAL_CID
+        col = rec[:, :, w].clone()
+        rec[:, :, w] = torch.where(col == c_s, c_r, torch.where(col == c_r, c_s, col))
+    swapped = copy.copy(prog)
+    swapped.counters = list(prog.counters)
+    swapped.counters[c_s], swapped.counters[c_r] = prog.counters[c_r], prog.counters[c_s]
+    with pytest.raises(ProgramError, match="binding counter .* is not the layer's router"):
+        check_program(swapped, rec)
