@@ -75,6 +75,8 @@ class Attention(Handler):
         self.E = self.D // LANES  # head dims per lane (contiguous)
         self.scale = attn_scale(self.D)
         self.pg = spec.paged_shape  # None: the contiguous cache
+        # fewer value rows in flight where registers are scarce (attn_value_batch)
+        self.VB = attn_value_batch(self.D, tight=self.pg is not None or not spec.pipelined)
 
     @cute.jit
     def prefetch(self, op: Int32, s: Step):
@@ -159,7 +161,7 @@ class Attention(Handler):
         build's lane 0 requests the chunk attn_kv_lead keys on into L2 (prefetch_kv requested
         the first ones before the wait)."""
         D, E, pg = self.D, self.E, self.pg
-        VB, lead = attn_value_batch(D, pg is not None), attn_kv_lead(D)
+        VB, lead = self.VB, attn_kv_lead(D)
         m = Float32(NEG_INF)
         lsum = Float32(0.0)
         o = cute.make_rmem_tensor((E,), Float32)
@@ -223,7 +225,7 @@ class Attention(Handler):
         [E, VB], every load issued before any is used; a key past the chunk's nvalid loads
         the last valid row instead (in range; add_values skips it)."""
         D, E, pg = self.D, self.E, self.pg
-        for j in cutlass.range_constexpr(attn_value_batch(D, pg is not None)):
+        for j in cutlass.range_constexpr(self.VB):
             jj = cutlass.min(j0 + j, nvalid - 1)
             vrow = (kv_row0 + k0 + jj) * D
             if cutlass.const_expr(pg is not None):  # key k0 + jj's slot, from its lane
@@ -237,7 +239,7 @@ class Attention(Handler):
                    nvalid: Int32):
         """o += p_j v_j for keys j0 .. j0 + VB - 1 of the chunk below nvalid, in key order (the
         probability of key j broadcast from its lane)."""
-        for j in cutlass.range_constexpr(attn_value_batch(self.D, self.pg is not None)):
+        for j in cutlass.range_constexpr(self.VB):
             pj = cute.arch.shuffle_sync(p, j0 + j)
             if nvalid > j0 + j:
                 for e in cutlass.range_constexpr(self.E):

@@ -147,13 +147,15 @@ ATTN_KV_LEAD_BYTES = 8 * 1024
 ATTN_PAGED_VALUE_BATCH = 8
 
 
-def attn_value_batch(head_dim: int, paged: bool = False) -> int:
+def attn_value_batch(head_dim: int, tight: bool = False) -> int:
     """Value rows whose loads a lane issues before using any (Attention.attend): the whole chunk
-    of 32 keys at D = 64, 16 at D = 128, 8 at D = 256 (at most 8 in the paged build, whose row
-    addresses take registers of their own). The first batch is issued with the chunk's key
-    loads, before the scores (it does not depend on them)."""
+    of 32 keys at D = 64, 16 at D = 128, 8 at D = 256; at most 8 in the builds with fewer
+    registers to spare (`tight`: the paged build, whose row addresses take registers of their
+    own, and the global-memory weight build, whose GEMV holds its weights in registers). The
+    first batch is issued with the chunk's key loads, before the scores (it does not depend on
+    them)."""
     vb = min(LANES, ATTN_VALUES_IN_FLIGHT // (head_dim // LANES))
-    return min(vb, ATTN_PAGED_VALUE_BATCH) if paged else vb
+    return min(vb, ATTN_PAGED_VALUE_BATCH) if tight else vb
 
 
 def attn_kv_lead(head_dim: int) -> int:

@@ -128,14 +128,20 @@ def test_sass_has_the_intended_instructions(builds):
         assert needle in ptx, needle
 
 
+# cached K/V's bulk-prefetch sites: the bounded head before the wait (Attention.prefetch_kv) and
+# the sliding lead in attend's key loop, one for K and one for V
+KV_PREFETCH_SITES = 3
+
+
 def test_ptx_has_the_l2_lookahead(builds):
     """The weight prefetch is the lookahead walk: one bulk-prefetch site for weights (in the walk
-    over queued records) and one for cached K/V, the arch's window added to the slab start, the
-    walk reading NROWS and K (the registry's slab words, 9 and 10 = bytes 36, 40 today) of queued
-    records before the weight prefetch, and no fixed per-slab clamp."""
+    over queued records) and KV_PREFETCH_SITES for cached K/V, the arch's window added to the
+    slab start, the walk reading NROWS and K (the registry's slab words, 9 and 10 = bytes 36, 40
+    today) of queued records before the weight prefetch, and no fixed per-slab clamp."""
     for (name, arch), (d, _) in _all(builds):
         ptx = (d / "megakernel.ptx").read_text()
-        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2, (name, arch)
+        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1 + KV_PREFETCH_SITES, (name,
+                                                                                     arch)
         w = limits.prefetch_window(arch)
         add = re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {w};", ptx)
         assert add, (name, arch, w)
@@ -152,14 +158,14 @@ def test_ptx_has_the_l2_lookahead(builds):
 
 @pytest.mark.parametrize("stages", [0, None], ids=["global", "piped"])
 def test_l2_window_0_builds_no_weight_lookahead(kernel_build, stages):
-    """The lookahead A/B variant (l2_window 0) keeps only the K/V prefetch site: its weight
+    """The lookahead A/B variant (l2_window 0) keeps only the K/V prefetch sites: its weight
     lookahead is compiled out on both weight paths, not merely run with an empty window."""
     cfg = preset("llama-tiny")
     on, _ = kernel_build(cfg, "sm_90a", 1, 1, smem_stages=stages)
     off, m = kernel_build(cfg, "sm_90a", 1, 1, smem_stages=stages, l2_window=0)
     count = [(d / "megakernel.ptx").read_text().count("cp.async.bulk.prefetch.L2.global")
              for d in (on, off)]
-    assert count[1] == 1 and count[0] > count[1], count
+    assert count[1] == KV_PREFETCH_SITES and count[0] > count[1], count
     assert m["spec"]["l2_window"] == 0 and m["resources"]["spill_stores"] == 0
 
 

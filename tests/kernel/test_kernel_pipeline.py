@@ -22,6 +22,7 @@ from megakernel.kernel.limits import ROW_CHUNK, SMEM_STAGE_BYTES, tile_rows
 from megakernel.kernel.model_spec import make_spec
 from megakernel.kernel.plans import matvec_tiles, stage_plan
 from megakernel.models import preset
+from tests.kernel.test_kernel_build import KV_PREFETCH_SITES
 
 STAGES = limits.PIPELINE_STAGES
 
@@ -240,11 +241,12 @@ def test_ptx_has_the_pipeline(builds):
         assert len(re.findall(rf"bar\.sync\s+1, {nt};", ptx)) >= 8, (name, arch)
         # the L2 lookahead: the weights' in the loader's branch (prefetch_tiles: whole-row and
         # per-row requests, its limit the loader's volume + the arch's window), the consumers
-        # keep only the K/V one
+        # keep only the K/V ones
         body = _loader_ptx(ptx, nt // 32)
         n_loader = body.count("cp.async.bulk.prefetch.L2.global")
         assert n_loader >= 2, (name, arch, n_loader)
-        assert ptx.count("cp.async.bulk.prefetch.L2.global") - n_loader == 1, (name, arch)
+        consumers = ptx.count("cp.async.bulk.prefetch.L2.global") - n_loader
+        assert consumers == KV_PREFETCH_SITES, (name, arch, consumers)
         w = limits.prefetch_window(arch)
         assert re.search(rf"add\.s64\s+%rd\d+, %rd\d+, {w};", body), (name, arch, w)
         # the GEMV reads its weights from shared memory, not with 16-byte global loads

@@ -88,7 +88,7 @@ def test_value_loads_are_batched(d: int) -> None:
     assert LANES % vb == 0 and vb * d // LANES <= dense_index.ATTN_VALUES_IN_FLIGHT
     per_chunk = attn_round_trips(65 * LANES, d, 8, 1) - attn_round_trips(64 * LANES, d, 8, 1)
     assert per_chunk == LANES // vb <= 4
-    assert attn_value_batch(d, paged=True) <= dense_index.ATTN_PAGED_VALUE_BATCH
+    assert attn_value_batch(d, tight=True) <= dense_index.ATTN_PAGED_VALUE_BATCH
 
 
 def test_merge_loads_are_batched() -> None:
