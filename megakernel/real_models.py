@@ -65,9 +65,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def cache_path(model: RealModel = SMOLLM2) -> Path:
+    """Where the cache keeps the model's file."""
+    return cache_dir() / model.package / model.version / model.filename
+
+
 def cached(model: RealModel = SMOLLM2) -> Path | None:
     """The model's file when the cache holds it, else None."""
-    path = cache_dir() / model.package / model.version / model.filename
+    path = cache_path(model)
     return path if path.is_file() else None
 
 
@@ -91,7 +96,7 @@ def fetch(model: RealModel = SMOLLM2) -> Path:
     hit = cached(model)
     if hit is not None:
         return hit
-    dest = cache_dir() / model.package / model.version / model.filename
+    dest = cache_path(model)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch
 
 from megakernel.models.config import ConfigError, ModelConfig, expected_shapes
 from megakernel.models.gguf_quants import BLOCK_TYPES, dequantize
+from megakernel.models.weights import DISK_DTYPES, WeightError, _finite, _raise, _shape_str
 
 __all__ = ["GGUF_SUFFIX", "GGUFMetadata", "config_from_gguf", "gguf_tokenizer", "is_gguf",
            "load_gguf", "open_gguf"]
@@ -46,12 +47,6 @@ _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenize
 def is_gguf(spec: str | Path) -> bool:
     """`spec` names a .gguf file (it may not exist: loading says so)."""
     return str(spec).lower().endswith(GGUF_SUFFIX) and not Path(spec).is_dir()
-
-
-def _weight_error(msg: str) -> Exception:
-    from megakernel.models.weights import WeightError
-
-    return WeightError(msg)
 
 
 @dataclass(frozen=True)
@@ -123,22 +118,19 @@ class GGUFMetadata:
 
 
 class GGUFFile:
-    """An open GGUF file: its metadata and tensor directory (data memory-mapped, read per
-    tensor)."""
+    """An open GGUF file (an existing one: `open_gguf`): its metadata and tensor directory
+    (data memory-mapped, read per tensor)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
-            raise _weight_error(f"GGUF file {str(self.path)!r} does not exist")
         try:
             from gguf import GGUFReader
         except ImportError as e:
-            raise _weight_error(f"reading {self.path.name} needs the gguf package ({e})"
-                                ) from None
+            raise WeightError(f"reading {self.path.name} needs the gguf package ({e})") from None
         try:
             self.reader = GGUFReader(str(self.path), "r")
         except Exception as e:  # the reader raises ValueError, struct and numpy errors alike
-            raise _weight_error(f"{self.path.name} is not a readable GGUF file (truncated or "
+            raise WeightError(f"{self.path.name} is not a readable GGUF file (truncated or "
                                 f"corrupt): {e}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
 
@@ -158,7 +150,7 @@ class GGUFFile:
         type_name = t.tensor_type.name
         data = np.asarray(t.data)
         if data.nbytes != int(t.n_bytes):
-            raise _weight_error(f"tensor {name!r} in {self.path.name} holds {data.nbytes} bytes, "
+            raise WeightError(f"tensor {name!r} in {self.path.name} holds {data.nbytes} bytes, "
                                 f"its header says {int(t.n_bytes)} (truncated file?)")
         # a copy: the file's mapping is read-only, and the tensor must outlive the reader
         return type_name, torch.from_numpy(np.array(data, copy=True).view(np.uint8).reshape(-1))
@@ -173,6 +165,18 @@ def _field_value(field: Any) -> Any:
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
+    """The parsed file, shared by the calls that read one file in turn (its config, weights and
+    tokenizer, a plan): parsing the metadata of a model with a 50K-token vocabulary takes
+    seconds. Keyed by path, size and modification time, so a rewritten file is parsed again."""
+    p = Path(path)
+    if not p.is_file():
+        raise WeightError(f"GGUF file {str(p)!r} does not exist")
+    st = p.stat()
+    return _parsed(str(p.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _parsed(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path)
 
 
@@ -209,8 +213,6 @@ def _gguf_names(cfg: ModelConfig, arch: str) -> dict[str, str]:
 
 
 def _check_directory(f: GGUFFile, cfg: ModelConfig, names: dict[str, str]) -> None:
-    from megakernel.models.weights import _raise, _shape_str
-
     want, meta = expected_shapes(cfg), f.metadata
     problems = []
     for ours, theirs in names.items():
@@ -241,8 +243,6 @@ def _check_directory(f: GGUFFile, cfg: ModelConfig, names: dict[str, str]) -> No
 def _tensors(f: GGUFFile, cfg: ModelConfig, names: dict[str, str]
              ) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, tensor in fp32 or its plain dtype) one at a time, transforms undone."""
-    from megakernel.models.weights import _finite
-
     want = expected_shapes(cfg)
     for ours, theirs in names.items():
         type_name, raw = f.raw(theirs)
@@ -253,9 +253,9 @@ def _tensors(f: GGUFFile, cfg: ModelConfig, names: dict[str, str]
             try:
                 t = dequantize(raw, type_name, int(np.prod(shape))).reshape(shape)
             except ValueError as e:
-                raise _weight_error(f"tensor {theirs!r} in {f.path.name}: {e}") from None
+                raise WeightError(f"tensor {theirs!r} in {f.path.name}: {e}") from None
         if not _finite(t):
-            raise _weight_error(f"tensor {theirs!r} in {f.path.name} holds NaN or Inf values")
+            raise WeightError(f"tensor {theirs!r} in {f.path.name} holds NaN or Inf values")
         t = cfg.from_gguf_tensor(ours, t)
         if tuple(t.shape) != want[ours]:  # a family's transform that does not invert its shape
             raise ValueError(f"{cfg.family}.from_gguf_tensor gave {ours!r} the shape "
@@ -268,11 +268,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None
     """Config and weights (Hugging Face names) of a GGUF file. `dtype=None` keeps F32/F16/BF16
     tensors as stored and block-quantized ones in fp32 (their exact dequantized values);
     otherwise every tensor is converted to `dtype`, one at a time."""
-    from megakernel.models.weights import DISK_DTYPES
     from megakernel.progress import stage
 
     if dtype is not None and dtype not in DISK_DTYPES.values():
-        raise _weight_error(f"unsupported dtype {dtype}; use torch.bfloat16, float16 or float32")
+        raise WeightError(f"unsupported dtype {dtype}; use torch.bfloat16, float16 or float32")
     f = open_gguf(path)
     cfg = _family_config(f)
     names = _gguf_names(cfg, f.metadata.arch)

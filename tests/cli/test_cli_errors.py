@@ -27,11 +27,15 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def overflowing_checkpoint(tmp_path: Path, name: str = "llama-tiny") -> Path:
-    """Finite weights (they pass the load check) whose final norm overflows fp32 logits."""
+def overflowing_checkpoint(tmp_path: Path, tensor: str | None = None, value: float = 3e38,
+                           seed: int | None = None, name: str = "llama-tiny") -> Path:
+    """Finite weights (they pass the load check) whose activations overflow at run time:
+    `tensor` (default the final norm) filled with `value`. The final norm at 3e38 overflows the
+    logits to Inf."""
     cfg = preset(name)
-    w = random_weights(cfg, seed=int(torch.randint(1000, ())))
-    w[cfg.final_norm_name] = torch.full_like(w[cfg.final_norm_name], 3e38)
+    w = random_weights(cfg, seed=int(torch.randint(1000, ())) if seed is None else seed)
+    tensor = tensor or cfg.final_norm_name
+    w[tensor] = torch.full_like(w[tensor], value)
     return save_checkpoint(cfg, w, tmp_path / "overflow")
 
 
@@ -45,14 +49,11 @@ def test_non_finite_logits_stop_generation(capsys, tmp_path: Path, backend: str)
     assert err.startswith(f"error: {backend}: non-finite") and "step" in err, err
 
 
-def overflowing_projection(tmp_path: Path, name: str = "llama-tiny") -> Path:
-    """Finite weights whose activations overflow where no Inf reaches the logits: an o_proj of
-    1e30s makes the residual ~1e32, the next RMSNorm's sum of squares overflows fp32 and
-    normalises the row to exactly 0, so every logit is 0 and greedy decoding says token 0."""
-    cfg = preset(name)
-    w = random_weights(cfg, seed=3)
-    w["model.layers.0.self_attn.o_proj.weight"].fill_(1e30)
-    return save_checkpoint(cfg, w, tmp_path / "overflow-oproj")
+def overflowing_projection(tmp_path: Path) -> Path:
+    """An o_proj of 1e30s: the residual reaches ~1e32, the next RMSNorm's sum of squares
+    overflows fp32 and normalises the row to exactly 0, so no Inf reaches the logits: every
+    logit is 0 and greedy decoding says token 0."""
+    return overflowing_checkpoint(tmp_path, "model.layers.0.self_attn.o_proj.weight", 1e30, 3)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu-executor"])
