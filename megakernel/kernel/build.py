@@ -194,7 +194,7 @@ def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path) -> dict:
         "dsl_version": dsl,
         "spec": spec.to_dict(),
         "model": cfg.name,
-        "model_config": cfg.to_hf_dict(),
+        "model_config": cfg.hf_config(),
         "batch": batch,
         "tokens": tokens,
         "resources": res,

@@ -246,6 +246,10 @@ class Attention(LayerKind):
         return out + [("o", (h, c.q_size))]
 
     @classmethod
+    def quantized(cls, blk, model) -> list[str]:  # noqa: ANN001
+        return [f"{n}_proj.weight" for n in "qkvo"]
+
+    @classmethod
     def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
         c = blk.cfg
         out = {"qkv": qkv_rows(c, w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")),

@@ -202,6 +202,12 @@ class LayerKind:
         raise NotImplementedError
 
     @classmethod
+    def quantized(cls, blk: Block, model: ModelConfig) -> list[str]:
+        """Local names of the checkpoint matrices its `matrices` are packed from: what an FP8
+        model stores in e4m3 (models/fp8.py); every packed matrix comes only from these."""
+        return []
+
+    @classmethod
     def pack(cls, blk: Block, model: ModelConfig, w: Any) -> dict[str, torch.Tensor]:
         """Packed tensors by key suffix; `w(local)` is the checkpoint tensor (bf16)."""
         raise NotImplementedError

@@ -119,6 +119,10 @@ class GatedDeltaNet(RecurrentKind):
         return [("proj", (cls.proj_width(g), h)), ("o", (h, g.value_dim))]
 
     @classmethod
+    def quantized(cls, blk, model) -> list[str]:  # noqa: ANN001
+        return [f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")] + ["out_proj.weight"]
+
+    @classmethod
     def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
         proj = torch.cat([w(f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")])
         pad = cls.proj_width(blk.cfg) - proj.shape[0]

@@ -107,6 +107,10 @@ class KimiDeltaAttention(RecurrentKind):
         return [("proj", (cls.proj_width(k), h)), ("o", (h, k.qkv_dim))]
 
     @classmethod
+    def quantized(cls, blk, model) -> list[str]:  # noqa: ANN001
+        return [f"{n}_proj.weight" for n in ("q", "k", "v", "f_a", "b", "g_a", "o")]
+
+    @classmethod
     def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
         proj = torch.cat([w(f"{n}_proj.weight") for n in ("q", "k", "v", "f_a", "b", "g_a")])
         pad = cls.proj_width(blk.cfg) - proj.shape[0]

@@ -126,6 +126,10 @@ class Mamba2(RecurrentKind):
         return [("proj", (cls.proj_width(m), h)), ("o", (h, m.d_inner))]
 
     @classmethod
+    def quantized(cls, blk, model) -> list[str]:  # noqa: ANN001
+        return ["in_proj.weight", "out_proj.weight"]
+
+    @classmethod
     def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
         m = blk.cfg
         proj = w("in_proj.weight")

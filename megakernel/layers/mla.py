@@ -222,6 +222,10 @@ class MultiLatentAttention(LayerKind):
         return [("proj", (round_rows(cls.proj_rows(m)), h)), ("o", (h, m.num_heads * m.v_head_dim))]
 
     @classmethod
+    def quantized(cls, blk, model) -> list[str]:  # noqa: ANN001
+        return ["q_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight"]
+
+    @classmethod
     def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
         proj = torch.cat((w("q_proj.weight"), w("kv_a_proj_with_mqa.weight")))
         pad = round_rows(cls.proj_rows(blk.cfg)) - proj.shape[0]

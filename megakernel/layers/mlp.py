@@ -49,6 +49,10 @@ class MLPKind(LayerKind):
             raise ConfigError(f"intermediate_size = {i} must be a multiple of {cls.row_unit}")
 
     @classmethod
+    def quantized(cls, blk, model) -> list[str]:  # noqa: ANN001
+        return list(cls.shapes(blk, model))  # every tensor of an MLP is a streamed matrix
+
+    @classmethod
     def init_role(cls, local: str, blk) -> str:  # noqa: ANN001
         return "out" if local == "down_proj.weight" else "proj"
 

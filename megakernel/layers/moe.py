@@ -249,6 +249,10 @@ class MoE(LayerKind):
         return out
 
     @classmethod
+    def quantized(cls, blk, model) -> list[str]:  # noqa: ANN001
+        return [n for n in cls.shapes(blk, model) if n.startswith(("experts.", "shared_experts."))]
+
+    @classmethod
     def pack(cls, blk, model, w) -> dict[str, torch.Tensor]:  # noqa: ANN001
         e = blk.cfg
         names = [(f"experts.{x}.w1.weight", f"experts.{x}.w3.weight", f"experts.{x}.w2.weight")

@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 from megakernel.errors import ConfigError, positive
+from megakernel.models.fp8 import Fp8Format
 from megakernel.rope import ROPE_TYPES, RopeConfig
 
 NORM_KINDS = ("rms", "rms_1p")  # x * rsqrt(mean x^2 + eps) * w, or * (1 + w) (zero-centred)
@@ -85,6 +86,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
     name: str = ""
+    quant: Fp8Format | None = None  # FP8 weights (models/fp8.py); None: bf16
 
     def __post_init__(self) -> None:
         positive(self, "vocab_size", "hidden_size", "max_position_embeddings")
@@ -98,6 +100,8 @@ class ModelConfig:
             raise ConfigError(f"unknown norm kind {self.norm_kind!r}")
         if not self.blocks:
             raise ConfigError("a model needs at least one layer")
+        if self.quant is not None and not isinstance(self.quant, Fp8Format):
+            raise ConfigError(f"quant must be an Fp8Format or None, got {self.quant!r}")
 
     # ---- composition ---------------------------------------------------------------------------
     def make_blocks(self) -> tuple[Block, ...]:
@@ -147,6 +151,13 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def hf_config(self) -> dict[str, Any]:
+        """config.json: the family's fields plus the FP8 `quantization_config`."""
+        d = self.to_hf_dict()
+        if self.quant is not None:
+            d["quantization_config"] = self.quant.to_hf()
+        return d
 
     # checkpoint names: prefixes of tensors we skip (vision towers, MTP heads) and prefixes
     # other exporters write for ours

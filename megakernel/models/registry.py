@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megakernel.models import fp8
 from megakernel.models.config import ConfigError, ModelConfig
 from megakernel.registry import Registry
 
@@ -152,7 +153,9 @@ def config_from_hf_dict(d: Any, name: str = "") -> ModelConfig:
             raise ConfigError(f"unsupported model_type {mt!r} (and no supported 'architectures' "
                               f"entry); supported: {', '.join(known)}")
         chosen = hit[0]
-    return chosen.cls.from_hf_dict(d, name=name)
+    cfg = chosen.cls.from_hf_dict(d, name=name)
+    quant = fp8.from_hf(d.get("quantization_config"))
+    return cfg if quant is None else cfg.replace(quant=quant)
 
 
 def config_from_hf_dir(path: str | Path) -> ModelConfig:

@@ -242,7 +242,7 @@ def save_checkpoint(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: st
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    (root / "config.json").write_text(json.dumps(cfg.hf_config(), indent=1))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(root / SINGLE_FILE),
               metadata={"format": "pt"})
     return root
