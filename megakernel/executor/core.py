@@ -130,7 +130,7 @@ class Executor:
         b = prog.buffers
         self.records = prog.records()  # [n_sm, Q, 16] int32: what the kernel reads
         self.n_sm = self.records.shape[0]
-        self.weights = packed.arena
+        self.packed, self.weights = packed, packed.arena
         fresh = {"f32": torch.full((b.f32_numel,), float("nan"), dtype=torch.float32),
                  "bf16": torch.full((b.bf16_numel,), float("nan"), dtype=torch.bfloat16),
                  "i32": torch.zeros(b.i32_numel, dtype=torch.int32),
@@ -286,14 +286,16 @@ class Executor:
         return (y * self.norm_weight(d["NORM_OFF"], k)).to(torch.bfloat16).float()
 
     def slab(self, d: dict) -> torch.Tensor:
-        """The record's weight slab [NROWS, K] (bf16), its bytes counted in `slab_bytes`."""
+        """The record's weight slab [NROWS, K] as fp32 (bf16, or FP8 codes times their scales),
+        its bytes (scales included) counted in `slab_bytes`."""
         cat = "expert" if isa.spec(d["OPCODE"]).kind == "moe" else "weights"  # as bytes.py
-        self.slab_bytes[cat] += d["NROWS"] * d["K"] * 2
-        return self.weights[d["W"] : d["W"] + d["NROWS"] * d["K"]].view(d["NROWS"], d["K"])
+        w, nbytes = self.packed.slab(d["W"], d["ROW0"], d["NROWS"], d["K"])
+        self.slab_bytes[cat] += nbytes
+        return w
 
     def matvec(self, d: dict) -> torch.Tensor:
         """[N, NROWS] fp32 = the prologue's input times the slab, fp32 accumulation."""
-        acc = F.linear(self.norm_input(d), self.slab(d).float())
+        acc = F.linear(self.norm_input(d), self.slab(d))
         if self.check and not bool(torch.isfinite(acc).all()):
             # unwritten (NaN-poisoned) scratch is a RaceError at its read, so this is the data
             raise NonFiniteActivations(

@@ -86,11 +86,14 @@ class MoEConfig:
         return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** rows)
 
 
-def expert_stride(e: MoEConfig, hidden: int) -> int:
+def expert_stride(e: MoEConfig, hidden: int, quant=None) -> int:  # noqa: ANN001 (Fp8Format)
     """Elements from expert x's packed matrices to expert x + 1's: gateup [2 I, H] then down
-    [H, I], back to back (H is a multiple of the arena's alignment; `MoE.stages` checks the
-    layout)."""
-    return 3 * e.intermediate_size * hidden
+    [H, I], back to back, each from an aligned start (an FP8 model's with its scale block before
+    it; program/pack.matrix_span); `MoE.stages` checks the layout."""
+    from megakernel.program.pack import matrix_span
+
+    i = e.intermediate_size
+    return matrix_span((2 * i, hidden), quant) + matrix_span((hidden, i), quant)
 
 
 def work_list(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -290,7 +293,7 @@ class MoE(LayerKind):
                     MOE_N_GROUP=e.n_group, MOE_TOPK_GROUP=e.topk_group,
                     MOE_NORM=int(e.norm_topk_prob), MOE_SHARED=int(e.num_shared_experts > 0),
                     MOE_SCALE_F32_BITS=f32_bits(e.routed_scaling_factor),
-                    MOE_X_STRIDE=expert_stride(e, model.hidden_size))
+                    MOE_X_STRIDE=expert_stride(e, model.hidden_size, model.quant))
 
     @classmethod
     def stages(cls, blk, ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
@@ -329,10 +332,9 @@ class MoE(LayerKind):
 
         out = [Stage(f"L{layer}.score", ROUTER_SCORE, layer, n_exp, True, mk_score, 1),
                Stage(f"L{layer}.router", ROUTER, layer, 1, False, mk_router)]
-        ie, stride = e.intermediate_size, expert_stride(e, hid)
-        x0 = lay[f"{key}.x0.gateup"].offset
-        if any(lay[f"{key}.x{x}.{m}"].offset != x0 + x * stride + (2 * ie * hid if m == "down"
-                                                                   else 0)
+        ie, stride = e.intermediate_size, expert_stride(e, hid, ctx.model.quant)
+        x0 = {m: lay[f"{key}.x0.{m}"].offset for m in ("gateup", "down")}
+        if any(lay[f"{key}.x{x}.{m}"].offset != x0[m] + x * stride
                for x in cls.experts(e) for m in ("gateup", "down")):
             raise PlanError(f"layer {layer}: the experts' packed matrices are not "
                             f"{stride} elements apart (MOE_X_STRIDE)")

@@ -136,11 +136,13 @@ class BuildContext:
         cost model's bytes: the slab once per pass (later passes re-read it through L2), the
         input (fp32 h plus the norm weight, or a bf16 activation), the residual read."""
         n, reread = self.rows, self.passes - 1
+        mat = self.lay.entry_at(w_off)  # bf16 or fp8 (with its scales): pack.Entry
+        slab = rows * mat.row_bytes(k)
         l2 = n * k * 4 + k * 2 if norm_off >= 0 else n * k * 2
-        l2 += (n * rows * 4 if residual else 0) + reread * rows * k * 2
-        return Instr(op, layer, dict(W=w_off + r0 * k, ROW0=r0, NROWS=rows, K=k, NORM_OFF=norm_off,
+        l2 += (n * rows * 4 if residual else 0) + reread * slab
+        return Instr(op, layer, dict(W=mat.w(r0), ROW0=r0, NROWS=rows, K=k, NORM_OFF=norm_off,
                                      IN_OFF=in_off, OUT_OFF=out_off, **extra),
-                     wait=wait, signal=signal, w_bytes=rows * k * 2, l2_bytes=l2,
+                     wait=wait, signal=signal, w_bytes=slab, l2_bytes=l2,
                      store_bytes=store, **self.matvec_flops(rows, k))
 
 

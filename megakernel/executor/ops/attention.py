@@ -50,8 +50,9 @@ def qkv(ex: Executor, d: dict, epoch: int) -> None:
     n, t_, dh, hq, g = p.rows, p.tokens, hdr["D"], hdr["HQ"], hdr["HQ"] // hdr["HKV"]
     ng = g if hdr["OUTPUT_GATE"] else 0  # gate head slots per group
     acc = ex.matvec(d)  # [N, NROWS]
-    if hdr["QKV_BIAS"]:  # the bias follows the layer's matrix directly
-        b0 = d["W"] - d["ROW0"] * d["K"] + hdr["QKV_ROWS"] * d["K"] + d["ROW0"]
+    if hdr["QKV_BIAS"]:
+        qkv = ex.packed.layout.entry_at(d["W"])  # the bias follows the (bf16 or fp8) matrix
+        b0 = qkv.offset + qkv.span + d["ROW0"]
         acc = acc + ex.weights[b0 : b0 + d["NROWS"]].float()
     acc = acc.view(n, -1, dh)  # [N, head slots, D]
     lengths = ex.read("i32", p.buffers.i32["lengths"].offset, (p.batch,), scratch=False)
