@@ -39,7 +39,8 @@ Modes
     "fp32": the truth. Weights upcast to fp32, every activation fp32, no rounding anywhere.
     "bf16": the bf16 mirror of the kernel. Weights bf16, except those transformers keeps (or
     computes from) in fp32 (`megakernel.models.weights.keep_fp32`: MoE router weight and bias,
-    dt_bias, A_log, D). Every matvec multiplies bf16 weights by bf16-valued inputs with fp32
+    dt_bias, A_log, D) and an FP8 model's quantized matrices, dequantized exactly (code * scale
+    in fp32) in both modes and never rounded again (docs/FP8.md). Every matvec multiplies bf16 weights by bf16-valued inputs with fp32
     accumulation. Activations are rounded to bf16 (`store`) exactly where the kernel stores bf16,
     and nowhere else:
       1. the residual stream h is fp32 throughout (embedding row bf16 -> fp32; block outputs are
@@ -70,6 +71,7 @@ from dataclasses import dataclass
 import torch
 
 from megakernel.models import ConfigError, ModelConfig, validate
+from megakernel.models import fp8
 from megakernel.models.weights import WeightError, check_weights, expected_shapes, keep_fp32
 
 from .layers import ReferenceLayer, layer_class
@@ -160,10 +162,15 @@ class ReferenceModel:
             validate(cfg)
         except ConfigError as e:
             raise ReferenceConfigError(str(e)) from e
+        if cfg.quant is not None:  # the FP8 model's truth: each weight dequantized exactly
+            try:
+                weights = fp8.dequantized(cfg, weights)
+            except fp8.Fp8Error as e:
+                raise ReferenceWeightError(str(e)) from None
         _check_weights(cfg, weights)
         self.cfg, self.mode, self.replay_window = cfg, mode, replay_window
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors say
-        fp32 = keep_fp32(cfg)
+        fp32 = keep_fp32(cfg) | set(fp8.quantized_names(cfg))  # dequantized FP8: never rounded
         self.w = {n: weights[n].to(device=self.device, dtype=torch.float32 if mode == "fp32"
                                    or n in fp32 else torch.bfloat16)
                   for n in expected_shapes(cfg)}

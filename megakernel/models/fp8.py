@@ -104,13 +104,15 @@ def from_hf(qc: Any) -> Fp8Format | None:
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ConfigError(f"FP8 format {qc.get('fmt')!r} is not supported; only e4m3")
         block = qc.get("weight_block_size")
-        ignore = qc.get("modules_to_not_convert") or []
+        # transformers skips the LM head (its default skips) unless the list is given
+        ignore = qc.get("modules_to_not_convert")
+        head = False if ignore is None else _head_quantized(ignore)
         if block is None:
-            return Fp8Format("channel", lm_head=_head_quantized(ignore))
+            return Fp8Format("channel", lm_head=head)
         if not isinstance(block, list) or len(block) != 2:
             raise ConfigError(f"quantization_config.weight_block_size must be [rows, cols], got "
                               f"{block!r}")
-        return Fp8Format("block", tuple(int(b) for b in block), lm_head=_head_quantized(ignore))
+        return Fp8Format("block", tuple(int(b) for b in block), lm_head=head)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     raise ConfigError(f"unsupported quantization method {method!r}; supported: fp8 (block-scaled "
@@ -215,6 +217,18 @@ def check_scale(name: str, scale: torch.Tensor, shape: tuple[int, int], fmt: Fp8
                        f"{float(s.min()):g}")
 
 
+def check_codes(name: str, codes: torch.Tensor) -> None:
+    """Fp8Error naming `name` if any e4m3 code is NaN (S.1111.111: 0x7f, 0xff): e4m3fn has no
+    infinities, and a quantizer never writes NaN, so such a code is corruption."""
+    if codes.dtype != E4M3:
+        raise Fp8Error(f"{name}: dtype {codes.dtype}, expected e4m3 codes ({E4M3})")
+    nan = (codes.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        first = tuple(int(i) for i in nan.nonzero()[0])
+        raise Fp8Error(f"{name}: {int(nan.sum())} NaN e4m3 code(s) (0x7f/0xff), the first at "
+                       f"{list(first)}")
+
+
 class QuantizedWeights(Mapping):
     """A bf16 weight mapping seen in FP8: the quantized names read as e4m3 codes and their
     `_scale` names as scales, quantized on first read (one matrix at a time, so a lazily drawn
@@ -255,7 +269,17 @@ def dequantized(cfg: Any, weights: Mapping[str, torch.Tensor]) -> dict[str, torc
     for n in weights:
         if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in names:
             continue
-        out[n] = dequantize(weights[n], weights[scale_name(n)], fmt) if n in names else weights[n]
+        if n not in names:
+            out[n] = weights[n]
+            continue
+        codes = weights[n]
+        if codes.dtype != E4M3 or codes.dim() != 2:
+            raise Fp8Error(f"{n}: an FP8 model's quantized matrix must be 2-D e4m3 codes, got "
+                           f"{codes.dtype} {tuple(codes.shape)}")
+        if scale_name(n) not in weights:
+            raise Fp8Error(f"{n}: its scale {scale_name(n)!r} is missing")
+        check_scale(n, weights[scale_name(n)], tuple(codes.shape), fmt)
+        out[n] = dequantize(codes, weights[scale_name(n)], fmt)
     return out
 
 
@@ -273,6 +297,6 @@ def quantization_error(w: torch.Tensor, fmt: Fp8Format) -> float:
     return float((dequantize(codes, scale, fmt) - x).norm() / max(float(x.norm()), 1e-30))
 
 
-__all__ = ["E4M3", "E4M3_MAX", "Fp8Error", "Fp8Format", "QuantizedWeights", "check_scale",
-           "dequantize", "dequantized", "from_hf", "matrix_bytes", "parse_weights", "quantize",
-           "quantized_names", "quantization_error", "scale_name"]
+__all__ = ["E4M3", "E4M3_MAX", "Fp8Error", "Fp8Format", "QuantizedWeights", "check_codes",
+           "check_scale", "dequantize", "dequantized", "from_hf", "matrix_bytes", "parse_weights",
+           "quantize", "quantized_names", "quantization_error", "scale_name"]

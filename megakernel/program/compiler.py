@@ -143,6 +143,7 @@ class BuildContext:
         return Instr(op, layer, dict(W=mat.w(r0), ROW0=r0, NROWS=rows, K=k, NORM_OFF=norm_off,
                                      IN_OFF=in_off, OUT_OFF=out_off, **extra),
                      wait=wait, signal=signal, w_bytes=slab, l2_bytes=l2,
+                     converted=rows * k * mat.passes_converted(self.passes),
                      store_bytes=store, **self.matvec_flops(rows, k))
 
 

@@ -71,6 +71,11 @@ class Entry:
         return self.offset + (row0 * self.shape[1] if self.dtype == "bf16"
                               else row0 * self.shape[1] // 2)
 
+    def passes_converted(self, passes: int) -> int:
+        """How many times a GEMV converts each weight: once per pass over the activation rows
+        for fp8 (nothing to convert for bf16)."""
+        return 0 if self.dtype == "bf16" else passes
+
     def row_bytes(self, k: int) -> int:
         """Bytes a GEMV streams per row: the weights plus (fp8) the row's scales."""
         return 2 * k if self.dtype == "bf16" else k + 4 * self.chunks

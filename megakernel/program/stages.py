@@ -41,6 +41,7 @@ class Instr:
     store_bytes: int = 0
     tensor_flops: float = 0.0
     fp32_flops: float = 0.0
+    converted: int = 0  # FP8 weights the GEMV converts in registers (CostParams.fp8_convert)
     # dependent global round trips of the handler's loop nest after the wait (a warp issues in
     # order: a loop whose trip uses its own load pays one per trip), counted by a function next
     # to the handler's index arithmetic (e.g. kernel/dense_index.attn_round_trips)

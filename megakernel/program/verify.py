@@ -177,8 +177,8 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
                 if d["NROWS"] % isa.ROW_ALIGN or d["ROW0"] % isa.ROW_ALIGN:
                     raise ProgramError(f"{where}: slab not aligned to {isa.ROW_ALIGN} rows")
                 j = bisect.bisect_right(starts, d["W"]) - 1
-                key, off, rows, k, _ = entries[j] if j >= 0 else (None, 0, 0, 0, 1)
-                if key is None or d["K"] != k or (d["W"] - off) != d["ROW0"] * k:
+                key, _, _, k, _ = entries[j] if j >= 0 else (None, 0, 0, 0, 1)
+                if key is None or d["K"] != k or prog.layout[key].w(d["ROW0"]) != d["W"]:
                     raise ProgramError(f"{where}: slab at element {d['W']} is not row {d['ROW0']} "
                                        "of a packed matrix")
                 cover.setdefault((key,), []).append((d["ROW0"], d["ROW0"] + d["NROWS"]))
