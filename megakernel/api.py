@@ -230,14 +230,22 @@ class LLM:
 
 def load(model: str | Path, backend: str = "auto", max_batch: int = 8, max_seq_len: int = 4096,
          replay_window: int | None = None, seed: int = 0,
-         build_dir: str | Path | None = None) -> LLM:
+         build_dir: str | Path | None = None, weights: str = "bf16",
+         fp8_granularity: str = "channel", fp8_lm_head: bool = False) -> LLM:
     """Load a preset (random bf16 weights from `seed`), a Hugging Face checkpoint directory or a
     GGUF file (its tokenizer too, when it has one) and pick the backend; see the module
-    docstring."""
+    docstring. `weights="fp8"` quantizes the block matrices to e4m3 on load (scales per output
+    channel, or per 128x128 block with `fp8_granularity="block"`; the LM head too with
+    `fp8_lm_head`); an FP8 checkpoint loads as FP8 either way (docs/FP8.md)."""
     from megakernel.models.gguf import is_gguf
     from megakernel.models.sources import load_model
 
-    cfg, weights = load_model(str(model), seed=seed, dtype=torch.bfloat16)
+    if weights != "fp8" and (fp8_granularity != "channel" or fp8_lm_head):
+        from megakernel.errors import ConfigError
+
+        raise ConfigError("fp8_granularity and fp8_lm_head apply with weights='fp8'")
+    cfg, weights = load_model(str(model), seed=seed, dtype=torch.bfloat16, weights=weights,
+                              granularity=fp8_granularity, lm_head=fp8_lm_head)
     tokenizer = None
     if Path(model).is_dir() or is_gguf(model):
         from megakernel.cli import CliError

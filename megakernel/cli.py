@@ -20,6 +20,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from megakernel.errors import UserError
 
@@ -90,6 +91,29 @@ def check_writable(path: str, flag: str, is_dir: bool = False) -> None:
         raise CliError(f"{flag} {path}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CliError(f"{flag} {path}: {parent} is not writable")
+
+
+def add_weight_arguments(p: argparse.ArgumentParser) -> None:
+    """--weights, --fp8-granularity, --fp8-lm-head: the weights' format (docs/FP8.md), the same
+    for every command that loads or plans a model."""
+    from megakernel.models.fp8 import GRANULARITIES, WEIGHT_FORMATS
+
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
+                   help="bf16: the checkpoint's own form (an FP8 checkpoint stays FP8); fp8: "
+                   "quantize the block matrices to e4m3 on load (default bf16)")
+    p.add_argument("--fp8-granularity", choices=GRANULARITIES, default="channel",
+                   help="scales of --weights fp8: one per output channel (default) or per "
+                   "128x128 block")
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="with --weights fp8, quantize the LM head too (kept bf16 by default)")
+
+
+def weight_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of models.resolve / load_model for the flags above."""
+    if args.weights != "fp8" and (args.fp8_granularity != "channel" or args.fp8_lm_head):
+        raise CliError("--fp8-granularity and --fp8-lm-head apply with --weights fp8")
+    return {"weights": args.weights, "granularity": args.fp8_granularity,
+            "lm_head": args.fp8_lm_head}
 
 
 def _is_user_error(e: BaseException) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megakernel.backends import BACKENDS, BF16_ONLY
-from megakernel.cli import CliError
+from megakernel.cli import CliError, add_weight_arguments, weight_options
 
 
 # ---- backends ------------------------------------------------------------------------------------
@@ -90,6 +90,7 @@ def run_generation(
     max_seq_len: int | None = None,
     device: str = "cpu",
     replay_window: int | None = None,
+    weights: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load `model` (preset: random weights from `seed`; directory: checkpoint), generate greedily.
 
@@ -127,7 +128,7 @@ def run_generation(
     # Random weights are drawn in bf16 for both dtypes, so bf16 and fp32 runs share one model;
     # a checkpoint keeps its own dtype in fp32 mode (the reference upcasts).
     load_dtype = torch.bfloat16 if dtype == "bf16" or model in presets() else None
-    cfg, weights = load_model(model, seed=seed, dtype=load_dtype)
+    cfg, tensors = load_model(model, seed=seed, dtype=load_dtype, **(weights or {}))
     load_s = time.perf_counter() - t0
     if replay_window is not None and not cfg.recurrent_layers():
         raise CliError(f"--replay-window applies to models with recurrent layers; {model!r} "
@@ -154,7 +155,7 @@ def run_generation(
                            f"{cfg.vocab_size}")
 
     t0 = time.perf_counter()
-    tokens = fn(cfg, weights, prompts, steps, max_seq_len, seed, replay_window=replay_window)
+    tokens = fn(cfg, tensors, prompts, steps, max_seq_len, seed, replay_window=replay_window)
     gen_s = time.perf_counter() - t0
     tokens = [[int(t) for t in row] for row in tokens]
     if len(tokens) != len(prompts) or any(len(row) != steps for row in tokens):
@@ -167,6 +168,7 @@ def run_generation(
         "backend": backend,
         "replay_window": replay_window or 0,
         "dtype": dtype,
+        "weights": "bf16" if cfg.quant is None else cfg.quant.describe(),
         "seed": seed,
         "steps": steps,
         "batch": len(prompts),
@@ -182,7 +184,8 @@ def run_generation(
 def describe_generation(r: dict[str, Any]) -> list[str]:
     """Plain-words lines for a `run_generation` result."""
     source = f"random weights, seed {r['seed']}" if r["random_weights"] else "checkpoint"
-    lines = [f"model {r['model']} ({source}), backend {r['backend']}, {r['dtype']}, "
+    lines = [f"model {r['model']} ({source}, weights {r['weights']}), backend {r['backend']}, "
+             f"{r['dtype']}, "
              f"batch {r['batch']}, {r['steps']} steps"]
     for i, (p, t) in enumerate(zip(r["prompts"], r["tokens"], strict=True)):
         lines.append(f"  prompt {i} {p} -> new tokens {t}")
@@ -217,6 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="models with recurrent layers: ReplaySSM, folding the state every L tokens "
                         "(0 = plain recurrent update, the default)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_weight_arguments(p)
 
 
 def check_device(device: str, backend: str) -> None:
@@ -264,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     if args.replay_window is not None and args.replay_window < 0:
         raise CliError(f"--replay-window must be >= 0, got {args.replay_window}")
     r = run_generation(args.model, prompts, args.steps, args.backend, args.dtype, args.seed,
-                       args.max_seq_len, args.device, replay)
+                       args.max_seq_len, args.device, replay, weight_options(args))
     if args.chat:
         from megakernel.chat import model_eos, until_eos
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megakernel.cli import add_weight_arguments, weight_options
 from megakernel.program import cost
 from megakernel.program.gpus import GPUS, SOURCES, from_device, gpu
 from megakernel.progress import stage
@@ -68,13 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeline-records", default=None, metavar="FILE",
                    help="records of the kernel's timeline build (.npz or .json, "
                         "megakernel/timeline.py) to draw beside the prediction")
+    add_weight_arguments(p)
 
 
 def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
          context: int | None = None, max_seq_len: int | None = None, splits: int | None = None,
          policy: str = "cost", copy_bw_gbs: float | None = None,
          params: cost.CostParams | None = None, replay_window: int | None = None,
-         programs: list | None = None, quiet: bool = True) -> dict[str, Any]:
+         programs: list | None = None, quiet: bool = True,
+         weights: dict[str, Any] | None = None) -> dict[str, Any]:
     """Compile, verify and summarise one program of any family (the JSON-ready result of
     `plan`). `params`: cost parameters (e.g. refitted ones, refit.load_params); default the cited
     ones. `replay_window`: ReplaySSM fold window of the recurrent layers (None: recurrent).
@@ -86,7 +89,7 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
     from megakernel.program.compiler import compile_program
     from megakernel.program.verify import check_program
 
-    cfg = resolve(model)
+    cfg = resolve(model, **(weights or {}))  # weights: cli.weight_options (--weights fp8 ...)
     if context is not None:  # named by the flags, before the compiler's own check
         from megakernel.cli import CliError
         from megakernel.program.compiler import default_max_seq_len
@@ -118,6 +121,7 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
     weights = sum(i.w_bytes for i in prog.instrs if not isa.spec(i.op).reach)
     return {
         "model": model, "family": cfg.family, "gpu": g.name, "batch": batch, "tokens": tokens,
+        "weights": "bf16" if cfg.quant is None else cfg.quant.describe(),
         "replay_window": replay_window or 0,
         "context": prog.context, "max_seq_len": prog.max_seq_len, "n_splits": prog.n_splits,
         "policy": policy, "num_sms": prog.num_sms,
@@ -149,7 +153,8 @@ def describe(r: dict[str, Any]) -> list[str]:
         f"{r['model']} on {r['gpu']} ({r['num_sms']} SMs): batch {r['batch']} x {r['tokens']} "
         f"token(s), {r['context']} cached tokens per sequence assumed, cache of "
         f"{r['max_seq_len']} positions, {r['n_splits']} attention split(s)"
-        + (f", ReplaySSM fold window {r['replay_window']}" if r["replay_window"] else ""),
+        + (f", ReplaySSM fold window {r['replay_window']}" if r["replay_window"] else "")
+        + f"; weights {r['weights']}",
         f"program: {r['instructions']} instructions ({r['policy']} schedule), longest queue "
         f"{r['max_queue']}, {r['counters']} counters; compiled in {r['plan_s']:.2f} s, verified "
         f"in {r['verify_s']:.2f} s",
@@ -292,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     programs: list = []
     r = plan(args.model, args.gpu, args.batch, args.tokens, args.context, args.max_seq_len,
              args.splits, args.policy, args.copy_bw, params, args.replay_window, programs,
-             quiet=args.json)
+             quiet=args.json, weights=weight_options(args))
     if args.params:
         r["cost_params_file"] = args.params
     if args.measured_step_us is not None:

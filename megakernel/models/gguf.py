@@ -31,7 +31,7 @@ import torch
 
 from megakernel.models.config import ConfigError, ModelConfig, expected_shapes
 from megakernel.models.gguf_quants import BLOCK_TYPES, dequantize
-from megakernel.models.weights import DISK_DTYPES, WeightError, _finite, _raise, _shape_str
+from megakernel.models.weights import LOAD_DTYPES, WeightError, _finite, _raise, _shape_str
 
 __all__ = ["GGUF_SUFFIX", "GGUFMetadata", "config_from_gguf", "gguf_tokenizer", "is_gguf",
            "load_gguf", "open_gguf"]
@@ -270,7 +270,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None
     otherwise every tensor is converted to `dtype`, one at a time."""
     from megakernel.progress import stage
 
-    if dtype is not None and dtype not in DISK_DTYPES.values():
+    if dtype is not None and dtype not in LOAD_DTYPES:
         raise WeightError(f"unsupported dtype {dtype}; use torch.bfloat16, float16 or float32")
     f = open_gguf(path)
     cfg = _family_config(f)
