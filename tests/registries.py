@@ -54,3 +54,12 @@ DENSE_TINY: tuple[str, ...] = tuple(n for n in TINY if preset(n).family in DENSE
 KINDS: tuple[str, ...] = tuple(sorted(all_kinds()))
 RECURRENT_KINDS: tuple[str, ...] = tuple(k for k in KINDS if all_kinds()[k].recurrent)
 KV_KINDS: tuple[str, ...] = tuple(k for k in KINDS if all_kinds()[k].kv_cache)
+
+
+def model(name: str):  # noqa: ANN201 (ModelConfig)
+    """A preset, or "smollm-shaped": SmolLM2-135M's widths on llama-tiny's two layers (hidden
+    576 = 4.5 x 128, 9 heads of 64, 3 kv heads: a K that no 128-input block divides)."""
+    if name == "smollm-shaped":
+        return preset("llama-tiny").replace(hidden_size=576, num_heads=9, num_kv_heads=3,
+                                            intermediate_size=1536, name=name)
+    return preset(name)

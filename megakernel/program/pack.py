@@ -51,6 +51,7 @@ class Entry:
     shape: tuple[int, ...]
     dtype: str = "bf16"  # "bf16" or "fp8"
     chunks: int = 0  # fp8: scales per row (C), stored before `offset`
+    chunk: int = 0  # fp8: inputs per scale (K for channel scales, 128 for block; the last short)
 
     @property
     def numel(self) -> int:
@@ -141,7 +142,8 @@ class LayoutBuilder:
             if follow or len(shape) != 2 or shape[1] % 2:
                 raise ValueError(f"fp8 matrix {key!r} {shape}: a 2-D matrix with even rows")
             c = quant.chunks(shape[1])
-            e = Entry(self.off + align(scale_span(shape[0], c)), tuple(shape), "fp8", c)
+            e = Entry(self.off + align(scale_span(shape[0], c)), tuple(shape), "fp8", c,
+                      quant.chunk(shape[1]))
         self.entries[key] = e
         self.end = e.offset + e.span
         self.off = align(self.end)
@@ -235,8 +237,7 @@ class PackedWeights:
         codes = self.arena[w : w + nrows * k // 2].view(E4M3).view(nrows, k)
         s = self.arena[e.scale_offset : e.offset].view(torch.float32).view(-1, e.chunks)
         rows = s.flip(0)[row0 : row0 + nrows]
-        chunk = -(-k // e.chunks)
-        scale = rows.repeat_interleave(chunk, dim=1)[:, :k]
+        scale = rows.repeat_interleave(e.chunk, dim=1)[:, :k]
         return codes.float() * scale, nrows * e.row_bytes(k)
 
 

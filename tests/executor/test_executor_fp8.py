@@ -20,21 +20,22 @@ from megakernel.program.gpus import gpu
 from megakernel.program.pack import pack_weights
 from megakernel.reference.model import ReferenceModel
 from tests.executor.helpers import check_logits
+from tests.registries import model
 
 LOGIT_TOL = 0.05
 STATE_TOL = 1e-5
 STEPS = 3
-CASES = [("llama-tiny", None), ("qwen3.5-tiny", None), ("qwen3.5-tiny", 3),
-         ("nemotron-h-tiny", 2), ("kimi-linear-tiny", None)]
+CASES = [("llama-tiny", None), ("smollm-shaped", None), ("qwen3.5-tiny", None),
+         ("qwen3.5-tiny", 3), ("nemotron-h-tiny", 2), ("kimi-linear-tiny", None)]
 
 _W: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
 
 
 def fp8_model(name: str, granularity: str, seed: int = 3):
     """(config, FP8 weight mapping) of a preset quantized on load."""
-    cfg = preset(name).replace(quant=fp8.Fp8Format(granularity))
+    cfg = model(name).replace(quant=fp8.Fp8Format(granularity))
     if (name, granularity) not in _W:
-        q = fp8.QuantizedWeights(cfg, random_weights(preset(name), seed=seed))
+        q = fp8.QuantizedWeights(cfg, random_weights(model(name), seed=seed))
         _W[(name, granularity)] = {n: q[n] for n in q}
     return cfg, _W[(name, granularity)]
 

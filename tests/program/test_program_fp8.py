@@ -11,20 +11,22 @@ from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
 from megakernel.program.pack import ALIGN, PackError, pack_weights, weight_layout
+from tests.registries import model
 
-TINY = ("llama-tiny", "qwen2-tiny", "qwen3.5-tiny", "nemotron-h-tiny", "kimi-linear-tiny")
+TINY = ("llama-tiny", "qwen2-tiny", "qwen3.5-tiny", "nemotron-h-tiny", "kimi-linear-tiny",
+        "smollm-shaped")
 
 
 def _fp8(name: str, granularity: str = "channel", lm_head: bool = False):
-    cfg = preset(name).replace(quant=fp8.Fp8Format(granularity, lm_head=lm_head))
-    q = fp8.QuantizedWeights(cfg, random_weights(preset(name), seed=1))
+    cfg = model(name).replace(quant=fp8.Fp8Format(granularity, lm_head=lm_head))
+    q = fp8.QuantizedWeights(cfg, random_weights(model(name), seed=1))
     return cfg, {n: q[n] for n in q}
 
 
 @pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("granularity", ["channel", "block"])
 def test_layout_places_scale_blocks_in_free_aligned_space(name, granularity):
-    cfg = preset(name).replace(quant=fp8.Fp8Format(granularity, lm_head=True))
+    cfg = model(name).replace(quant=fp8.Fp8Format(granularity, lm_head=True))
     lay = weight_layout(cfg)
     spans = []
     for key, e in lay.entries.items():
@@ -69,7 +71,7 @@ def test_packed_slabs_are_the_dequantized_packed_matrices(name, granularity):
 
 
 def test_lm_head_stays_bf16_unless_asked():
-    name = next(n for n in TINY if not preset(n).tie_word_embeddings)
+    name = next(n for n in TINY if not model(n).tie_word_embeddings)
     cfg, w = _fp8(name)
     assert pack_weights(cfg, w).layout["lm_head"].dtype == "bf16"
     cfg, w = _fp8(name, lm_head=True)
