@@ -65,7 +65,7 @@ class Megakernel:
                                     replay_window=replay_window, n_splits=n_splits)
         self.max_seq_len = self.prog.max_seq_len
         if self.manifest is not None:
-            check_records(self.prog.records(), self.manifest.spec)
+            check_records(self.prog.records(), self.manifest.spec, self.prog.layout)
             check_header(self.prog.header, self.manifest.spec)
         self.args = allocate_state(cfg, weights, self.prog, self.device)
         self.timeline: torch.Tensor | None = None  # the timeline build's records (timeline.py)

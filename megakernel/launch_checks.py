@@ -157,13 +157,16 @@ def check_header(header: dict[str, int], spec: Spec) -> None:
                                 f"{v}: the program is for another model or build")
 
 
-def check_records(records: torch.Tensor, spec: Spec) -> None:
+def check_records(records: torch.Tensor, spec: Spec, layout=None) -> None:  # noqa: ANN001
     """Every record against the build (host, once per program): its opcode has a handler in the
     build; a matvec's slab is a row range of one of the build's matrices for that opcode
     (KernelSpec.matvec_shapes: a program compiled for another model is refused here) with the
     offsets and K its 16-byte vector accesses assume (multiples of 8 elements); every other
     check is the record's kind's (LayerKind.check_kernel_record: whole heads, gate/up block
-    pairs, indices within the build's batch, heads, units)."""
+    pairs, indices within the build's batch, heads, units). With the program's weight layout
+    (program/pack.WeightLayout) a matvec's W must also point into a matrix of the format the
+    build reads for its opcode (check_weight_format: a bf16 program on an FP8 build, or the
+    other way round, is refused here)."""
     from megakernel.layers import kind
 
     if records.dtype != torch.int32 or records.dim() != 3:
@@ -190,6 +193,8 @@ def check_records(records: torch.Tensor, spec: Spec) -> None:
             why = why or (owners[op].check_kernel_record(d, s) if op in owners
                           else check_frame_record(d, s))
             why = why or (misaligned(d, matvec_alignment(d)) if matvec else "")
+            if matvec and layout is not None:
+                why = why or check_weight_format(d, s, layout)
             if why:
                 raise ArgumentError(f"{where}: {why}")
 
@@ -213,6 +218,35 @@ def check_matvec_record(d: dict, mats: list[tuple[int, int]]) -> str:
     if d["OPCODE"] == isa.Op.PROJ and d["OUT_W"] not in (r for _, r in mats):
         return (f"OUT_W={d['OUT_W']} is not a projection width of the build's recurrent layers "
                 f"({', '.join(str(r) for _, r in mats)})")
+    return ""
+
+
+def check_weight_format(d: dict, spec: KernelSpec, layout) -> str:  # noqa: ANN001 (WeightLayout)
+    """Why a matvec record's W does not point where the build reads its slab ('' when it does):
+    into an "fp8" entry for the build's FP8 opcodes (KernelSpec.fp8_ops: every matvec of an FP8
+    build but LMHEAD, unless the head is quantized), a "bf16" one otherwise, at the start of row
+    ROW0 of a K-wide matrix, with the build's scales per row (docs/FP8.md)."""
+    from megakernel.program.pack import PackError
+
+    op = d["OPCODE"]
+    try:
+        e = layout.entry_at(d["W"])
+    except PackError as err:
+        return f"W={d['W']}: {err}"
+    want = "fp8" if op in spec.fp8_ops else "bf16"
+    if e.dtype != want:
+        build = (f"an FP8 ({spec.fp8} scales) build" if spec.fp8 else "a bf16-weight build")
+        return (f"W={d['W']} points into a {e.dtype} matrix {e.shape}, but {build} reads "
+                f"{want} slabs for {op.name}: the program's weights are in another format "
+                f"than the kernel's; build the kernel for the model's weight format")
+    if len(e.shape) != 2 or e.shape[1] != d["K"] or e.w(d["ROW0"]) != d["W"]:
+        return (f"W={d['W']} is not row {d['ROW0']} of a K={d['K']} matrix (the {e.dtype} "
+                f"entry at {e.offset} {e.shape})")
+    q = spec.quant
+    if e.dtype == "fp8" and (e.chunks, e.chunk) != (q.chunks(d["K"]), q.chunk(d["K"])):
+        return (f"the fp8 matrix at {e.offset} has {e.chunks} scales per row of {e.chunk} "
+                f"inputs; the build reads {q.chunks(d['K'])} of {q.chunk(d['K'])} ({spec.fp8} "
+                "granularity)")
     return ""
 
 

@@ -68,7 +68,10 @@ L2_PREFETCH_SHARE = 0.5
 # wait: at B = 1, 6 x 32 KiB; larger batches stage more activations and get fewer). make_spec falls
 # back to 0 for a model/batch whose pipelined spec does not fit even with MIN_PIPELINE_STAGES
 # (named in SpecError), so every build the global path served builds.
-SMEM_STAGE_BYTES = 32 * 1024  # one stage: `tile_rows(kc)` rows of a K-chunk of kc bf16
+# one stage: `tile_rows(kc)` rows of a K-chunk of kc weights (bf16, or e4m3 codes of an FP8 slab:
+# the same bytes hold twice the weights, so a long-K FP8 tile has twice the rows of a bf16 one;
+# a tile never has more rows than warps, so a short-K FP8 tile fills half a stage)
+SMEM_STAGE_BYTES = 32 * 1024
 PIPELINE_STAGES = 6  # the deepest ring a build takes (192 KiB)
 MIN_PIPELINE_STAGES = 2
 
@@ -100,13 +103,15 @@ def timeline_int32_words(num_sms: int, queue_len: int) -> int:
     return timeline_offset(num_sms, queue_len) + 2 * num_sms * queue_len * TIMELINE_WORDS
 
 
-def tile_rows(kc: int, num_warps: int, stage_bytes: int = SMEM_STAGE_BYTES) -> int:
-    """Weight rows per pipeline tile for K-chunks of `kc` inputs: the largest power of two <= the
-    warps per CTA whose rows fit one stage (0 when a single row does not fit). The kernel
-    evaluates the same rule at run time (Pipeline.tile_rows)."""
+def tile_rows(kc: int, num_warps: int, stage_bytes: int = SMEM_STAGE_BYTES,
+              wbytes: int = 2) -> int:
+    """Weight rows per pipeline tile for K-chunks of `kc` inputs of `wbytes` bytes (2: bf16, 1:
+    an FP8 slab): the largest power of two <= the warps per CTA whose rows fit one stage (0 when
+    a single row does not fit). The kernel evaluates the same rule at run time
+    (Pipeline.tile_rows)."""
     tr = 0
     cand = 1
-    while cand <= num_warps and cand * kc * 2 <= stage_bytes:
+    while cand <= num_warps and cand * kc * wbytes <= stage_bytes:
         tr = cand
         cand *= 2
     return tr

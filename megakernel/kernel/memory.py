@@ -158,3 +158,80 @@ def prefetch_l2(base: cute.Pointer, first: Int64, nbytes: int, tidx: Int32):
                 size = cutlass.min(Int32(L2_PREFETCH_CHUNK), Int32(nbytes) - off)
                 cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
                                      read_only_args=[addr + Int64(off), size])
+
+
+# ---- FP8 (e4m3) weights (fp8_index.py: the byte arithmetic and the host emulation) -------------
+# 4 codes of a 32-bit word -> 4 fp32: two hardware conversions cvt.rn.f16x2.e4m3x2 (sm_89+; code
+# i of the word is byte i, each cvt puts its low byte in its low half), then f16 -> fp32 (exact:
+# every e4m3 value is an f16 one)
+_E4M3X4_F32 = """{
+.reg .b16 l, h, a0, a1, a2, a3;
+.reg .b32 p0, p1;
+mov.b32 {l, h}, {$r0};
+cvt.rn.f16x2.e4m3x2 p0, l;
+cvt.rn.f16x2.e4m3x2 p1, h;
+mov.b32 {a0, a1}, p0;
+mov.b32 {a2, a3}, p1;
+cvt.f32.f16 {$w0}, a0;
+cvt.f32.f16 {$w1}, a1;
+cvt.f32.f16 {$w2}, a2;
+cvt.f32.f16 {$w3}, a3;
+}"""
+# the same 4 codes as two bf16 pairs (an mma B operand word: element 2i low, 2i + 1 high; exact)
+_E4M3X4_BF16X2 = """{
+.reg .b16 l, h, a0, a1, a2, a3;
+.reg .b32 p0, p1;
+.reg .f32 f0, f1, f2, f3;
+mov.b32 {l, h}, {$r0};
+cvt.rn.f16x2.e4m3x2 p0, l;
+cvt.rn.f16x2.e4m3x2 p1, h;
+mov.b32 {a0, a1}, p0;
+mov.b32 {a2, a3}, p1;
+cvt.f32.f16 f0, a0;
+cvt.f32.f16 f1, a1;
+cvt.f32.f16 f2, a2;
+cvt.f32.f16 f3, a3;
+cvt.rn.bf16x2.f32 {$w0}, f1, f0;
+cvt.rn.bf16x2.f32 {$w1}, f3, f2;
+}"""
+
+
+def fp8_atom():
+    """8 e4m3 codes (two 32-bit words) from global memory, with the weights' cache hints."""
+    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=64,
+                               **_W_ATOM_KW)
+
+
+def load_fp8_words(atom, addr: Int64, r: cute.Tensor) -> None:
+    """The 8 codes at global byte address `addr` (8-byte aligned) -> rmem Int32 [2] `r`."""
+    g = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=8),
+                         cute.make_layout(2))
+    cute.copy(atom, g, r)
+
+
+def load_smem_words2(w: cute.Tensor, offset, r: cute.Tensor) -> None:
+    """2 consecutive 32-bit words (8 bytes, `offset` a multiple of 2) -> rmem Int32 [2] `r`."""
+    cute.autovec_copy(cute.flat_divide(w, (2,))[None, offset // 2], r)
+
+
+def e4m3x8_f32(words: cute.Tensor) -> cute.TensorSSA:
+    """8 codes (rmem Int32 [2]) -> fp32 [8], in input order (the hardware conversion)."""
+    out = cute.make_rmem_tensor((VEC,), Float32)
+    for i in range(2):  # (plain Python: unrolled while traced)
+        f = cute.arch.inline_ptx(_E4M3X4_F32, write_only_types=[Float32] * 4,
+                                 read_only_args=[words[i]])
+        for j in range(4):
+            out[4 * i + j] = f[j]
+    return out.load()
+
+
+def e4m3x4_bf16x2(word: Int32):
+    """4 codes (one word) -> two words of bf16 pairs (codes 0, 1 and 2, 3), exact."""
+    return cute.arch.inline_ptx(_E4M3X4_BF16X2, write_only_types=[Int32, Int32],
+                                read_only_args=[word])
+
+
+def ld_f32_at(addr: Int64) -> Float32:
+    """Scalar fp32 load at global byte address `addr` (4-byte aligned; L1-cached): a scale."""
+    return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                            cute.make_layout(1))[0]

@@ -161,10 +161,21 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         gate_off=gate_offset(cfg, batch, tokens), ops=ops,
         attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
         replay_window=replay_window, paged=paged_constants(cfg, batch, tokens, paged),
+        **weight_format(cfg),
         num_threads=num_threads, smem_stages=smem_stages, timeline=timeline,
         l2_window=l2_window)
     spec.validate()
     return spec
+
+
+def weight_format(cfg) -> dict[str, Any]:  # noqa: ANN001 (ModelConfig)
+    """KernelSpec's weight-format fields of `cfg` (docs/FP8.md): bf16, or FP8 slabs of the
+    model's scale granularity, the LM head FP8 only where the packed layout quantizes it (an
+    untied head with Fp8Format.lm_head; a tied head is the bf16 embedding)."""
+    q = cfg.quant
+    if q is None:
+        return {}
+    return {"fp8": q.granularity, "fp8_lm_head": bool(q.lm_head and not cfg.tie_word_embeddings)}
 
 
 def paged_constants(cfg, batch: int, tokens: int, paged) -> tuple[int, ...]:  # noqa: ANN001

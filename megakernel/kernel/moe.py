@@ -59,7 +59,7 @@ class Experts(Handler):
         if spec.has("moe"):
             _e, self.top_k, self.I, _g, _tg, shared = spec.constants("moe")[:6]
             self.slots = self.top_k + shared
-            self.stride = mi.x_stride(self.I, self.H)
+            self.stride = mi.x_stride(self.I, self.H, spec.quant)
         for name in ("SLOT", "WORK_OFF"):  # read as EXPERT_GATEUP's words for both opcodes
             shared_word(EXPERT_OPS, name)
 

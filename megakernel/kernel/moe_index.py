@@ -34,10 +34,13 @@ NO_EXPERT = 1 << 30  # above every expert id
 WALK_START = (-1, NO_EXPERT)  # the selection walk's (previous id, best) before each step
 
 
-def x_stride(inter: int, hidden: int) -> int:
-    """MOE_X_STRIDE: elements from expert x's packed gate/up + down to expert x + 1's
-    (layers/moe.expert_stride)."""
-    return 3 * inter * hidden
+def x_stride(inter: int, hidden: int, quant=None) -> int:  # noqa: ANN001 (Fp8Format | None)
+    """MOE_X_STRIDE: elements from expert x's packed gate/up [2 I, H] + down [H, I] to expert
+    x + 1's, each from an aligned start, an FP8 model's with its scale block before it: the
+    packed layout's own span (program/pack.matrix_span; layers/moe.expert_stride)."""
+    from megakernel.program.pack import matrix_span
+
+    return matrix_span((2 * inter, hidden), quant) + matrix_span((hidden, inter), quant)
 
 
 def bind_counter(down, wait_cid):  # noqa: ANN001, ANN201 (int or Int32)

@@ -25,6 +25,12 @@ it reads the binding, streams the bound slab for ceil(live rows / NO) passes, no
 unbound slot, and publishes that it has read it (the `bound` word): the consumers leave an expert
 record only once it has (`wait_bound`), so no binding is read after the next MoE layer's router
 rewrites the work list (moe.py: the rule, and why it cannot deadlock).
+FP8 slabs (spec.fp8_ops; fp8_index.py) are the same walk in bytes: a record's slab starts at byte
+2W for either format, a tile is `tile_rows(kc, 1)` rows of kc one-byte codes (twice the rows of
+a bf16 tile where the stage, not the warp count, bounds them), and the stage holds it as
+[rows][kc] bytes. The scales are not staged: the consumers read them through L1 (a row's one
+scale per tile for channel granularity, one per 128 inputs for block), and the lookahead cursor
+asks L2 for a slab's scale run when it enters the slab.
 Before each tile it also runs the L2 lookahead (`prefetch_tiles`): a second cursor over the
 same tile sequence prefetches the tiles that follow, up to `spec.prefetch_window` bytes past the
 ones issued, so HBM keeps streaming exactly the bytes the loader will copy while the ring is
@@ -46,8 +52,10 @@ from cutlass import Int32, Int64
 from megakernel.isa import Op
 from megakernel.kernel import moe_index, timeline
 from megakernel.kernel.dense_index import ring_slot, tile_copy
-from megakernel.kernel.fields import OpTable, common, one_of, slab_word
+from megakernel.kernel.fields import OpTable, common, mv, one_of, slab_word
+from megakernel.kernel.fp8_index import slab_byte
 from megakernel.kernel.limits import SMEM_STAGE_BYTES
+from megakernel.kernel.lookahead import prefetch_scales, slab_wbytes
 from megakernel.kernel.memory import join64, record_word
 from megakernel.kernel.moe import Experts
 from megakernel.kernel.spec import KernelSpec
@@ -65,15 +73,22 @@ class Pipeline:
         self.NW = spec.num_warps
         self.stage_elems = SMEM_STAGE_BYTES // 2  # bf16 per stage
         self.window = spec.prefetch_window
+        self.fp8_ops = spec.fp8_ops  # slab opcodes whose weights are e4m3 codes
+        self.fp8_chunk = spec.fp8_chunk  # inputs per scale (0: one per row)
 
     @cute.jit
-    def tile_rows(self, kc: Int32) -> Int32:
-        """Device twin of spec.tile_rows: the largest power of two <= NW rows of `kc` bf16 that
-        fit one stage (the spec guarantees that one row of a K-chunk fits)."""
+    def weight_bytes(self, op: Int32) -> Int32:
+        """Bytes per weight of `op`'s slab: 1 (FP8) or 2 (bf16), spec.weight_bytes."""
+        return slab_wbytes(op, self.fp8_ops)
+
+    @cute.jit
+    def tile_rows(self, kc: Int32, wb: Int32) -> Int32:
+        """Device twin of spec.tile_rows: the largest power of two <= NW rows of `kc` weights of
+        `wb` bytes that fit one stage (the spec guarantees that one row of a K-chunk fits)."""
         tr = Int32(1)
         for c in cutlass.range_constexpr(1, 8):
             if cutlass.const_expr((1 << c) <= self.NW):
-                if Int32(1 << c) * kc * 2 <= SMEM_STAGE_BYTES:
+                if Int32(1 << c) * kc * wb <= SMEM_STAGE_BYTES:
                     tr = Int32(1 << c)
         return tr
 
@@ -127,8 +142,9 @@ class Pipeline:
                     if one_of(op, self.moe.codes):  # read: the consumers may leave it
                         cute.arch.store(self.bound_word(mbar).iterator, pc + 1, sem="release",
                                         scope="cta")
-                tr = self.tile_rows(cutlass.min(Int32(KC), k))
-                src0 = weights.toint() + w_base * Int64(2)
+                wb = self.weight_bytes(op)
+                tr = self.tile_rows(cutlass.min(Int32(KC), k), wb)
+                src0 = weights.toint() + w_base * Int64(2)  # byte 2W: bf16 and FP8 slabs
                 if cutlass.const_expr(tl is not None):
                     timeline.stamp(tl, pc, "load_start")
                 for _p in cutlass.range(passes):
@@ -146,19 +162,20 @@ class Pipeline:
                                         f_p, f_rc, f_kc, f_t, f_vol)
                                 s, _, empty_parity = ring_slot(j, self.S)
                                 mbar_wait(mbar + self.S + s, empty_parity)
-                                cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, rows * kc * 2)
-                                dst = ring + s * self.stage_elems
+                                cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, rows * kc * wb)
+                                dst = (ring + s * self.stage_elems).toint()  # the stage's byte
                                 row0, col0 = Int64(rc0 + t0), Int64(kc0)
                                 if kc == k:  # whole rows: the tile is contiguous
                                     d, e = tile_copy(Int32(0), row0, col0, kc, Int64(k))
-                                    bulk_g2s(dst + d, src0 + e * Int64(2), rows * kc * 2,
+                                    bulk_g2s(dst + d * wb, src0 + e * Int64(wb), rows * kc * wb,
                                              mbar + s)
                                 else:  # a K-chunk: one copy per row (spec.tile_copy)
                                     for r in cutlass.range(rows):
                                         d, e = tile_copy(r, row0, col0, kc, Int64(k))
-                                        bulk_g2s(dst + d, src0 + e * Int64(2), kc * 2, mbar + s)
+                                        bulk_g2s(dst + d * wb, src0 + e * Int64(wb), kc * wb,
+                                                 mbar + s)
                                 j += 1
-                                vol = vol + Int64(rows * kc * 2)
+                                vol = vol + Int64(rows * kc * wb)
                 if cutlass.const_expr(tl is not None):
                     timeline.stamp(tl, pc, "load_end")
             pc += 1
@@ -212,17 +229,24 @@ class Pipeline:
                 w_base, nrows, k = slab_record(queue, pc)
                 w_base, passes = self.bind(op, queue, pc, w_base, pI)
             if passes > 0:
-                tr = self.tile_rows(cutlass.min(Int32(KC), k))
+                wb = self.weight_bytes(op)
+                tr = self.tile_rows(cutlass.min(Int32(KC), k), wb)
                 nr = cutlass.min(Int32(RC), nrows - rc0)
                 kc = cutlass.min(Int32(KC), k - kc0)
                 rows = cutlass.min(tr, nr - t0)
-                src = weights.toint() + (w_base + Int64(rc0 + t0) * Int64(k) + Int64(kc0)) * 2
+                if cutlass.const_expr(len(self.fp8_ops) > 0):  # entering an FP8 slab: its scales
+                    if (p == 0) & (rc0 == 0) & (kc0 == 0) & (t0 == 0):
+                        prefetch_scales(weights, op, self.fp8_ops, self.fp8_chunk, w_base,
+                                        record_word(queue, pc, mv("ROW0")), nrows, k, Int32(0),
+                                        1)
+                src = weights.toint() + slab_byte(w_base, Int64(rc0 + t0), Int64(kc0), Int64(k),
+                                                  Int64(wb))
                 if kc == k:  # whole rows: one contiguous request (<= one stage)
-                    prefetch_l2(src, rows * kc * 2)
+                    prefetch_l2(src, rows * kc * wb)
                 else:
                     for r in cutlass.range(rows):
-                        prefetch_l2(src + Int64(r) * Int64(k) * Int64(2), kc * 2)
-                vol = vol + Int64(rows * kc * 2)
+                        prefetch_l2(src + Int64(r) * Int64(k) * Int64(wb), kc * wb)
+                vol = vol + Int64(rows * kc * wb)
                 t0 = t0 + tr  # the odometer: tile rows > K-chunks > row chunks > passes
                 if t0 >= nr:
                     t0 = Int32(0)
@@ -299,13 +323,13 @@ class Pipeline:
 
 
 @cute.jit
-def bulk_g2s(dst: cute.Pointer, src: Int64, nbytes: Int32, bar: cute.Pointer):
-    """cp.async.bulk global -> shared of `nbytes` (a multiple of 16, both ends 16-byte aligned),
-    completing as transaction bytes on mbarrier `bar`."""
+def bulk_g2s(dst: Int32, src: Int64, nbytes: Int32, bar: cute.Pointer):
+    """cp.async.bulk global -> shared of `nbytes` (a multiple of 16, both ends 16-byte aligned)
+    to shared address `dst`, completing as transaction bytes on mbarrier `bar`."""
     cute.arch.inline_ptx(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
         "[{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[dst.toint(), src, nbytes, bar.toint()])
+        read_only_args=[dst, src, nbytes, bar.toint()])
 
 
 @cute.jit

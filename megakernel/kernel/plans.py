@@ -10,12 +10,12 @@ from megakernel.errors import SpecError
 from megakernel.kernel.limits import ROW_CHUNK, SMEM_STAGE_BYTES, tile_rows
 
 
-def matvec_tiles(nrows: int, k: int, passes: int, k_chunk: int, num_warps: int):
+def matvec_tiles(nrows: int, k: int, passes: int, k_chunk: int, num_warps: int, wb: int = 2):
     """The tiles of one matvec slab in the order the loader streams and the consumers read them
     (Matvec.run_piped / Pipeline.load_queue use the same loop nest): (pass, row0, rows, col0,
-    cols), rows of `tile_rows(min(k_chunk, k))`. Loop nest: pass > ROW_CHUNK chunk > K-chunk >
-    rows of the chunk."""
-    tr = tile_rows(min(k_chunk, k), num_warps)
+    cols), rows of `tile_rows(min(k_chunk, k))` for weights of `wb` bytes (2: bf16, 1: FP8).
+    Loop nest: pass > ROW_CHUNK chunk > K-chunk > rows of the chunk."""
+    tr = tile_rows(min(k_chunk, k), num_warps, wbytes=wb)
     if tr == 0:
         raise SpecError(f"a weight row chunk of {min(k_chunk, k)} inputs does not fit one "
                         f"{SMEM_STAGE_BYTES} B pipeline stage")
@@ -28,17 +28,23 @@ def matvec_tiles(nrows: int, k: int, passes: int, k_chunk: int, num_warps: int):
                     yield p, rc0 + t0, min(tr, nr - t0), kc0, kc
 
 
-def stage_plan(slabs: list[tuple[int, int]], passes: int, k_chunk: int,
+def stage_plan(slabs: list[tuple[int, ...]], passes: int, k_chunk: int,
                num_warps: int) -> list[tuple[int, int, int, int, int, int]]:
     """Host mirror of the loader warp's schedule (Pipeline.load_queue), for tests and docs.
 
-    `slabs[i]` = (NROWS, K) of queue instruction i ((0, 0) for opcodes without a slab); each
-    matvec streams its slab once per pass over the activation rows. Returns the tiles in issue
+    `slabs[i]` = (NROWS, K) of queue instruction i ((0, 0) for opcodes without a slab), or
+    (NROWS, K, bytes per weight) (2 when absent; 1: an FP8 slab); each matvec streams its slab
+    once per pass over the activation rows. Returns the tiles in issue
     order: (instruction, pass, first row, rows, first column, columns); tile j goes to stage
     `ring_slot(j, S)[0]` once the consumers have released tile j - S.
     """
-    return [(i, *t) for i, (nrows, k) in enumerate(slabs) if nrows
-            for t in matvec_tiles(nrows, k, passes, k_chunk, num_warps)]
+    return [(i, *t) for i, (nrows, k, *wb) in enumerate(slabs) if nrows
+            for t in matvec_tiles(nrows, k, passes, k_chunk, num_warps, *wb)]
+
+
+def slab_wbytes(slab: tuple[int, ...]) -> int:
+    """Bytes per weight of a stage_plan slab entry (2 unless it says 1)."""
+    return slab[2] if len(slab) > 2 else 2
 
 
 def lookahead_plan(slabs: list[int], window: int) -> list[list[tuple[int, int, int]]]:
@@ -74,10 +80,10 @@ def tile_requests(slabs: list[tuple[int, int]], tile: tuple) -> list[tuple[int, 
     """The L2 prefetch requests of one stage_plan tile (instruction, byte offset in its slab,
     bytes): one for a tile of whole rows, one per row of a K-chunk (Pipeline.prefetch_tiles)."""
     i, _p, row0, rows, col0, cols = tile
-    k = slabs[i][1]
+    k, wb = slabs[i][1], slab_wbytes(slabs[i])
     if cols == k:
-        return [(i, row0 * k * 2, rows * cols * 2)]
-    return [(i, ((row0 + r) * k + col0) * 2, cols * 2) for r in range(rows)]
+        return [(i, row0 * k * wb, rows * cols * wb)]
+    return [(i, ((row0 + r) * k + col0) * wb, cols * wb) for r in range(rows)]
 
 
 def loader_lookahead_plan(slabs: list[tuple[int, int]], passes: int, k_chunk: int,
@@ -92,9 +98,9 @@ def loader_lookahead_plan(slabs: list[tuple[int, int]], passes: int, k_chunk: in
         reqs = []
         while covered < vol + window and u < len(tiles):
             reqs += tile_requests(slabs, tiles[u])
-            covered += tiles[u][3] * tiles[u][5] * 2
+            covered += tiles[u][3] * tiles[u][5] * slab_wbytes(slabs[tiles[u][0]])
             u += 1
         out.append((tile, reqs))
-        vol += tile[3] * tile[5] * 2
+        vol += tile[3] * tile[5] * slab_wbytes(slabs[tile[0]])
     return out
 

@@ -21,6 +21,7 @@ from megakernel.kernel.dense_index import (
 )
 from megakernel.kernel.epilogue import Chunk, Epilogue
 from megakernel.kernel.fields import mv, word
+from megakernel.kernel.fp8_index import qkv_bias_index as fp8_qkv_bias_index
 from megakernel.kernel.limits import LANES
 from megakernel.kernel.memory import join64, ld, st
 from megakernel.kernel.paged_index import k_elem, page_base, slot_block, v_elem
@@ -38,6 +39,11 @@ class QKV(Epilogue):
         self.E = spec.head_dim // LANES  # head elements per lane
         self.eps = spec.eps
 
+    @property
+    def fp8(self) -> bool:
+        """The layer's QKV matrix is FP8 (spec.fp8_ops): its bias follows R*K bytes of codes."""
+        return any(op in self.spec.fp8_ops for op in self.ops)
+
     @cute.jit
     def run(self, op: Int32, c: Chunk):
         """Per (head, row): (qwen2) + bias, (qwen3) per-head RMSNorm, RoPE on the first
@@ -52,9 +58,14 @@ class QKV(Epilogue):
         NG = G if self.spec.output_gate else 0  # gate head slots per group
         qkn_off, rope_off = rec[word(Op.QKV, "QK_NORM_OFF")], rec[word(Op.QKV, "ROPE_OFF")]
         bias0 = Int64(0)  # arena element of the bias of chunk row 0 (spec.qkv_bias_index)
-        if cutlass.const_expr(self.spec.qkv_bias):
-            bias0 = qkv_bias_index(join64(rec[mv("W_LO")], rec[mv("W_HI")]), Int64(row0),
-                                   Int64(rec[mv("K")]), self.QKV_ROWS, Int64(rc0))
+        if cutlass.const_expr(self.spec.qkv_bias):  # after the matrix: bf16 or FP8 codes
+            w_qkv = join64(rec[mv("W_LO")], rec[mv("W_HI")])
+            if cutlass.const_expr(self.fp8):
+                bias0 = fp8_qkv_bias_index(w_qkv, Int64(row0), Int64(rec[mv("K")]), self.QKV_ROWS,
+                                           Int64(rc0))
+            else:
+                bias0 = qkv_bias_index(w_qkv, Int64(row0), Int64(rec[mv("K")]), self.QKV_ROWS,
+                                       Int64(rc0))
         hd = self.spec.rotary_dim // 2  # R/2: cos/sin columns
         half = hd // LANES  # registers e < half pair with e + half (R/2 a multiple of 32)
         sin_off = rope_off + s_max * hd  # sin [S_max, R/2] follows cos directly (isa.py)

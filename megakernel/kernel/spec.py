@@ -21,6 +21,7 @@ from typing import Any
 from megakernel import isa
 from megakernel.arch import ARCHS
 from megakernel.errors import SpecError
+from megakernel.kernel.fp8_index import FP8_K_ALIGN, GRANULARITIES, chunk_inputs, weight_bytes
 from megakernel.kernel.limits import (
     ACC_SMEM_BYTES,
     ARGMAX_EXACT,
@@ -105,6 +106,11 @@ class KernelSpec:
     # paged KV (kernel/paged_index.py): (num_blocks, block_size, max_blocks, block table and
     # slot mapping i32 offsets); () = the contiguous cache [slots, B, Hkv, S_max, D]
     paged: tuple[int, ...] = ()
+    # FP8 weight slabs (docs/FP8.md, "Kernel"): "" = bf16 weights; "channel" or "block" = e4m3
+    # slabs with that scale granularity (models/fp8.Fp8Format): every matvec opcode of the build
+    # reads FP8 slabs except LMHEAD, which does only with `fp8_lm_head` (an untied head quantized)
+    fp8: str = ""
+    fp8_lm_head: bool = False
     num_threads: int = NUM_THREADS  # consumer threads (the loader warp of a pipeline is extra)
     smem_stages: int = PIPELINE_STAGES  # 0: weights from global; >= 2: smem ring (limits.py)
     timeline: bool = False  # the variant that stamps per-instruction times (TIMELINE_FIELDS)
@@ -145,6 +151,35 @@ class KernelSpec:
                 have = out.setdefault(int(getattr(isa.Op, name)), [])
                 have += [m for m in mats if m not in have]
         return out
+
+    # ---- the weight format (fp8_index.py) -----------------------------------------------------
+    @property
+    def quant(self):  # noqa: ANN201 (models.fp8.Fp8Format | None)
+        """The model's FP8 format as the build bakes it in (None: bf16 weights): what places
+        expert x + 1 after expert x (moe_index.x_stride) and how many scales a row has."""
+        if not self.fp8:
+            return None
+        from megakernel.models.fp8 import Fp8Format
+
+        return Fp8Format(self.fp8, lm_head=self.fp8_lm_head)
+
+    @property
+    def fp8_ops(self) -> tuple[int, ...]:
+        """The handled matvec opcodes whose slabs are FP8: all of them in an FP8 build but
+        LMHEAD (unless fp8_lm_head); () in a bf16 build."""
+        if not self.fp8:
+            return ()
+        return tuple(op for op in self.ops if isa.spec(op).matvec is not None
+                     and (op != isa.Op.LMHEAD or self.fp8_lm_head))
+
+    def weight_bytes(self, op: int) -> int:
+        """Bytes per weight of `op`'s slabs: 1 (FP8 codes) or 2 (bf16)."""
+        return weight_bytes(op in self.fp8_ops)
+
+    @property
+    def fp8_chunk(self) -> int:
+        """Inputs per scale: 0 = one per row (channel), SCALE_CHUNK (block)."""
+        return chunk_inputs(self.fp8)
 
     # attention's constants (layers/attention.py kernel_constants); without attention layers
     # placeholders that no compiled handler reads and that keep the derived sizes defined
@@ -384,11 +419,19 @@ class KernelSpec:
                             f"carries vocab indices as fp32, exact only up to 2^24")
         if self.rows > isa.MAX_ROWS:
             raise SpecError(f"batch * tokens = {self.rows} > {isa.MAX_ROWS} rows per step")
+        if self.fp8 and self.fp8 not in GRANULARITIES:
+            raise SpecError(f"fp8 must be '' (bf16 weights) or one of {', '.join(GRANULARITIES)}, "
+                            f"got {self.fp8!r}")
+        if self.fp8_lm_head and not self.fp8:
+            raise SpecError("fp8_lm_head needs an FP8 build (fp8 'channel' or 'block')")
         for op, mats in self.matvec_shapes().items():
             for k, _ in mats:
                 if k % VEC:
                     raise SpecError(f"{isa.spec(op).name}'s K = {k} must be a multiple of {VEC} "
                                     "(16-byte loads)")
+                if op in self.fp8_ops and k % FP8_K_ALIGN:
+                    raise SpecError(f"{isa.spec(op).name}'s K = {k}: an FP8 slab's K must be a "
+                                    f"multiple of {FP8_K_ALIGN} (16-byte bulk copies of rows)")
         if self.num_threads % LANES or not 64 <= self.num_threads <= 1024:
             raise SpecError(f"num_threads must be a multiple of 32 in [64, 1024], "
                             f"got {self.num_threads}")
@@ -404,8 +447,9 @@ class KernelSpec:
         if self.pipelined and self.num_warps & (self.num_warps - 1):
             raise SpecError(f"the pipeline needs a power-of-two number of consumer warps, "
                             f"got {self.num_warps}")
-        if self.mma and any(tile_rows(min(self.k_chunk, k), self.num_warps) != MMA_N
-                            for k in self.matvec_ks):
+        if self.mma and any(tile_rows(min(self.k_chunk, k), self.num_warps,
+                                      wbytes=self.weight_bytes(op)) != MMA_N
+                            for op, mats in self.matvec_shapes().items() for k, _ in mats):
             raise SpecError(f"the mma GEMV needs ring tiles of {MMA_N} weight rows")
         if self.smem_bytes > SMEM_BUDGET:
             raise SpecError(f"the kernel needs {self.smem_bytes} B of shared memory > budget "
@@ -450,7 +494,8 @@ class KernelSpec:
         digest = hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
         return (f"{self.family}-h{self.hidden}-i{self.inter}-v{self.vocab}-l{self.layers}"
                 f"-q{self.heads}-kv{self.kv_heads}-d{self.head_dim}-b{self.batch}-t{self.tokens}"
-                f"-{digest}" + ("-timeline" if self.timeline else ""))
+                f"-{digest}" + (f"-fp8{self.fp8[0]}" if self.fp8 else "")
+                + ("-timeline" if self.timeline else ""))
 
 
 def _freeze(v: Any) -> Any:  # noqa: ANN401

@@ -101,7 +101,7 @@ class HbmStream:
                     s, _, empty_parity = ring_slot(j, S)
                     mbar_wait(mbar + S + s, empty_parity)
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, self.stage_bytes)
-                    bulk_g2s(ring + s * W, base + Int64(j) * Int64(self.stage_bytes),
+                    bulk_g2s((ring + s * W).toint(), base + Int64(j) * Int64(self.stage_bytes),
                              Int32(self.stage_bytes), mbar + s)
         else:
             acc = Int32(0)

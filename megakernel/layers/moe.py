@@ -197,7 +197,8 @@ class MoE(LayerKind):
         e, top_k, inter, n_group, topk_group, shared, norm, scale_bits = spec.constants(cls.name)
         return dict(MOE_E=e, MOE_TOPK=top_k, MOE_I=inter, MOE_N_GROUP=n_group,
                     MOE_TOPK_GROUP=topk_group, MOE_SHARED=shared, MOE_NORM=norm,
-                    MOE_SCALE_F32_BITS=scale_bits, MOE_X_STRIDE=x_stride(inter, spec.hidden))
+                    MOE_SCALE_F32_BITS=scale_bits,
+                    MOE_X_STRIDE=x_stride(inter, spec.hidden, spec.quant))
 
     @classmethod
     def check_kernel_record(cls, d: dict, spec) -> str:  # noqa: ANN001 (KernelSpec)

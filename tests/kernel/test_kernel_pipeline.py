@@ -347,14 +347,16 @@ def test_loader_consumer_and_mirror_share_the_tile_loop_nest():
     assert ma["nr"] == "min(ROW_CHUNK, nrows - rc0)"
     assert la["kc"] == ca["kc"] == "cutlass.min(KC, k - kc0)"
     assert ma["kc"] == "min(k_chunk, k - kc0)"
-    assert la["tr"] == ca["tr"] == "tile_rows(cutlass.min(KC, k))"
-    assert ma["tr"] == "tile_rows(min(k_chunk, k), num_warps)"
+    assert la["tr"] == ca["tr"] == "tile_rows(cutlass.min(KC, k), wb)"
+    assert ma["tr"] == "tile_rows(min(k_chunk, k), num_warps, wbytes=wb)"
+    # the same bytes per weight (2, or 1 for an FP8 slab: kernel/fp8_index.py) on both sides
+    assert la["wb"] == ca["wb"] == "weight_bytes(op)"
     assert la["rows"] == "cutlass.min(tr, nr - t0)" and "min(tr, nr - t0)" in mirror
     assert "cutlass.min(tr, nr - t0)" in cons
     # the lookahead cursor (prefetch_tiles) walks the same nest as an odometer, same bounds
     pf = inspect.getsource(pl.Pipeline.prefetch_tiles)
     pa = _assigns(pf)
-    for var in ("nr", "kc", "tr", "rows"):
+    for var in ("nr", "kc", "tr", "rows", "wb"):
         assert pa[var] == la[var], (var, pa[var], la[var])
     for step in ("t0 = t0 + tr", "kc0 = kc0 + KC", "rc0 = rc0 + RC", "p = p + 1",
                  "if p >= passes:"):
