@@ -51,10 +51,16 @@ CITATIONS = {
     "smem_window": "kernel.spec.build_ring_bytes: the build's ring (stages x SMEM_STAGE_BYTES)",
     "prefetch_to_smem": "what-if only: the whole L2 window staged in shared memory",
     "mma_efficiency": "assumption: mma.sync matvec at 50% of dense BF16 peak",
-    "fp8_convert": "assumption: cvt.rn.f16x2.e4m3x2 turns two weights into f16 in one "
-                   "instruction at a quarter of the FMA rate, and the f16 -> f32 (or bf16) step "
-                   "replaces the bf16 path's unpack: +1 flop-equivalent (half an FMA) per weight "
-                   "at the fitted FMA efficiency; unmeasured until a GPU run refits it",
+    "fp8_convert": "assumption from the kernel's instruction count (kernel/memory.py): the FMA "
+                   "form spends 1.5 instructions per weight (half a cvt.rn.f16x2.e4m3x2, one "
+                   "f16 -> f32) where bf16 spends 1 (its unpack, inside the fitted FMA "
+                   "efficiency): +0.5 instruction = +1 flop-equivalent per weight at full issue "
+                   "rate; a slower F2FP would make it up to 4; unmeasured until a GPU run "
+                   "refits it",
+    "fp8_convert_mma": "assumption from the same count: the mma form's B fragments cost 2 "
+                       "instructions per weight (half a cvt e4m3x2, one f16 -> f32, half a cvt "
+                       "bf16x2.f32) where bf16 loads them as they are: +4 flop-equivalents per "
+                       "weight; unmeasured",
 }
 
 
@@ -71,7 +77,8 @@ class CostParams:
     # what-if only: every prefetched byte staged in shared memory before the wait, so reading
     # them costs nothing on the path after it
     prefetch_to_smem: bool = False
-    fp8_convert: float = 1.0  # flop-equivalents per FP8 weight converted (CITATIONS)
+    fp8_convert: float = 1.0  # flop-equivalents per FP8 weight converted, FMA form (CITATIONS)
+    fp8_convert_mma: float = 4.0  # the same, mma form
 
 
 # a program without a kernel build (the hybrid families) is costed with this ring and the
@@ -97,15 +104,17 @@ class Rates:
     # CTA has reached
     sliding: bool = False
     stage_all: bool = False  # what-if (CostParams.prefetch_to_smem): every prefetched byte staged
-    fp8_convert: float = 0.0  # CUDA-core flop-equivalents per converted FP8 weight
+    fp8_convert: float = 0.0  # CUDA-core flop-equivalents per converted FP8 weight (FMA form)
+    fp8_convert_mma: float = 0.0  # the same for the mma form (its B fragments)
 
     def work(self, ins) -> float:  # noqa: ANN001 (stages.Instr)
         """Seconds of an instruction's own work after its activations arrive: its flops at
         the tensor-core and CUDA-core rates plus its dependent global round trips (the
         handler's loop nest, declared where the layer kind makes the record from the
         handler's index module: `Instr.round_trips`), each one L2 hit latency."""
+        convert = self.fp8_convert_mma if ins.tensor_flops else self.fp8_convert
         return (ins.tensor_flops / self.tensor
-                + (ins.fp32_flops + ins.converted * self.fp8_convert) / self.fp32
+                + (ins.fp32_flops + ins.converted * convert) / self.fp32
                 + ins.round_trips * self.l2_lat)
 
     def merge(self, ins) -> float:  # noqa: ANN001 (stages.Instr)
@@ -139,7 +148,7 @@ class Rates:
         return cls(gpu.copy_bw / n, gpu.l2_bw / n, gpu.bf16_tensor_flops * p.mma_efficiency / n,
                    gpu.fp32_flops * p.fma_efficiency / n, int(window), smem, p.mem_latency,
                    p.fixed_per_instr, p.l2_latency, sliding, p.prefetch_to_smem,
-                   p.fp8_convert)
+                   p.fp8_convert, p.fp8_convert_mma)
 
 
 def staged_bytes(pre, smem_window: float, fill_time, l2_rate: float):  # noqa: ANN001, ANN201
