@@ -217,7 +217,9 @@ def build(cfg: ModelConfig, archs: list[str], out_dir: str | Path, batch: int = 
 
 def report_line(m: dict) -> str:
     r = m["resources"]
-    return (f"{m['arch']:8s} {m['model'] or '?':14s} B={m['batch']} T={m['tokens']}  "
+    q = (m.get("model_config") or {}).get("quantization_config")
+    fmt = "" if q is None else " fp8"
+    return (f"{m['arch']:8s} {m['model'] or '?':14s}{fmt} B={m['batch']} T={m['tokens']}  "
             f"regs {r['registers']:3d}  spills {r['spill_stores']}/{r['spill_loads']} B  "
             f"local {r['local_bytes']} B  smem {m['dynamic_smem_bytes']} B  "
             f"stages {m.get('smem_stages', 0)}  "
@@ -236,10 +238,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paged", default=None, metavar="BLOCKS,BLOCK_SIZE,MAX_BLOCKS",
                    help="the paged-KV build for this page pool (program/paged.py)")
     p.add_argument("--json", action="store_true", help="print the manifests as JSON last")
+    from megakernel.cli import add_weight_arguments
+
+    add_weight_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megakernel.cli import CliError, check_writable
+    from megakernel.cli import CliError, check_writable, weight_options
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     bad = [a for a in archs if a not in ARCHS] or ([] if archs else [args.arch])
@@ -247,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--arch {bad[0]!r} is not a kernel target; choose from "
                        f"{', '.join(ARCHS)} (comma list)")
     check_writable(args.out, "--out", is_dir=True)
-    cfg = resolve(args.model)
+    cfg = resolve(args.model, **weight_options(args))
     t0 = time.perf_counter()
     paged = None
     if args.paged:

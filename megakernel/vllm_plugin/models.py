@@ -13,6 +13,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
+from megakernel.errors import ConfigError
 from megakernel.models import config_from_hf_dict
 from megakernel.program.paged import PagedKV
 from megakernel.vllm_plugin import ARCHITECTURES
@@ -31,12 +32,29 @@ class MegakernelMixin:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         hf = vllm_config.model_config.hf_config.to_dict()
         arch = next(a for a in hf.get("architectures") or () if a in ARCHITECTURES)
-        self._mk_cfg = config_from_hf_dict(dict(hf, architectures=[ARCHITECTURES[arch]]))
+        hf = dict(hf, architectures=[ARCHITECTURES[arch]])
         self._mk_block_size = vllm_config.cache_config.block_size
         self._mk: PagedDecoder | None = None
         self._mk_packed = None  # program/pack.PackedWeights, from load_weights
         self._mk_logits: torch.Tensor | None = None  # [n, V] of the last step it served
         self._mk_off: str | None = None  # why the megakernel path is off, once known
+        try:  # cfg.quant from the checkpoint's quantization_config (docs/FP8.md)
+            self._mk_cfg = config_from_hf_dict(hf)
+        except ConfigError as e:  # a quantization megakernel does not serve: vLLM's model does
+            if hf.get("quantization_config") is None:
+                raise
+            self._mk_cfg = config_from_hf_dict({k: v for k, v in hf.items()
+                                                if k != "quantization_config"})
+            self._refuse(f"quantization_config: {e}")
+        if (self._mk_off is None and self._mk_cfg.quant is None
+                and vllm_config.quant_config is not None):
+            self._refuse(f"vLLM quantizes the model ({vllm_config.quant_config.get_name()}) "
+                         "but its checkpoint has no FP8 quantization_config")
+
+    def _refuse(self, why: str) -> None:
+        """Keep every step on vLLM's model, with one warning saying why."""
+        self._mk_off = why
+        log.warning("megakernel: decode steps stay on vLLM's model (%s)", why)
 
     def megakernel_stats(self) -> dict[int, int]:
         return dict(self._mk.stats) if self._mk is not None else {}
@@ -67,16 +85,27 @@ class MegakernelMixin:
             else:
                 self._mk_off = ""
             if self._mk_off:
-                log.warning("megakernel: decode steps stay on vLLM's model (%s)", self._mk_off)
+                self._refuse(self._mk_off)
         return not self._mk_off
 
     def load_weights(self, weights) -> set[str]:  # noqa: ANN001
         """vLLM's loading, then our packing from its parameters, once: vLLM-CPU moves its
-        linear weights into oneDNN handles after loading (process_weights_after_loading)."""
+        linear weights into oneDNN handles after loading (process_weights_after_loading), and
+        its FP8 methods transpose, requantize or prepack theirs there, so the parameters are
+        read here, as loaded (weights.py). An FP8 model whose parameters do not fit its format
+        stays on vLLM's model, with one warning."""
         from megakernel.program.pack import pack_weights
 
         loaded = super().load_weights(weights)
-        self._mk_packed = pack_weights(self._mk_cfg, hf_weights(self._mk_cfg, self))
+        if self._mk_off:
+            return loaded
+        if self._mk_cfg.quant is None:
+            self._mk_packed = pack_weights(self._mk_cfg, hf_weights(self._mk_cfg, self))
+            return loaded
+        try:  # an FP8 layout the plugin does not read is refused, not an error
+            self._mk_packed = pack_weights(self._mk_cfg, hf_weights(self._mk_cfg, self))
+        except ValueError as e:
+            self._refuse(f"FP8 weights ({self._mk_cfg.quant.describe()}): {e}")
         return loaded
 
     def _decoder(self, width: int) -> PagedDecoder:

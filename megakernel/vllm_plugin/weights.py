@@ -1,37 +1,135 @@
 """Hugging Face-named weights from a loaded vLLM model: what `pack_weights` takes, read from
 vLLM's own parameters (its fused qkv_proj and gate_up_proj split back), never from the
-checkpoint again."""
+checkpoint again.
+
+An FP8 model (`cfg.quant`, docs/FP8.md) comes back in megakernel's in-memory FP8 form: each
+quantized `X.weight` as e4m3 codes and `X.weight_scale` as fp32 scales of
+`cfg.quant.scale_shape`. The parameters are read as vLLM's FP8 linear methods hold them when
+`load_weights` returns, before `process_weights_after_loading` transposes, requantizes or
+prepacks them (docs/VLLM.md, "FP8 checkpoints"):
+
+- compressed-tensors channel (W8A8 / W8A16 FP8): `weight` [N, K] e4m3, `weight_scale` [N, 1];
+- compressed-tensors tensor, `fp8` per tensor: `weight` [N, K] e4m3, `weight_scale` [shards]
+  (one per fused shard);
+- `fp8` block [128, 128]: `weight` [N, K] e4m3, `weight_scale_inv` [ceil(N/128), ceil(K/128)].
+
+N is the fused matrix's rows ([q | k | v], [gate | up]); a shard's scales are its rows of the
+channel grid, its own per-tensor scale repeated over its rows, or its block rows (vLLM requires
+every fused shard but the last to be a multiple of the block's rows).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from megakernel.models import fp8
 from megakernel.models.config import ModelConfig
-from megakernel.models.weights import check_weights, expected_shapes
+from megakernel.models.fp8 import E4M3, Fp8Error
+from megakernel.models.weights import WeightError, check_weights, expected_shapes
+
+# vLLM's scale parameters of an FP8 linear layer: the block form's, then the channel / tensor one
+SCALE_PARAMS = (".weight_scale_inv", ".weight_scale")
+
+
+def _shards(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, int]]:
+    """The Hugging Face names and row counts a vLLM parameter of `rows` rows holds."""
+    if ".qkv_proj." in name:
+        attn = cfg.kind_config("attention")
+        sizes = (attn.q_size, attn.kv_size, attn.kv_size)
+        return [(name.replace("qkv_proj", p), r)
+                for p, r in zip(("q_proj", "k_proj", "v_proj"), sizes, strict=True)]
+    if ".gate_up_proj." in name:
+        return [(name.replace("gate_up_proj", p), rows // 2) for p in ("gate_proj", "up_proj")]
+    return [(name, rows)]
+
+
+def _scale_param(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    base = name.removesuffix(".weight")
+    found = [base + s for s in SCALE_PARAMS if base + s in params]
+    if len(found) != 1:
+        raise Fp8Error(f"vLLM's e4m3 parameter {name!r} has "
+                       f"{'no scale' if not found else 'two scales ' + str(found)}")
+    return params[found[0]].to(torch.float32)
+
+
+def _split_scales(fmt: fp8.Fp8Format, name: str, scale: torch.Tensor, k: int,
+                  sizes: list[int]) -> list[torch.Tensor]:
+    """vLLM's scale parameter of a (fused) matrix [sum(sizes), K] -> each shard's scale grid in
+    megakernel's form (`fmt.scale_shape`)."""
+    rows = sum(sizes)
+    if scale.dim() <= 1 and scale.numel() == len(sizes):  # per tensor: one per shard
+        if fmt.granularity != "channel":
+            raise Fp8Error(f"{name}: per-tensor scales {tuple(scale.shape)} in a model of "
+                           f"{fmt.describe()}")
+        return [s.reshape(1, 1).expand(r, 1).contiguous()
+                for s, r in zip(scale.reshape(-1), sizes, strict=True)]
+    want = fmt.scale_shape((rows, k))
+    if tuple(scale.shape) != want:
+        raise Fp8Error(f"{name}: vLLM's scale has shape {tuple(scale.shape)}, expected {want} "
+                       f"for a {[rows, k]} matrix ({fmt.describe()})")
+    if fmt.granularity == "channel":
+        return list(scale.split(sizes))
+    br = fmt.block[0]
+    if any(r % br for r in sizes[:-1]):
+        raise Fp8Error(f"{name}: fused shards {sizes} do not start on {br}-row scale blocks")
+    return list(scale.split([-(-r // br) for r in sizes]))
 
 
 def hf_weights(cfg: ModelConfig, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """vLLM parameter names -> ours: `qkv_proj` [q | k | v] rows, `gate_up_proj` [gate | up];
-    the vocabulary padding of vLLM's embedding and LM head dropped; a tied LM head left out."""
-    attn = cfg.kind_config("attention")
-    q, kv = attn.q_size, attn.kv_size
+    the vocabulary padding of vLLM's embedding and LM head dropped; a tied LM head left out.
+    An FP8 model's quantized matrices come back as e4m3 codes plus `X.weight_scale` (module
+    docstring), everything else in bf16. ValueError (WeightError / Fp8Error) naming what does
+    not fit `cfg`: a missing or misshaped tensor, a scale missing or of another format, a matrix
+    quantized that `cfg` keeps in bf16 or the other way round."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        if ".qkv_proj." in name:
-            for part, rows in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv]),
-                                  strict=True):
-                out[name.replace("qkv_proj", part)] = rows
-        elif ".gate_up_proj." in name:
-            gate, up = t.chunk(2)
-            out[name.replace("gate_up_proj", "gate_proj")] = gate
-            out[name.replace("gate_up_proj", "up_proj")] = up
-        else:
+    for name, t in params.items():
+        if name.endswith(SCALE_PARAMS):
+            continue  # read with its weight
+        if t.dim() == 0:  # vLLM's attention's own scalars (q/k/v/prob scales)
             out[name] = t
+            continue
+        shards = _shards(cfg, name, t.shape[0])
+        sizes = [r for _, r in shards]
+        if sum(sizes) != t.shape[0]:
+            raise WeightError(f"{name}: {t.shape[0]} rows, expected {sizes} fused")
+        parts = t.split(sizes) if len(shards) > 1 else [t]
+        if t.dtype == E4M3:
+            if cfg.quant is None:
+                raise Fp8Error(f"vLLM holds {name!r} in e4m3 but the model's config has no "
+                               "FP8 quantization_config")
+            scales = _split_scales(cfg.quant, name, _scale_param(params, name), t.shape[-1],
+                                   sizes)
+            for (part, _), codes, s in zip(shards, parts, scales, strict=True):
+                out[part], out[fp8.scale_name(part)] = codes, s
+        else:
+            for (part, _), rows in zip(shards, parts, strict=True):
+                out[part] = rows
     want = expected_shapes(cfg)
     for name in (cfg.embed_name, cfg.lm_head_name):
         if name in out and name in want:
             out[name] = out[name][: want[name][0]]
-    weights = {n: out[n].to(torch.bfloat16).contiguous() for n in want if n in out}
+    quantized = set(fp8.quantized_names(cfg))
+    weights: dict[str, torch.Tensor] = {}
+    for n in want:
+        if n not in out:
+            continue
+        t = out[n]
+        if n in quantized:
+            if t.dtype != E4M3:
+                raise Fp8Error(f"{n}: vLLM holds it in {t.dtype}, but the model's FP8 format "
+                               f"({cfg.quant.describe()}) quantizes it")
+            weights[n] = t.contiguous()
+        elif t.dtype == E4M3:
+            raise Fp8Error(f"{n}: vLLM holds it in e4m3, but the model's FP8 format keeps it "
+                           "in bf16")
+        else:
+            weights[n] = t.to(torch.bfloat16).contiguous()
     check_weights(cfg, weights)  # names the missing or misshaped tensor
+    for n in quantized:
+        fp8.check_codes(n, weights[n])
+        s = out[fp8.scale_name(n)].to(torch.float32).contiguous()
+        fp8.check_scale(n, s, tuple(weights[n].shape), cfg.quant)
+        weights[fp8.scale_name(n)] = s
     return weights

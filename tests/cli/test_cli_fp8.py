@@ -93,3 +93,21 @@ def test_api_load_fp8_matches_the_fp8_reference():
     assert got == want
     with pytest.raises(ConfigError, match="apply with weights='fp8'"):
         mk.load("qwen3-tiny", fp8_granularity="block")
+
+
+@pytest.mark.parametrize("model, granularity", [("llama-tiny", "channel"),
+                                                ("qwen3.5-tiny", "block")])
+def test_the_op_runs_an_fp8_model(model, granularity):
+    """The kernel path on CPU tensors (torch.ops.megakernel.decode_step served by the CPU
+    executor): the FP8 program's tokens are the FP8 reference's, and the launch checks accept
+    the FP8 records against the FP8 build's spec."""
+    from megakernel.kernel_backend import Megakernel
+    from megakernel.models.sources import load_model
+    from megakernel.reference.model import ReferenceModel
+    from megakernel.reference.model import generate as ref_generate
+
+    cfg, w = load_model(model, seed=0, weights="fp8", granularity=granularity)
+    prompts = [[5, 17, 3], [7]]
+    want = ref_generate(ReferenceModel(cfg, w, mode="bf16"), prompts, 3)
+    k = Megakernel(cfg, w, batch=2, max_seq_len=8, device="cpu", gpu="h100")
+    assert k.generate(prompts, 3) == want
