@@ -28,6 +28,7 @@ from megakernel.program.pack import pack_weights
 from megakernel.reference.model import ReferenceModel, greedy
 from megakernel.vllm_plugin.weights import hf_weights
 from tests.executor.helpers import check_logits
+from tests.vllm_plugin.test_vllm_plugin_host import module_of
 
 FORMS = ("channel", "tensor", "block")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -86,16 +87,7 @@ def vllm_fp8_style(weights: dict[str, torch.Tensor], form: str) -> torch.nn.Modu
         if name.endswith("self_attn.o_proj.weight"):  # vLLM's attention layer's own scales
             params[name.replace("o_proj.weight", "attn.k_scale")] = torch.ones(1)
             params[name.replace("o_proj.weight", "attn.q_scale")] = torch.tensor(1.0)
-    m = torch.nn.Module()
-    for name, t in params.items():
-        parent = m
-        *path, leaf = name.split(".")
-        for part in path:
-            if not hasattr(parent, part):
-                parent.add_module(part, torch.nn.Module())
-            parent = getattr(parent, part)
-        parent.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
-    return m
+    return module_of(params)
 
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

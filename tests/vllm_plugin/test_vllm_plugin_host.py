@@ -20,7 +20,6 @@ VOCAB_PAD = 64  # vLLM pads its embedding and LM head rows
 def vllm_style(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A module whose parameters are named and fused as vLLM's Llama: qkv_proj = [q | k | v],
     gate_up_proj = [gate | up], the embedding padded with rows of garbage."""
-    m = torch.nn.Module()
     params: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
         if ".q_proj." in name:
@@ -37,6 +36,12 @@ def vllm_style(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
                                                     dtype=t.dtype)])
         else:
             params[name] = t
+    return module_of(params)
+
+
+def module_of(params: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose named_parameters are `params` (dotted names become submodules)."""
+    m = torch.nn.Module()
     for name, t in params.items():
         parent = m
         *path, leaf = name.split(".")
