@@ -2,7 +2,8 @@
 assumes measured in the same run (read-only HBM stream with the kernel's bulk-copy pattern, the
 device-to-device copy, SM and memory clocks while the steps run, the torch.compile baseline, and
 one step's timeline from the timeline variant). Efficiency is reported against the larger of the
-measured read and copy bandwidths. Every item records its error instead of raising."""
+measured read and copy bandwidths, for the bytes of the case's own weight format (an FP8 row's
+are the FP8 program's: codes and scales). Every item records its error instead of raising."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from megakernel.gpu_check.cases import Case, variant_dir
+from megakernel.models.fp8 import QuantizedWeights
 from megakernel.models.weights import LazyRandomWeights
 
 
@@ -36,10 +38,14 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
     from megakernel.gpu_check.case import config
     from megakernel.kernel_backend import Megakernel
 
-    cfg = config(c.model, simulate)
+    cfg = config(c, simulate)
     dev = "cpu" if simulate else "cuda"
     replays, context = (1, 16) if simulate else (replays, context)
-    w = LazyRandomWeights(cfg, 0, dev) if c.synthetic else weights.get(cfg)
+    if c.synthetic:  # drawn (and quantized, FP8) on the device, one tensor at a time
+        w = LazyRandomWeights(cfg.replace(quant=None), 0, dev)
+        w = QuantizedWeights(cfg, w) if cfg.quant is not None else w
+    else:
+        w = weights.get(cfg)
     mk = Megakernel(cfg, w, batch=c.batch, tokens=1, max_seq_len=context + 2 * replays + 64,
                     build_dir=variant_dir(build_dir, variant), device=dev)
     if c.synthetic:  # no reference to prefill with: a random cache of `context` positions
@@ -67,7 +73,8 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
             how = f"stream launches (graph capture failed: {type(e).__name__}: {e})"
             torch.cuda.synchronize()
     res: dict[str, Any] = {"case": c.name, "model": c.model, "batch": c.batch, "tokens": 1,
-                           "variant": variant, "context": context, "timed": how,
+                           "weights": c.weights, "variant": variant, "context": context,
+                           "timed": how,
                            "max_seq_len": mk.max_seq_len,
                            "simulated": simulate, "synthetic": c.synthetic,
                            # the first step's logits finite and its tokens their argmax
@@ -83,7 +90,7 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
         with measure.ClockSampler() as sampler:  # clocks while the steps run (read only)
             step_s = measure.timed(run_once, max(1, replays // 5), warmup=2, groups=5)
         res["clocks"] = sampler.summary()
-    cost = mk.prog.cost
+    cost = mk.prog.cost  # of the program's own weight format: an FP8 step's bytes are FP8 bytes
     nbytes = cost.bytes_per_step if cost is not None else 0
     res.update(step_us=step_s * 1e6, tokens_per_s=c.batch / step_s, bytes_per_step=nbytes,
                predicted_us=cost.predicted_s * 1e6 if cost is not None else None)
@@ -103,6 +110,8 @@ def torch_compile_baseline(c: Case, weights, simulate: bool, context: int = 1024
     from megakernel.models import preset
     from megakernel.torch_decode import TorchDecode
 
+    if c.fp8:  # the baseline is the bf16 torch step; an FP8 row has none
+        return {"case": c.name, "note": "no torch.compile baseline of FP8 weights"}
     cfg = preset(c.model)
     td = TorchDecode(cfg, weights.get(cfg), c.batch, context + 64)
     tok = torch.ones(c.batch, dtype=torch.int64, device="cuda")
@@ -116,9 +125,8 @@ def timeline(c: Case, build_dir: Path, weights, simulate: bool) -> dict[str, Any
         return {"case": c.name, "simulated": True, "note": "no GPU: no records"}
     from megakernel import timeline as tl
     from megakernel.kernel_backend import Megakernel
-    from megakernel.models import preset
 
-    cfg = preset(c.model)
+    cfg = c.config()
     mk = Megakernel(cfg, weights.get(cfg), batch=c.batch, tokens=1, max_seq_len=1024 + 64,
                     build_dir=variant_dir(build_dir, "timeline"))
     mk.prefill([[1] * 1024 for _ in range(c.batch)])

@@ -7,12 +7,18 @@ the steps: the KV cache within the band on every written position, four steps re
 snapshot bit-identical, and (executor_steps > 0) the first steps equal to the CPU executor's run of
 the same program from the same cache (logits and new KV entries up to shared-rounding flips);
 (paged cases) the paged build's steps next to these (paged_case.py).
+
+An FP8 case (Case.fp8) runs the preset quantized on load: the kernel's build of that format, and
+the references of the FP8 model (its weights dequantized exactly: the truth, and the bf16 mirror
+that sets the band), so every verdict above holds unchanged; the executor runs the same FP8
+program.
 """
 
 from __future__ import annotations
 
 import io
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +33,17 @@ SIMULATED_LAYERS = 2  # a simulated real preset keeps its shapes but only this m
 SNAPSHOT = ("f32", "bf16", "i32", "k_cache", "v_cache", "state")  # what a step reads and writes
 
 
-def config(model: str, simulate: bool):  # noqa: ANN201 (ModelConfig)
-    """The preset, cut to SIMULATED_LAYERS layers when simulated (every real shape, vocab
-    included, stays: the executor of a whole 1B model would take minutes a step); a hybrid
-    preset keeps the layers up to the first of each of its kinds."""
+def config(case: Case | str, simulate: bool):  # noqa: ANN201 (ModelConfig)
+    """A case's model (a Case: the preset in its weight format, Case.config; a name: the bf16
+    preset), cut to SIMULATED_LAYERS layers when simulated (every real shape, vocab included,
+    stays: the executor of a whole 1B model would take minutes a step); a hybrid preset keeps the
+    layers up to the first of each of its kinds."""
     import dataclasses
 
     from megakernel.models import preset
 
-    cfg = preset(model)
+    cfg = case.config() if isinstance(case, Case) else preset(case)
+    model = case.model if isinstance(case, Case) else case
     if not simulate or model.endswith(("-tiny", "-mid")) or cfg.num_layers <= SIMULATED_LAYERS:
         return cfg
     types = getattr(cfg, "layer_types", None)
@@ -47,28 +55,70 @@ def config(model: str, simulate: bool):  # noqa: ANN201 (ModelConfig)
 
 
 class Weights:
-    """Random weights made once per model and seed: in this process, and on disk for the next
-    process (`cache_dir`), since generating a real preset's takes longer than loading them."""
+    """Random weights made once per model, weight format and seed: in this process, and on disk
+    for the next process (`cache_dir`), since generating a real preset's takes longer than
+    loading them. An FP8 model's are its bf16 model's (the same seed) quantized on load
+    (models.fp8.QuantizedWeights): e4m3 codes and their `_scale` grids, on the CPU."""
 
-    def __init__(self, cache_dir: Path | None = None):
+    def __init__(self, cache_dir: Path | None = None, device: str | torch.device = "cpu"):
         self.cache_dir = cache_dir
-        self.mem: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        self.device = torch.device(device)  # where FP8 quantizing runs (the results: CPU)
+        self.mem: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def get(self, cfg, seed: int = 0) -> dict[str, torch.Tensor]:  # noqa: ANN001
         from megakernel.models.weights import random_weights
 
-        key = (cfg.name, cfg.num_layers, seed)
+        fmt = weight_format(cfg)
+        key = (cfg.name, cfg.num_layers, seed, fmt)
         if key not in self.mem:
-            f = (self.cache_dir / f"{cfg.name}-{cfg.num_layers}-{seed}.pt" if self.cache_dir
+            tag = "" if fmt == "bf16" else f"-{fmt}"
+            f = (self.cache_dir / f"{cfg.name}-{cfg.num_layers}-{seed}{tag}.pt" if self.cache_dir
                  else None)
             if f is not None and f.is_file():
-                self.mem[key] = torch.load(f, weights_only=True)
-            else:
+                w = torch.load(f, weights_only=True)
+            elif cfg.quant is None:
                 self.mem = {}  # one model at a time: real presets are GBs
-                self.mem[key] = random_weights(cfg, seed=seed)
-                if f is not None:
-                    torch.save(self.mem[key], f)
+                w = random_weights(cfg, seed=seed)
+            else:  # the bf16 model (cached too) quantized
+                w = quantized(cfg, self.get(cfg.replace(quant=None), seed), self.device)
+            self.mem = {key: w}
+            if f is not None and not f.is_file():
+                torch.save(w, f)
         return self.mem[key]
+
+
+def weight_format(cfg) -> str:  # noqa: ANN001
+    """A config's weight format label, as Case.weights spells it ("bf16", "fp8", "fp8-block")."""
+    from megakernel.gpu_check.cases import weights_label
+
+    return weights_label(cfg.quant.granularity if cfg.quant is not None else "")
+
+
+class _OnDevice(Mapping):
+    """`base` with the names in `names` read onto `device` (where they are quantized)."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], names: set[str], device: torch.device):
+        self.base, self.names, self.device = base, names, device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.base[name]
+        return t.to(self.device) if name in self.names else t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+def quantized(cfg, base: Mapping[str, torch.Tensor],  # noqa: ANN001
+              device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """`base` (a bf16 model) in `cfg.quant`'s FP8 form, materialized on the CPU: each quantized
+    matrix quantized on `device` (a real preset's on the GPU: seconds, not a minute)."""
+    from megakernel.models.fp8 import QuantizedWeights, quantized_names
+
+    q = QuantizedWeights(cfg, _OnDevice(base, set(quantized_names(cfg)), torch.device(device)))
+    return {n: q[n].cpu() for n in q}
 
 
 def _to_cpu(obj):  # noqa: ANN001, ANN202
@@ -85,10 +135,12 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     from megakernel.reference.model import ReferenceModel
 
     t0 = time.perf_counter()
-    cfg = config(c.model, simulate)
+    cfg = config(c, simulate)
     dev = torch.device("cpu") if simulate else torch.device("cuda", torch.cuda.current_device())
     steps = min(c.steps, SIMULATED_STEPS) if simulate else c.steps
     w = weights.get(cfg, seed)
+    if cfg.quant is not None and not simulate:  # the references dequantize where they run
+        w = {n: t.to(dev) for n, t in w.items()}
     g = torch.Generator().manual_seed(seed + 7)
     lens = [int(x) for x in torch.randint(2, 24, (c.batch,), generator=g)]
     prompts = [[int(t) for t in torch.randint(0, cfg.vocab_size, (n,), generator=g)]
@@ -108,7 +160,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     mk.prog.buffers.poison_scratch(mk.f32, mk.bf16)  # before the first kernel step
     res: dict[str, Any] = dict(
         case=c.name, model=c.model, layers=cfg.num_layers, batch=c.batch, tokens=c.tokens,
-        n_splits=mk.prog.n_splits,
+        n_splits=mk.prog.n_splits, weights=c.weights, fp8_matrices=fp8_matrices(mk.prog),
         prompt_lengths=lens, steps=0, band_failures=0, max_err_kernel=0.0, max_allowed=0.0,
         token_mismatches=0, near_tie_mismatches=0, ref_near_ties=0, not_own_argmax=0,
         unwritten=0,
@@ -187,6 +239,12 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
                  and res["near_ties_ok"] and res["kv_ok"] and res.get("deterministic", True)
                  and res.get("executor_ok", True) and res.get("paged_ok", True))
     return res
+
+
+def fp8_matrices(prog) -> int:  # noqa: ANN001 (program.compiler.Program)
+    """How many of the program's packed matrices are FP8 (0: a bf16 program): what the case ran,
+    read from the program rather than from the case."""
+    return sum(e.dtype == "fp8" for e in prog.layout.entries.values())
 
 
 def _executor(mk, cache16):  # noqa: ANN001, ANN202

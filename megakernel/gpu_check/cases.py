@@ -6,10 +6,11 @@ stage 1 covers the shapes (the quick tiny set with Nemotron-H's attention and re
 Qwen3.5's gated attention, the recurrent layers of Qwen3.5, Nemotron-H and Kimi Linear (with
 Kimi's MLA and routed MoE) with state parity against the executor, the paged KV build against
 the contiguous one, llama-mid cases that reach a K-split > 1 at B = 1 and K-chunked slabs at
-B = 16 on both GEMV paths, several attention splits with an empty one); stage 2 runs the real
-presets (dense and hybrid, some against the CPU executor too) and then the benchmark with what
-the cost model assumes, measured in the same run (Kimi Linear's 48B preset there only, its
-weights made on the GPU).
+B = 16 on both GEMV paths, several attention splits with an empty one, FP8 weights with channel
+and block scales on both GEMV paths); stage 2 runs the real presets (dense and hybrid, some
+against the CPU executor too, Llama-3.2-1B in FP8 too) and then the benchmark with what the cost
+model assumes, measured in the same run (Kimi Linear's 48B preset there only, its weights made on
+the GPU; the FP8 Llama-3.2-1B next to its bf16 model, for the FP8 targets).
 """
 
 from __future__ import annotations
@@ -34,13 +35,40 @@ class Case:
     # weights drawn on the GPU (models.weights.LazyRandomWeights) and a random cache in place of
     # a prefill: a model too large to hold twice (packed and reference); benchmark only
     synthetic: bool = False
+    # the weight format: "" bf16, or FP8 (e4m3) with scales per output "channel" or per 128x128
+    # "block" (models.fp8.Fp8Format): the model is the preset quantized on load, judged against
+    # the FP8 model's reference (its weights dequantized exactly), on a build of that format
+    fp8: str = ""
 
     @property
     def name(self) -> str:
         s = f" S={self.n_splits}" if self.n_splits is not None else ""
         return f"{self.model} B={self.batch} T={self.tokens}{s}" + (
             f" paged/{self.paged}" if self.paged else "") + (
-            f" L={self.replay_window}" if self.replay_window else "")
+            f" L={self.replay_window}" if self.replay_window else "") + (
+            f" {self.weights}" if self.fp8 else "")
+
+    @property
+    def weights(self) -> str:
+        """The weight format's label: "bf16", "fp8" (channel scales) or "fp8-block" (what the
+        report shows and the targets' `weights` field names)."""
+        return weights_label(self.fp8)
+
+    def quant(self):  # noqa: ANN201 (models.fp8.Fp8Format | None)
+        """The case's `ModelConfig.quant`: None for bf16."""
+        if not self.fp8:
+            return None
+        from megakernel.models.fp8 import Fp8Format
+
+        return Fp8Format(self.fp8)
+
+    def config(self):  # noqa: ANN201 (ModelConfig)
+        """The case's model: the preset in the case's weight format (full size; a simulated run
+        cuts it, gpu_check.case.config). What prepare builds, and what every run makes."""
+        from megakernel.models import preset
+
+        cfg = preset(self.model)
+        return cfg if not self.fp8 else cfg.replace(quant=self.quant())
 
     def pool(self):  # noqa: ANN201 (program.paged.PagedKV | None)
         """The page pool of a paged case (the paged build bakes it in, so it depends on the case
@@ -59,6 +87,11 @@ class Case:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Case:
         return cls(**d)
+
+
+def weights_label(fp8: str) -> str:
+    """"" -> "bf16", "channel" -> "fp8", "block" -> "fp8-block"."""
+    return {"": "bf16", "channel": "fp8", "block": "fp8-block"}[fp8]
 
 
 def variant_dir(build_dir: str | Path, name: str) -> Path:
@@ -131,8 +164,26 @@ MID = (  # K-split 2 on the FMA path (B = 1); K-chunked slabs on mma (default) a
     Case("llama-mid", 1, 1, 16, 1, cap_s=45),
     Case("llama-mid", 16, 1, 16, 1, cap_s=45),
 )
+# FP8 (e4m3) weights against the FP8 model's reference and the executor: channel scales on the
+# FMA GEMV (B = 1) and the mma GEMV (B = 16 on the default variant; the global one's FMA),
+# block scales (a 128-input chunk each: 2 and 4 chunks per row at llama-tiny's K = 256, 512),
+# and Qwen3.5's recurrent projections with state parity
+FP8 = (
+    Case("llama-tiny", 1, 1, 32, 2, cap_s=30, fp8="channel"),
+    Case("llama-tiny", 16, 1, 16, 1, cap_s=30, fp8="channel"),
+    Case("llama-tiny", 4, 1, 16, 1, cap_s=30, fp8="block"),
+    Case("qwen3.5-tiny", 1, 1, 24, 2, cap_s=30, fp8="channel"),
+    Case("qwen3.5-tiny", 4, 1, 24, 2, cap_s=30, fp8="channel"),
+)
+# the global-memory build is over the register budget (192) with block scales at B = 4 (208) and
+# with Qwen3.5's FP8 at B = 4 (196): it runs those at B = 1 (block scales on its FMA GEMV)
+FP8_GLOBAL = (*(c for c in FP8 if c.batch != 4),
+              Case("llama-tiny", 1, 1, 16, 1, cap_s=30, fp8="block"))
 REAL = (
     Case("llama-3.2-1b", 1, 1, 32, 2, bench=True, cap_s=90),
+    # FP8 right after its bf16 model (whose weights it quantizes), and benchmarked right after
+    # it too: the FP8 targets compare the two rows of one run
+    Case("llama-3.2-1b", 1, 1, 16, 1, bench=True, cap_s=90, fp8="channel"),
     Case("llama-3.2-1b", 16, 1, 16, bench=True, cap_s=60),
     Case("llama-3.2-1b", 1, 4, 16, cap_s=60),
     Case("qwen3-0.6b", 1, 1, 32, bench=True, cap_s=60),
@@ -146,8 +197,10 @@ STAGES = (
     Stage(0, "launch", "does the kernel launch, finish and agree at all",
           (Group("global", (Case("llama-tiny", 1, 1, 8, 2, cap_s=60),)),
            Group("default", (Case("llama-tiny", 1, 1, 8, 2, cap_s=60),)))),
-    Stage(1, "shapes", "the tiny set, K-split and K-chunked slabs, several attention splits",
-          (Group("default", TINY + KIMI + MID), Group("global", TINY + KIMI_GLOBAL + MID))),
+    Stage(1, "shapes", "the tiny set, K-split and K-chunked slabs, several attention splits, "
+          "FP8 weights",
+          (Group("default", TINY + KIMI + MID + FP8),
+           Group("global", TINY + KIMI_GLOBAL + MID + FP8_GLOBAL))),
     Stage(2, "real", "the real presets against the references (one against the executor too)",
           (Group("default", REAL), Group("global", REAL[:1]))),
 )

@@ -6,6 +6,12 @@ scale). The band is the tolerance; nothing here is derived from the kernel's own
 that returns zeros, negated or shifted logits fails the band, and its tokens are compared where
 the truth's top-2 margin is wider than twice the band (no error the band allows can reorder them
 there).
+
+FP8 weights change the references, not the rules: an FP8 case's truth is the reference with its
+weights dequantized exactly (code * scale in fp32) and its bf16 mirror keeps those weights in fp32
+(docs/FP8.md, Numerics), so the band is that mirror's error against the FP8 truth, as for bf16.
+The bf16 model's logits are not the FP8 model's: a kernel that computes the unquantized model
+fails the band (tests/kernel/test_kernel_gpucheck_fp8.py).
 """
 
 from __future__ import annotations

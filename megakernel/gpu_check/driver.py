@@ -59,9 +59,10 @@ def bench_items(build_dir: Path, arch: str | None) -> list[dict[str, Any]]:
     out = [item("measure", first, "default", 60)]
     out += [item("bench", c, "default", 45) for c in BENCH_CASES]
     out += [item("bench", first, v, 45) for v in ("global", "nolookahead")]
-    # the torch.compile baseline (torch_decode.TorchDecode) is of the dense families only
+    # the torch.compile baseline (torch_decode.TorchDecode) is of the dense families' bf16
+    # models only
     out += [item("compile", c, "default", 90) for c in BENCH_CASES
-            if c.batch == 1 and serves(preset(c.model))]
+            if c.batch == 1 and not c.fp8 and serves(preset(c.model))]
     out.append(item("timeline", first, "timeline", 45))
     return [it for it in out if it["kind"] in ("measure", "compile")
             or have_build(build_dir, it, arch)]
@@ -73,15 +74,14 @@ def have_build(build_dir: Path, it: dict[str, Any], arch: str | None) -> bool:
         return True
     from megakernel.kernel.model_spec import make_spec
     from megakernel.kernel.variants import VARIANTS
-    from megakernel.models import preset
 
     c = Case.from_dict(it["case"])
     try:
-        make_spec(preset(c.model), c.batch, c.tokens, arch, **VARIANTS[it["variant"]],
+        cfg = c.config()  # the case's weight format: an FP8 case's build is an FP8 build
+        make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[it["variant"]],
                   replay_window=c.replay_window)
         # as prepare names it
-        tag = make_spec(preset(c.model), c.batch, c.tokens, arch,
-                        replay_window=c.replay_window).tag
+        tag = make_spec(cfg, c.batch, c.tokens, arch, replay_window=c.replay_window).tag
     except Exception:  # the variant cannot serve the case: not built either
         return False
     return (variant_dir(build_dir, it["variant"]) / tag / arch / "manifest.json").is_file()
@@ -267,7 +267,7 @@ def child(job_file: Path) -> int:
     from megakernel.gpu_check.case import Weights, run_case
 
     emit(event="device", info=_device_info(simulate))
-    weights = Weights(Path(job["weights_dir"]))
+    weights = Weights(Path(job["weights_dir"]), "cpu" if simulate else "cuda")
     measured: dict[str, Any] = {}
     for it in job["items"]:
         if time.time() + MIN_ITEM_S > job["deadline"]:
@@ -315,7 +315,7 @@ def _simulable(items: list[dict], r, stage: int) -> list[dict]:  # noqa: ANN001 
     still too big for the CPU machine's memory and minutes)."""
     out = []
     for it in items:
-        if "case" in it and _simulated_params(it["case"]["model"]) > SIMULATE_MAX_PARAMS:
+        if "case" in it and _simulated_params(Case.from_dict(it["case"])) > SIMULATE_MAX_PARAMS:
             r.skip(stage, it["name"], f"simulated: more than {SIMULATE_MAX_PARAMS / 1e9:g}B "
                    "parameters for the CPU executor")
         else:
@@ -323,7 +323,7 @@ def _simulable(items: list[dict], r, stage: int) -> list[dict]:  # noqa: ANN001 
     return out
 
 
-def _simulated_params(model: str) -> int:
+def _simulated_params(case: Case) -> int:
     """Parameters of the preset as a simulated case cuts it (case.config); 0 for a name that is
     no preset (the case itself then says so)."""
     import math
@@ -333,7 +333,7 @@ def _simulated_params(model: str) -> int:
     from megakernel.models.weights import expected_shapes
 
     try:
-        cfg = config(model, True)
+        cfg = config(case, True)
     except ConfigError:
         return 0
     return sum(math.prod(s) for s in expected_shapes(cfg).values())

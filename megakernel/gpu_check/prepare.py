@@ -1,4 +1,6 @@
-"""`gpu-check --prepare`: AOT-build, on a machine with the DSL, every cubin the run needs."""
+"""`gpu-check --prepare`: AOT-build, on a machine with the DSL, every cubin the run needs (an FP8
+case's build is of its format: KernelSpec.fp8 is in the spec's tag, so it lands in its own
+directory of the build set, beside the bf16 build of the same shape)."""
 
 from __future__ import annotations
 
@@ -26,14 +28,15 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
     failures ('variant case arch: error')."""
     from megakernel.kernel.build import build_arch
     from megakernel.kernel.model_spec import make_spec
-    from megakernel.models import preset
 
     out, failed, done = [], [], set()
     for c, v in wanted() if cases is None else cases:
-        cfg = preset(c.model)
+        cfg = c.config()  # in the case's weight format: an FP8 case gets its FP8 build
+        fmt = f" {c.weights}" if c.fp8 else ""
         for arch in archs:
             for pool in (None, c.pool()) if c.paged else (None,):  # a paged case: both builds
-                what = f"{v} {c.model} B={c.batch} T={c.tokens}{' paged' if pool else ''} {arch}"
+                what = (f"{v} {c.model} B={c.batch} T={c.tokens}{fmt}{' paged' if pool else ''} "
+                        f"{arch}")
                 t0 = time.perf_counter()
                 try:
                     # can the variant serve it? and the tag find_build looks for

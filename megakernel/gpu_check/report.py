@@ -124,14 +124,17 @@ def _ok_by(rows: list[dict[str, Any]], key: str) -> dict[str, bool]:
 
 def measurements(d: dict[str, Any]) -> list[dict[str, Any]]:
     """Benchmark rows of the default and global variants as cost-model measurements
-    (`plan --refit gpu_check.json`); never raises: the report must be written."""
+    (`plan --refit gpu_check.json`); never raises: the report must be written. bf16 rows only:
+    a measurement names its model by preset, which the refit compiles in bf16 (an FP8 row's
+    bytes would be fitted as bf16 bytes)."""
     if d.get("simulated"):
         return []
     try:
         from megakernel.program.measurements import from_gpu_check
 
         rows = [b for b in d.get("bench", []) if b.get("variant", "default") in ("default",
-                                                                                 "global")]
+                                                                                 "global")
+                and b.get("weights", "bf16") == "bf16"]
         return from_gpu_check({**d, "bench": rows})
     except Exception as e:
         d.setdefault("notes", []).append(f"measurements for the cost-model refit: "
@@ -166,7 +169,8 @@ def _targets(d: dict[str, Any]) -> list[dict[str, Any]]:
                 if b.get("model") != model or b.get("variant") != "default" or "step_us" not in b:
                     continue
                 comp = next((c for c in d["compile"] if c.get("case") == b.get("case")), {})
-                runs.append({"batch": b["batch"], "kernel": {"ms": b["step_us"] / 1e3},
+                runs.append({"batch": b["batch"], "weights": b.get("weights", "bf16"),
+                             "kernel": {"ms": b["step_us"] / 1e3},
                              "bytes_per_step": b["bytes_per_step"], "torch_compile": comp})
             if runs:
                 out += evaluate_targets({"model": model, "runs": runs, "device": d["device"],
@@ -214,16 +218,20 @@ def markdown(d: dict[str, Any]) -> str:
                   f"{(m.get('copy') or {}).get('error', '')}",
                   f"- clocks: {json.dumps(m.get('clocks'))}", ""]
     if d["bench"]:
-        lines += ["## decode steps", "", "| case | variant | us/step | tok/s | of achievable "
-                  "| cost model us | timed |", "|---|---|---|---|---|---|---|"]
+        lines += ["## decode steps", "", "| case | variant | weights | us/step | tok/s | MB/step "
+                  "| of achievable | cost model us | timed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for b in d["bench"]:
             if "error" in b:
-                lines.append(f"| {b['item']} | {b.get('variant')} | FAIL: {b['error'][:120]} "
-                             f"| | | | |")
+                lines.append(f"| {b['item']} | {b.get('variant')} | | FAIL: {b['error'][:120]} "
+                             f"| | | | | |")
                 continue
             frac = b.get("fraction_of_achievable")
+            mb = b.get("bytes_per_step")
             lines.append(f"| {b.get('case', b['item'])} | {b.get('variant')} | "
+                         f"{b.get('weights', 'bf16')} | "
                          f"{_f(b.get('step_us'), '.1f')} | {_f(b.get('tokens_per_s'), '.0f')} | "
+                         f"{_f(mb / 1e6 if mb else None, '.1f')} | "
                          f"{'-' if frac is None else f'{100 * frac:.1f}%'} | "
                          f"{_f(b.get('predicted_us'), '.1f')} | {b.get('timed', '-')}"
                          f"{_bench_check(b)} |")
@@ -240,7 +248,8 @@ def markdown(d: dict[str, Any]) -> str:
         lines.append(f"- timeline: {t.get('records_file') or t.get('error') or t.get('note')}")
     for t in d.get("targets", []):
         lines.append(f"- target {t.get('target')}: measured {_f(t.get('measured'))} "
-                     f"({'met' if t.get('met') else 'not met' if t.get('met') is False else '-'})")
+                     f"({'met' if t.get('met') else 'not met' if t.get('met') is False else '-'}; "
+                     f"{t.get('note', '')})")
     for s in d["skipped"]:
         lines.append(f"- skipped (stage {s['stage']}) {s['item']}: {s['why']}")
     for n in d["notes"]:

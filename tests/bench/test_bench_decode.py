@@ -34,8 +34,8 @@ def _res(model: str = "llama-3.2-1b", device: str = "NVIDIA H200", kernel_ms: fl
     return {"model": model, "device": device, "achievable_GBps": bw_gbps, "runs": [run]}
 
 
-def _by_metric(rows: list[dict]) -> dict[str, dict]:
-    return {r["target"].split()[2]: r for r in rows}
+def _by_metric(rows: list[dict], weights: str = "bf16") -> dict[str, dict]:
+    return {r["metric"]: r for r in rows if r["weights"] == weights}
 
 
 def test_targets_met_and_not_met_from_synthetic_numbers():
@@ -67,7 +67,7 @@ def test_qwen_target_and_other_gpus():
     q = bench.evaluate_targets(_res(model="qwen3-0.6b", kernel_ms=0.5, compile_ms=0.9))
     assert q[0]["met"] is False
     # the Llama targets are set for an H200: elsewhere measured and reported, not judged
-    h100 = bench.evaluate_targets(_res(device="NVIDIA H100 80GB HBM3"))
+    h100 = _by_metric(bench.evaluate_targets(_res(device="NVIDIA H100 80GB HBM3"))).values()
     assert all(r["met"] is None and r["measured"] is not None for r in h100)
     assert all("for H200" in r["note"] for r in h100)
     assert bench.evaluate_targets(_res(model="llama-tiny")) == []
@@ -174,3 +174,59 @@ def test_replay_targets_compare_rows_of_one_batch():
     res["runs"] = [r for r in runs if not r["replay_window"]]
     rows = {r["target"]: r for r in bench.evaluate_targets(res)}
     assert rows["nemotron-h-8b B=64 replay_speedup >= 1.3"]["met"] is None
+
+
+FP8_GB = 1.31e9  # about Llama-3.2-1B's FP8 bytes (e4m3 codes and scales, the bf16 embedding)
+
+
+def _fp8_res(bf16_ms: float | None = 0.6, fp8_ms: float | None = 0.35,
+             device: str = "NVIDIA H200") -> dict:
+    """A run with llama-3.2-1b B=1 in bf16 and FP8 (the FP8 run's bytes its own)."""
+    res = _res(device=device, kernel_ms=bf16_ms or 0.6)
+    if bf16_ms is None:
+        res["runs"] = []
+    if fp8_ms is not None:
+        res["runs"].append({"batch": 1, "weights": "fp8", "bytes_per_step": FP8_GB,
+                            "kernel": {"ms": fp8_ms}})
+    return res
+
+
+def test_fp8_targets_are_judged_on_the_fp8_run():
+    """bw_fraction of the FP8 run on its own bytes; vs_bf16: (bf16 step / FP8 step) over the byte
+    ratio, both rows from the same run; the bf16 targets still judged on the bf16 row."""
+    ratio = GB / FP8_GB  # 1.885
+    # 0.35 ms: 1.31 GB / 0.35 ms = 3743 GB/s = 0.851 of 4400; 0.6 / 0.35 = 1.714 = 0.909 of 1.885
+    fp8 = _by_metric(bench.evaluate_targets(_fp8_res(0.6, 0.35)), "fp8")
+    assert set(fp8) == {"bw_fraction", "vs_bf16"}
+    assert fp8["bw_fraction"]["measured"] == pytest.approx(FP8_GB / 0.35e-3 / 4400e9)
+    assert fp8["vs_bf16"]["measured"] == pytest.approx((0.6 / 0.35) / ratio)
+    assert fp8["bw_fraction"]["met"] is True and fp8["vs_bf16"]["met"] is True
+    assert "fp8" in fp8["vs_bf16"]["target"] and "fewer bytes" in fp8["vs_bf16"]["note"]
+    bf16 = _by_metric(bench.evaluate_targets(_fp8_res(0.6, 0.35)))
+    assert bf16["bw_fraction"]["measured"] == pytest.approx(GB / 0.6e-3 / 4400e9)
+    # vs_bf16 just above and just below 0.9 of the byte ratio; the bf16 step unchanged
+    for factor, met in ((1.01, True), (0.99, False)):
+        fp8_ms = 0.6 / (0.9 * ratio * factor)
+        r = _by_metric(bench.evaluate_targets(_fp8_res(0.6, fp8_ms)), "fp8")["vs_bf16"]
+        assert r["met"] is met and r["measured"] == pytest.approx(0.9 * factor), (factor, r)
+    # 0.5 ms: 0.595 of the bandwidth, 1.2x for 1.885x fewer bytes (0.637): neither met
+    slow = _by_metric(bench.evaluate_targets(_fp8_res(0.6, 0.5)), "fp8")
+    assert slow["bw_fraction"]["met"] is False and slow["vs_bf16"]["met"] is False
+
+
+def test_fp8_targets_not_measured():
+    """No FP8 run: both not judged ("fp8 not run"); an FP8 run without a bf16 one at its batch:
+    vs_bf16 not judged, bw_fraction judged; on another GPU: measured, not judged."""
+    rows = _by_metric(bench.evaluate_targets(_fp8_res(0.6, None)), "fp8")
+    assert all(r["met"] is None and r["measured"] is None and "fp8 not run" in r["note"]
+               for r in rows.values())
+    rows = _by_metric(bench.evaluate_targets(_fp8_res(None, 0.35)), "fp8")
+    assert rows["vs_bf16"]["met"] is None and "no bf16 run" in rows["vs_bf16"]["note"]
+    assert rows["bw_fraction"]["met"] is True
+    res = _fp8_res(0.6, 0.35)
+    res["runs"][0]["batch"] = 8  # a bf16 row of another batch is not the baseline
+    assert _by_metric(bench.evaluate_targets(res), "fp8")["vs_bf16"]["met"] is None
+    h100 = _by_metric(bench.evaluate_targets(_fp8_res(0.6, 0.35, "NVIDIA H100")), "fp8")
+    assert all(r["met"] is None and r["measured"] is not None for r in h100.values())
+    text = bench.targets_text(bench.evaluate_targets(_fp8_res(0.6, 0.5)))
+    assert "llama-3.2-1b B=1 fp8 vs_bf16 >= 0.9" in text and text.count("NOT MET") == 2
