@@ -52,15 +52,20 @@ def test_plan_fp8_streams_about_half_the_block_bytes(capsys):
     assert "per output channel" in r8["weights"] and r16["weights"] == "bf16"
 
 
-def test_fp8_checkpoint_loads_as_fp8_without_the_flag(capsys, tmp_path):
-    cfg = preset("llama-tiny").replace(quant=fp8.Fp8Format("block"))
-    save_checkpoint(cfg, fp8.QuantizedWeights(cfg, random_weights(preset("llama-tiny"), seed=2)),
+@pytest.mark.parametrize("model, granularity, says", [
+    ("llama-tiny", "block", "128x128 block"),  # transformers' "fp8" form (weight_scale_inv)
+    ("qwen3.5-tiny", "channel", "per output channel"),  # compressed-tensors (weight_scale)
+])
+def test_fp8_checkpoint_loads_as_fp8_without_the_flag(capsys, tmp_path, model, granularity,
+                                                      says):
+    cfg = preset(model).replace(quant=fp8.Fp8Format(granularity))
+    save_checkpoint(cfg, fp8.QuantizedWeights(cfg, random_weights(preset(model), seed=2)),
                     tmp_path / "ck")
     base = ("generate", "--model", str(tmp_path / "ck"), "--prompt-ids", PROMPTS, "--steps", "4",
             "--json")
     rc, ref, err = _run(capsys, *base)
     assert rc == 0, err
-    assert "128x128 block" in ref["weights"]
+    assert says in ref["weights"]
     rc, ex, err = _run(capsys, *base, "--backend", "cpu-executor")
     assert rc == 0, err
     assert ex["tokens"] == ref["tokens"]
