@@ -40,9 +40,9 @@ Modes
     "bf16": the bf16 mirror of the kernel. Weights bf16, except those transformers keeps (or
     computes from) in fp32 (`megakernel.models.weights.keep_fp32`: MoE router weight and bias,
     dt_bias, A_log, D) and an FP8 model's quantized matrices, dequantized exactly (code * scale
-    in fp32) in both modes and never rounded again (docs/FP8.md). Every matvec multiplies bf16 weights by bf16-valued inputs with fp32
-    accumulation. Activations are rounded to bf16 (`store`) exactly where the kernel stores bf16,
-    and nowhere else:
+    in fp32) in both modes and never rounded again (docs/FP8.md). Every matvec multiplies these
+    weights by bf16-valued inputs with fp32 accumulation. Activations are rounded to bf16
+    (`store`) exactly where the kernel stores bf16, and nowhere else:
       1. the residual stream h is fp32 throughout (embedding row bf16 -> fp32; block outputs are
          added in fp32, never rounded);
       2. every RMSNorm runs in fp32, times the (bf16) weight in fp32, and is rounded (it is a
@@ -70,8 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megakernel.models import ConfigError, ModelConfig, validate
-from megakernel.models import fp8
+from megakernel.models import ConfigError, ModelConfig, fp8, validate
 from megakernel.models.weights import WeightError, check_weights, expected_shapes, keep_fp32
 
 from .layers import ReferenceLayer, layer_class
