@@ -68,8 +68,7 @@ class Fp8Format:
 
     def expand(self, scale: torch.Tensor, rows: int, k: int) -> torch.Tensor:
         """The scale of every element: [rows, k] fp32."""
-        s = self.row_scales(scale, rows, k)
-        return s.repeat_interleave(self.chunk(k), dim=1)[:, :k]
+        return spread(self.row_scales(scale, rows, k), self.chunk(k), k)
 
     def describe(self) -> str:
         g = ("per output channel" if self.granularity == "channel"
@@ -90,6 +89,12 @@ class Fp8Format:
                     "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
                                 "symmetric": True, "dynamic": False}}},
                 "ignore": ignore}
+
+
+def spread(row_scales: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """Row-wise scales [R, C] (one per `chunk` inputs, the last chunk short) -> the scale of
+    every element [R, k]."""
+    return row_scales.repeat_interleave(chunk, dim=1)[:, :k]
 
 
 def from_hf(qc: Any) -> Fp8Format | None:
@@ -283,20 +288,6 @@ def dequantized(cfg: Any, weights: Mapping[str, torch.Tensor]) -> dict[str, torc
     return out
 
 
-def matrix_bytes(rows: int, k: int, fmt: Fp8Format | None) -> int:
-    """Bytes a GEMV streams for `rows` rows of length k: the weights plus their scales."""
-    if fmt is None:
-        return 2 * rows * k
-    return rows * k + 4 * rows * fmt.chunks(k)
-
-
-def quantization_error(w: torch.Tensor, fmt: Fp8Format) -> float:
-    """Relative Frobenius error of quantizing `w` (what the accuracy report compares with)."""
-    codes, scale = quantize(w, fmt)
-    x = w.to(torch.float32)
-    return float((dequantize(codes, scale, fmt) - x).norm() / max(float(x.norm()), 1e-30))
-
-
 __all__ = ["E4M3", "E4M3_MAX", "Fp8Error", "Fp8Format", "QuantizedWeights", "check_codes",
-           "check_scale", "dequantize", "dequantized", "from_hf", "matrix_bytes", "parse_weights",
-           "quantize", "quantized_names", "quantization_error", "scale_name"]
+           "check_scale", "dequantize", "dequantized", "from_hf", "parse_weights", "quantize",
+           "quantized_names", "scale_name", "spread"]

@@ -143,7 +143,8 @@ class BuildContext:
         return Instr(op, layer, dict(W=mat.w(r0), ROW0=r0, NROWS=rows, K=k, NORM_OFF=norm_off,
                                      IN_OFF=in_off, OUT_OFF=out_off, **extra),
                      wait=wait, signal=signal, w_bytes=slab, l2_bytes=l2,
-                     converted=rows * k * mat.passes_converted(self.passes),
+                     # an FP8 slab is converted once per pass over the activation rows
+                     converted=rows * k * self.passes if mat.dtype == "fp8" else 0,
                      store_bytes=store, **self.matvec_flops(rows, k))
 
 

@@ -36,7 +36,7 @@ import torch
 
 from megakernel.layers import kind
 from megakernel.layers.frame import padded_vocab
-from megakernel.models.fp8 import E4M3, Fp8Format, scale_name
+from megakernel.models.fp8 import E4M3, Fp8Format, scale_name, spread
 
 ALIGN = 64  # elements (128 bytes): bulk copies and 16-byte vector loads need 16-byte alignment
 
@@ -71,11 +71,6 @@ class Entry:
         """A record's W: the element offset of row `row0` (fp8: its first byte / 2)."""
         return self.offset + (row0 * self.shape[1] if self.dtype == "bf16"
                               else row0 * self.shape[1] // 2)
-
-    def passes_converted(self, passes: int) -> int:
-        """How many times a GEMV converts each weight: once per pass over the activation rows
-        for fp8 (nothing to convert for bf16)."""
-        return 0 if self.dtype == "bf16" else passes
 
     def row_bytes(self, k: int) -> int:
         """Bytes a GEMV streams per row: the weights plus (fp8) the row's scales."""
@@ -213,12 +208,6 @@ class PackedWeights:
         raw = self.arena[e.offset : e.offset + e.span]
         return raw.view(e.shape) if e.dtype == "bf16" else raw.view(E4M3)[: e.numel].view(e.shape)
 
-    def scales(self, key: str) -> torch.Tensor:
-        """An fp8 entry's scales [R, C] fp32, row r's C scales at row r."""
-        e = self.layout[key]
-        raw = self.arena[e.scale_offset : e.offset].view(torch.float32)
-        return raw.view(e.shape[0], e.chunks).flip(0)
-
     def set_scales(self, key: str, s: torch.Tensor) -> None:
         e = self.layout[key]
         self.arena[e.scale_offset : e.offset].view(torch.float32).view(
@@ -237,8 +226,7 @@ class PackedWeights:
         codes = self.arena[w : w + nrows * k // 2].view(E4M3).view(nrows, k)
         s = self.arena[e.scale_offset : e.offset].view(torch.float32).view(-1, e.chunks)
         rows = s.flip(0)[row0 : row0 + nrows]
-        scale = rows.repeat_interleave(e.chunk, dim=1)[:, :k]
-        return codes.float() * scale, nrows * e.row_bytes(k)
+        return codes.float() * spread(rows, e.chunk, k), nrows * e.row_bytes(k)
 
 
 def pack_weights(cfg, weights: Mapping[str, torch.Tensor],  # noqa: ANN001
