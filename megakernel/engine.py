@@ -14,11 +14,18 @@ consumes tokens [B, T] (None: the tokens the last step fed back) and returns the
 
 Between the two, `copy_state` carries lengths, ring counts, KV cache and recurrent state from the
 chunk program's arenas into the single program's. Caches and states start empty.
+
+3. speculative (optional, a program of T = 1 + k with drafts): once every row has its first new
+   token the state moves to it; each step verifies a row's last token and k drafts, and the
+   device accepts, commits and (with the n-gram drafter) drafts the next ones
+   (layers/speculative.py); the host reads `emitted` and the emitted tokens, and writes the
+   drafts only when they are its own (`drafts_fn`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,6 +56,15 @@ class Generated:
     first_token_s: float = 0.0  # wall time until every row had its first new token
     total_s: float = 0.0
     steps: dict[int, int] = field(default_factory=dict)  # T -> program steps run
+    accepted: list[list[int]] = field(default_factory=list)  # per speculative step: per live row
+
+    def speculative_stats(self, method: str, k: int) -> dict:
+        """The `--json` "speculative" object: drafts accepted and tokens emitted per row and
+        speculative step (live rows only)."""
+        acc = [a for step in self.accepted for a in step]
+        mean = sum(acc) / len(acc) if acc else 0.0
+        return {"method": method, "k": k, "steps": len(self.accepted),
+                "accepted_per_step": round(mean, 4), "tokens_per_step": round(mean + 1, 4)}
 
 
 def copy_state(src: Stepper, dst: Stepper) -> None:
@@ -60,10 +76,14 @@ def copy_state(src: Stepper, dst: Stepper) -> None:
         if sa[name] is not da[name]:
             da[name].copy_(sa[name])
     for arena, name in dp.persistent:
+        if name not in getattr(sp, arena):  # what only a speculative program keeps
+            continue
         s, d = getattr(sp, arena)[name], getattr(dp, arena)[name]
         da[arena][d.offset: d.offset + d.numel].copy_(sa[arena][s.offset: s.offset + s.numel])
     for layer, regs in dp.state.items():
         for name, d in regs.items():
+            if name not in sp.state[layer]:  # a speculative step's pending inputs: step scratch
+                continue
             s = sp.state[layer][name]
             src_t = sa["state"][s.offset: s.offset + s.numel].view(s.shape)
             dst_t = da["state"][d.offset: d.offset + d.numel].view(d.shape)
@@ -80,13 +100,28 @@ def _check_prompts(prompts: list[list[int]], batch: int) -> None:
                          f"{[len(p) for p in prompts]} tokens")
 
 
+def spec_max_seq_len(longest_prompt: int, steps: int, drafts: int = 0) -> int:
+    """The cache length generation needs: the longest prompt + steps - 1, and with k drafts a
+    step k + 1 more (a live row's last step still verifies 1 + k tokens)."""
+    return longest_prompt + steps - 1 + (drafts + 1 if drafts else 0)
+
+
+def region(stepper: Stepper, arena: str, name: str) -> torch.Tensor:
+    """A view of buffer `name` of a stepper's persistent arena `arena` (its own shape)."""
+    r = getattr(stepper.prog.buffers, arena)[name]  # type: ignore[attr-defined]
+    return stepper.arenas()[arena][r.offset: r.offset + r.numel].view(r.shape)
+
+
 def program_generate(single: Stepper, prompts: list[list[int]], steps: int,
                      eos_token_id: int | None = None, chunk: Stepper | None = None,
-                     live: list[bool] | None = None) -> Generated:
+                     live: list[bool] | None = None, spec: Stepper | None = None,
+                     drafts_fn: Callable | None = None) -> Generated:
     """Greedy generation of up to `steps` new tokens per prompt, prefill included, on the
-    program (module docstring). The program needs max_seq_len >= longest prompt + steps - 1.
-    A row stops at `eos_token_id` (kept); the loop ends when every row has stopped. Rows whose
-    `live` is False (batch padding) are stepped but never hold the loop; their tokens stay []."""
+    program (module docstring). The program needs max_seq_len >= longest prompt + steps - 1
+    (+ k with a speculative program `spec`). A row stops at `eos_token_id` (kept); the loop ends
+    when every row has stopped. Rows whose `live` is False (batch padding) are stepped but never
+    hold the loop; their tokens stay []. `drafts_fn(histories, k)`: the drafts of a speculative
+    program without the device drafter (histories: each row's tokens, the next input last)."""
     b = len(prompts)
     _check_prompts(prompts, b)
     t0 = time.perf_counter()
@@ -122,8 +157,59 @@ def program_generate(single: Stepper, prompts: list[list[int]], steps: int,
         if pos == max(len(p) for p in prompts) - 1:
             single.sync()
             done.first_token_s = time.perf_counter() - t0
+            if spec is not None:
+                break
         pos += 1
     single.sync()
-    done.total_s = time.perf_counter() - t0
     done.steps[1] = n1
+    if spec is not None and not all(stopped):
+        copy_state(single, spec)
+        speculate(spec, prompts, done, stopped, steps, eos_token_id, drafts_fn)
+        spec.sync()
+    done.total_s = time.perf_counter() - t0
     return done
+
+
+def speculate(spec: Stepper, prompts: list[list[int]], done: Generated, stopped: list[bool],
+              steps: int, eos_token_id: int | None, drafts_fn: Callable | None) -> None:
+    """The speculative phase (module docstring, 3.), from every row's first new token on:
+    appends each live row's emitted tokens to `done.tokens` until every row has stopped."""
+    from megakernel.reference.speculative import ngram_propose
+
+    prog = spec.prog  # type: ignore[attr-defined]
+    k, b = prog.drafts, len(prompts)
+    hist = [list(p) + done.tokens[i] for i, p in enumerate(prompts)]  # the next input last
+    region(spec, "i32", "history")[:] = 0
+    for i, h in enumerate(hist):
+        region(spec, "i32", "history")[i, : len(h)] = torch.tensor(h, dtype=torch.int32)
+    propose = drafts_fn or (lambda hs, kk: [ngram_propose(x, kk, prog.ngram or 3) for x in hs])
+    feed: torch.Tensor | None = torch.cat(
+        (torch.tensor([h[-1] for h in hist])[:, None],
+         torch.tensor(propose(hist, k), dtype=torch.int64)), dim=1)
+    n = 0
+    while not all(stopped):
+        out = spec.step(feed).tolist()
+        emitted = region(spec, "i32", "emitted").tolist()
+        n += 1
+        if not any(emitted[i] for i in range(b) if not stopped[i]):
+            raise ValueError(f"speculative generation cannot go on: the live rows' caches are "
+                             f"full (lengths {region(spec, 'i32', 'lengths').tolist()}, "
+                             f"{prog.tokens} tokens a step, max sequence length "
+                             f"{prog.max_seq_len}); compile with max_seq_len >= "
+                             "spec_max_seq_len(...)")
+        done.accepted.append([emitted[i] - 1 for i in range(b) if not stopped[i]])
+        for i in range(b):
+            new = out[i][: emitted[i]]
+            hist[i] += new
+            if stopped[i]:
+                continue
+            for tok in new:
+                done.tokens[i].append(tok)
+                if len(done.tokens[i]) >= steps or tok == eos_token_id:
+                    stopped[i] = True
+                    break
+        feed = None
+        if not prog.ngram:
+            feed = torch.cat((torch.tensor([h[-1] for h in hist])[:, None],
+                              torch.tensor(propose(hist, k), dtype=torch.int64)), dim=1)
+    done.steps[prog.tokens] = n

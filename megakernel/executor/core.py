@@ -452,8 +452,8 @@ class Executor:
     def _check_counts(self, lengths: list[int], ring_before: torch.Tensor | None) -> None:
         p, cfg, b = self.prog, self.cfg, self.prog.buffers
         shape = p.step_shape()
-        argmax = next(i for i in p.instrs if i.op == isa.Op.ARGMAX)
-        flags, n_tiles = argmax.operands["FLAGS"], argmax.operands["N_TILES"]
+        end = next(i for i in p.instrs if i.op in (isa.Op.ARGMAX, isa.Op.ACCEPT))
+        flags, n_tiles = end.operands.get("FLAGS", 0), end.operands["N_TILES"]
         expect = {k: torch.zeros_like(t.count) for k, t in self.tracks.items()}
 
         def add(arena: str, name: str, extent: tuple[int, ...] | None = None, times: int = 1
@@ -470,6 +470,8 @@ class Executor:
             add("i32", "lengths")
         if flags & isa.FLAG_FEEDBACK:
             add("i32", "tokens_in")
+        if p.drafts:
+            self._expect_accept(lengths, expect)
         frame = {nd.name for nd in frame_needs(cfg, shape)}
         for blk in cfg.blocks:
             kd = kind(blk.kind)
@@ -508,11 +510,32 @@ class Executor:
                     else:
                         e[slot, blk, :, o] = 1
 
+    def _expect_accept(self, lengths: list[int], expect: dict) -> None:
+        """ACCEPT: lengths and emitted once; per sequence with e = emitted > 0 the history at
+        positions lengths .. lengths + e and the bonus in tokens_in once; NGRAM: the drafts once."""
+        p, b = self.prog, self.prog.buffers
+        emitted = self.region("i32", "emitted").tolist()
+
+        def add(name: str, idx) -> None:  # noqa: ANN001
+            r = b.i32[name]
+            expect["i32"][r.offset : r.offset + r.numel].view(r.shape)[idx] += 1
+
+        add("lengths", slice(None))
+        add("emitted", slice(None))
+        for i, (n, e) in enumerate(zip(lengths, emitted, strict=True)):
+            if e:
+                add("history", (i, slice(n, n + e + 1)))
+                add("tokens_in", i * p.tokens)
+            if p.ngram:
+                add("tokens_in", slice(i * p.tokens + 1, (i + 1) * p.tokens))
+
     def _expect_state(self, blk, expect: dict, ring_before) -> None:  # noqa: ANN001
         """A recurrent layer: conv window once; recurrent: state once; ReplaySSM: the new ring
-        entries and the ring count once, the state of a sequence once if it folded."""
+        entries and the ring count once, the state of a sequence once if it folded (a speculative
+        step: after its emitted entries; its pending inputs once)."""
         p, b = self.prog, self.prog.buffers
         regs, st = b.state[blk.layer], expect["state"]
+        emitted = self.region("i32", "emitted").tolist() if p.drafts else None
 
         def mark(name: str, idx=()) -> None:  # noqa: ANN001
             r = regs[name]
@@ -526,12 +549,14 @@ class Executor:
         units = kind(blk.kind).units(blk.cfg)
         cnt = b.i32["ring_count"]
         expect["i32"][cnt.offset : cnt.offset + cnt.numel].view(cnt.shape)[row, :, :units] = 1
+        if p.drafts:
+            mark("pending")
         for bi in range(p.batch):
             n0 = int(ring_before[row, bi, 0])
-            if n0 + p.tokens >= p.replay_window:
+            if n0 + (emitted[bi] if emitted else p.tokens) >= p.replay_window:
                 mark("state", bi)
             for name in regs:
-                if name not in ("conv", "state"):
+                if name not in ("conv", "state", "pending"):
                     mark(name, (bi, slice(n0, n0 + p.tokens)))
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from megakernel.engine import PREFILL_CHUNK, STATE_ARENAS, program_generate
+from megakernel.engine import PREFILL_CHUNK, STATE_ARENAS, program_generate, spec_max_seq_len
 from megakernel.executor.core import Executor, ExecutorError
 from megakernel.program.gpus import GPU
 from megakernel.program.gpus import gpu as gpu_by_name
@@ -23,13 +23,16 @@ def executor_gpu(num_sms: int = DEFAULT_SMS, base: str = "h100") -> GPU:
 def generate(cfg, weights: dict[str, torch.Tensor], prompts: list[list[int]], steps: int,  # noqa: ANN001
              max_seq_len: int | None = None, seed: int = 0, num_sms: int = DEFAULT_SMS,
              check: bool = True, replay_window: int | None = None,
-             chunk_tokens: int = PREFILL_CHUNK) -> list[list[int]]:
+             chunk_tokens: int = PREFILL_CHUNK, drafts: int = 0, ngram: int = 0,
+             drafts_fn=None) -> list[list[int]]:  # noqa: ANN001
     """Greedy generation like `reference.generate`, prefill and decode run by the program.
 
     The prompts run through the program from an empty cache and state (megakernel.engine): in
     chunks of `chunk_tokens` per sequence as far as the shortest prompt allows, then one token
     per step with per-row feeding; the output at a prompt's last token is its first new token.
     `replay_window`: None runs recurrent layers by the recurrent update, L by ReplaySSM.
+    `drafts` k > 0: after the prefill, speculative steps of 1 + k tokens, drafted by the device
+    n-gram drafter (`ngram`: its longest suffix) or by `drafts_fn(histories, k)` (engine.py).
     """
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights
@@ -41,17 +44,21 @@ def generate(cfg, weights: dict[str, torch.Tensor], prompts: list[list[int]], st
     if steps == 0:
         return [[] for _ in prompts]
     if max_seq_len is None:
-        max_seq_len = max(len(p) for p in prompts) + steps - 1
+        max_seq_len = spec_max_seq_len(max(len(p) for p in prompts), steps, drafts)
     chunk_tokens = min(chunk_tokens, min(len(p) for p in prompts) - 1)
 
-    def compile_fn(tokens: int):  # noqa: ANN202
+    def compile_fn(tokens: int, drafts: int = 0, ngram: int = 0):  # noqa: ANN202
         return compile_program(cfg, len(prompts), executor_gpu(num_sms), tokens=tokens,
-                               max_seq_len=max_seq_len, replay_window=replay_window)
+                               max_seq_len=max_seq_len, replay_window=replay_window,
+                               drafts=drafts, ngram=ngram)
 
-    single, chunk = executor_steppers(cfg, pack_weights(cfg, weights), len(prompts),
-                                      max_seq_len, replay_window, chunk_tokens, check, seed,
-                                      compile_fn)
-    return program_generate(single, prompts, steps, chunk=chunk).tokens
+    packed = pack_weights(cfg, weights)
+    single, chunk = executor_steppers(cfg, packed, len(prompts), max_seq_len, replay_window,
+                                      chunk_tokens, check, seed, compile_fn)
+    spec = (speculative_stepper(single, packed, compile_fn, drafts, ngram, check, seed)
+            if drafts else None)
+    return program_generate(single, prompts, steps, chunk=chunk, spec=spec,
+                            drafts_fn=drafts_fn).tokens
 
 
 # ---- steppers -----------------------------------------------------------------------------------
@@ -104,3 +111,13 @@ def executor_steppers(cfg, packed, batch: int, max_seq_len: int,  # noqa: ANN001
         chunk = ExecutorStepper(compile_fn(chunk_tokens), packed, check=check,
                                 seed=seed + 10_000, arenas=kv)
     return single, chunk
+
+
+def speculative_stepper(single: ExecutorStepper, packed, compile_fn: Callable[..., object],  # noqa: ANN001
+                        drafts: int, ngram: int = 0, check: bool = False, seed: int = 0
+                        ) -> ExecutorStepper:
+    """The speculative program's stepper (1 + `drafts` tokens; `ngram`: the device drafter),
+    sharing `single`'s KV cache tensors."""
+    kv = {n: single.ex.arena_tensor(n) for n in ("k", "v")}
+    return ExecutorStepper(compile_fn(1 + drafts, drafts=drafts, ngram=ngram), packed,
+                           check=check, seed=seed + 20_000, arenas=kv)

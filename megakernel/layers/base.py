@@ -80,6 +80,7 @@ class StepShape:
     num_sms: int
     ring_cap: int  # ReplaySSM ring entries per (layer, sequence); 0: recurrent update
     paged: PagedKV | None = None  # paged KV and caller-owned step metadata (program/paged.py)
+    drafts: int = 0  # a speculative step's drafts k (tokens = 1 + k; layers/speculative.py)
 
     @property
     def rows(self) -> int:
@@ -114,6 +115,9 @@ class LayerKind:
     # opcode name -> the opcode(s) of the same block it waits on (None: the block's input)
     flow: ClassVar[dict[str, object]] = {}
     out_op: ClassVar[str] = ""  # the opcode whose counter ends the block: derived from `flow`
+    # a speculative step's opcodes of the kind that run after the step's end: opcode name -> the
+    # frame opcode they wait on (layers/speculative.py)
+    after: ClassVar[dict[str, str]] = {}
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         if cls.flow:  # the one opcode of the flow no other opcode waits on
@@ -242,10 +246,11 @@ class LayerKind:
         raise NotImplementedError
 
     @classmethod
-    def state(cls, blk: Block, model: ModelConfig, batch: int, ring_cap: int
+    def state(cls, blk: Block, model: ModelConfig, batch: int, ring_cap: int, pending: int = 0
               ) -> list[tuple[str, tuple[int, ...]]]:
         """The layer's blocks of the persistent fp32 state arena (recurrent kinds), in order:
-        "conv" [B, C, K-1], "state" [B, ...], then (ring_cap > 0) the ring entries."""
+        "conv" [B, C, K-1], "state" [B, ...], then (ring_cap > 0) the ring entries, then (a
+        speculative step's T = `pending`) "pending" [B, C, T]."""
         return []
 
     # ---- program ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ rows past V never store a logit and never take part in the argmax. Ties: the low
 from __future__ import annotations
 
 from megakernel.isa.records import FLAG_ADVANCE, FLAG_FEEDBACK, ROW_ALIGN
+from megakernel.layers import speculative
 from megakernel.isa.registry import MATVEC, OpSpec, register
 from megakernel.layers.base import OUTPUT, STREAM, Need, StepShape
 from megakernel.program.stages import Instr, Stage
@@ -91,7 +92,8 @@ def needs(model, shape: StepShape) -> list[Need]:  # noqa: ANN001
         # paged: the caller's block table [B, max_blocks] and slot mapping [N] (program/paged.py)
         [Need("i32", "block_table", (shape.batch, shape.paged.max_blocks), STREAM,
               persistent=True),
-         Need("i32", "slot_mapping", (n,), STREAM, persistent=True)] if shape.paged else [])
+         Need("i32", "slot_mapping", (n,), STREAM, persistent=True)] if shape.paged else []) + (
+        speculative.needs(model, shape))
 
 
 def embed_stage(ctx) -> tuple[Stage, int]:  # noqa: ANN001
@@ -148,9 +150,10 @@ def round_rows(x: int) -> int:
     return -(-x // ROW_ALIGN) * ROW_ALIGN
 
 
-def head_stages(ctx, wait: int) -> list[Stage]:  # noqa: ANN001
-    """LMHEAD (final norm, padded vocab slabs) and ARGMAX; the LM-head slots are numbered after
-    scheduling (program/compiler.number_lm_tiles)."""
+def head_stages(ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
+    """LMHEAD (final norm, padded vocab slabs) and ARGMAX, or in a speculative step ACCEPT (and
+    NGRAM: layers/speculative.py); the LM-head slots are numbered after scheduling
+    (program/compiler.number_lm_tiles). Returns the stages and the counter of ARGMAX / ACCEPT."""
     n, hid, f32, i32 = ctx.rows, ctx.model.hidden_size, ctx.buf.f32, ctx.buf.i32
     c_lm = ctx.ctr("lmhead")
     lm_off, vpad = ctx.lay.lm_head.offset, padded_vocab(ctx.model.vocab_size)
@@ -161,6 +164,10 @@ def head_stages(ctx, wait: int) -> list[Stage]:  # noqa: ANN001
                           f32["h"].offset, f32["logits"].offset, wait, c_lm,
                           n * rows * 4 + n * 8, TILE=-1, PARG_OFF=f32["part_argmax"].offset)
 
+    lm = Stage("lmhead", LMHEAD, -1, vpad // ROW_ALIGN, True, mk_lm, ROW_ALIGN)
+    if ctx.drafts:
+        tail, c_end = speculative.accept_stages(ctx, c_lm)
+        return [lm, *tail], c_end
     # a paged program's caller owns lengths and input ids (program/paged.py)
     flags = 0 if ctx.buf.paged else FLAG_ADVANCE | (FLAG_FEEDBACK if ctx.tokens == 1 else 0)
 
@@ -171,5 +178,4 @@ def head_stages(ctx, wait: int) -> list[Stage]:  # noqa: ANN001
             TOK_OFF=i32["tokens_in"].offset, LEN_OFF=i32["lengths"].offset, FLAGS=flags),
             wait=c_lm, l2_bytes=nt * n * 8, store_bytes=n * 8 + ctx.batch * 4)
 
-    return [Stage("lmhead", LMHEAD, -1, vpad // ROW_ALIGN, True, mk_lm, ROW_ALIGN),
-            Stage("argmax", ARGMAX, -1, 1, False, mk_argmax)]
+    return [lm, Stage("argmax", ARGMAX, -1, 1, False, mk_argmax)], c_lm

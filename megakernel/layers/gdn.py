@@ -18,7 +18,7 @@ import torch
 from megakernel.errors import ConfigError, positive
 from megakernel.kernel.gdn_index import GDNShape, check_gdn
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
+from megakernel.layers.recurrent import RecurrentKind, Sizes, register_commit_op, register_core_ops
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,14 @@ GDN_CORE, GDN_REPLAY = register_core_ops(
      "n + T."), handler=("gdn.GatedDeltaRule",) * 2)
 
 
+GDN_COMMIT = register_commit_op(32, "GDN", "gdn", _UNIT)
+
+
 @register_kind
 class GatedDeltaNet(RecurrentKind):
     name = "gdn"
     config = GDNConfig
-    core_op, replay_op = GDN_CORE, GDN_REPLAY
+    core_op, replay_op, commit_op = GDN_CORE, GDN_REPLAY, GDN_COMMIT
     unit_label = ("key head", "Hk")
     index_shape, index_check = GDNShape, staticmethod(check_gdn)
 
@@ -91,6 +94,13 @@ class GatedDeltaNet(RecurrentKind):
         return Sizes(c.num_k_heads, (c.num_v_heads, c.k_head_dim, c.v_head_dim), ring,
                      c.value_dim, 2 * c.num_v_heads,
                      c.conv_dim + c.value_dim + 2 * c.num_v_heads, ch, ch * c.conv_kernel * 2, rep)
+
+    @classmethod
+    def unit_segments(cls, c: GDNConfig, unit: int) -> list[slice]:
+        """Key head kh's q and k channels, then its value heads' v channels."""
+        dk, dv, kd, rep = c.k_head_dim, c.v_head_dim, c.key_dim, c.num_v_heads // c.num_k_heads
+        return [slice(unit * dk, (unit + 1) * dk), slice(kd + unit * dk, kd + (unit + 1) * dk),
+                slice(2 * kd + unit * rep * dv, 2 * kd + (unit + 1) * rep * dv)]
 
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod

@@ -21,7 +21,7 @@ import torch
 from megakernel.errors import positive
 from megakernel.kernel.kda_index import KDAShape, check_kda
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
+from megakernel.layers.recurrent import RecurrentKind, Sizes, register_commit_op, register_core_ops
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,14 @@ KDA_CORE, KDA_REPLAY = register_core_ops(
     handler=("kda.KimiDeltaAttention",) * 2)
 
 
+KDA_COMMIT = register_commit_op(34, "KDA", "kda", _UNIT)
+
+
 @register_kind
 class KimiDeltaAttention(RecurrentKind):
     name = "kda"
     config = KDAConfig
-    core_op, replay_op = KDA_CORE, KDA_REPLAY
+    core_op, replay_op, commit_op = KDA_CORE, KDA_REPLAY, KDA_COMMIT
     unit_label = ("head", "H")
     index_shape, index_check = KDAShape, staticmethod(check_kda)
 
@@ -73,6 +76,12 @@ class KimiDeltaAttention(RecurrentKind):
         return Sizes(k.num_heads, (k.num_heads, d, d), [(n, (k.num_heads, d)) for n in "kug"],
                      k.qkv_dim, k.num_heads + k.qkv_dim, 3 * k.qkv_dim + 2 * d + k.num_heads,
                      3 * d, (3 * d * k.conv_kernel + 2 * d * d) * 2, 1)
+
+    @classmethod
+    def unit_segments(cls, k: KDAConfig, unit: int) -> list[slice]:
+        """Head h's q, k and v channels."""
+        d = k.head_dim
+        return [slice(o + unit * d, o + (unit + 1) * d) for o in (0, k.qkv_dim, 2 * k.qkv_dim)]
 
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod

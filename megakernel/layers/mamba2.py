@@ -18,7 +18,7 @@ import torch
 from megakernel.errors import ConfigError, positive
 from megakernel.kernel.mamba_index import MambaShape, check_mamba
 from megakernel.layers.base import register_kind
-from megakernel.layers.recurrent import RecurrentKind, Sizes, register_core_ops
+from megakernel.layers.recurrent import RecurrentKind, Sizes, register_commit_op, register_core_ops
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,14 @@ MAMBA_CORE, MAMBA_REPLAY = register_core_ops(
                                                         "mamba_replay.Mamba2Replay"))
 
 
+MAMBA_COMMIT = register_commit_op(33, "MAMBA", "mamba2", _UNIT)
+
+
 @register_kind
 class Mamba2(RecurrentKind):
     name = "mamba2"
     config = Mamba2Config
-    core_op, replay_op = MAMBA_CORE, MAMBA_REPLAY
+    core_op, replay_op, commit_op = MAMBA_CORE, MAMBA_REPLAY, MAMBA_COMMIT
     unit_label = ("group", "G")
     index_shape, index_check = MambaShape, staticmethod(check_mamba)
 
@@ -95,6 +98,15 @@ class Mamba2(RecurrentKind):
         return Sizes(m.n_groups, (m.num_heads, m.head_dim, m.state_size), ring, m.d_inner,
                      3 * m.num_heads, m.in_proj_size, ch, ch * (m.conv_kernel + 1) * 2,
                      m.num_heads // m.n_groups)
+
+    @classmethod
+    def unit_segments(cls, m: Mamba2Config, unit: int) -> list[slice]:
+        """Group j's x channels (its heads), then its B and C channels."""
+        rep, hp, ns, di = m.num_heads // m.n_groups, m.head_dim, m.state_size, m.d_inner
+        bc = di + m.n_groups * ns
+        return [slice(unit * rep * hp, (unit + 1) * rep * hp),
+                slice(di + unit * ns, di + (unit + 1) * ns),
+                slice(bc + unit * ns, bc + (unit + 1) * ns)]
 
     # ---- checkpoint --------------------------------------------------------------------------
     @classmethod

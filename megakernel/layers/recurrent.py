@@ -36,6 +36,21 @@ CORE_OPERANDS = (
     ("OUT_OFF", "bf16: ssm_out [N, out]"),
 )
 REPLAY_OPERANDS = (("COUNT_OFF", "i32: ring entries [B, units] of this layer (persistent)"),)
+COMMIT_OPERANDS = (
+    ("B_IDX", "sequence b"),
+    ("UNIT", "the unit of the layer this record commits"),
+    ("PARAM_OFF", "f32: this layer's row of ssm_params"),
+    ("STATE_LO", "state: this layer's block (conv window, state, ring, pending), low 32 bits"),
+    ("STATE_HI", "high 32 bits"),
+    ("COUNT_OFF", "i32: ring entries [B, units] of this layer (persistent)"),
+    ("EMIT_OFF", "i32: emitted [B] (layers/speculative.py ACCEPT)"),
+)
+COMMIT_NOTES = ("A speculative step's core records append their T ring entries after the n "
+                "committed ones and keep their T pre-conv inputs in `pending` [B, C, T], leaving "
+                "count, window and state alone. Then, with e = emitted[b]: the window becomes the "
+                "last K-1 of [window | pending[:, :e]], the count n + e, and when n + e >= L "
+                "(header REPLAY_WINDOW) the n + e entries are folded into the state (as the core "
+                "record's fold) and the count is 0 (reference commit_layer).")
 
 
 def core_operands(unit: tuple[str, str], replay: bool) -> tuple[tuple[str, str], ...]:
@@ -57,6 +72,17 @@ def register_core_ops(code: int, prefix: str, kind: str, unit: tuple[str, str],
                                  notes=f"{notes} {how[r]}".rstrip(), reach=True,
                                  device=handler[r] is not None, handler=handler[r]))
                  for r in (0, 1))
+
+
+def register_commit_op(code: int, prefix: str, kind: str, unit: tuple[str, str],
+                       handler: str | None = None) -> OpCode:
+    """Register a recurrent kind's `<prefix>_COMMIT`: the ReplaySSM commit of one (sequence,
+    unit) after a speculative step's ACCEPT."""
+    ops = tuple(unit if n == "UNIT" else (n, d) for n, d in COMMIT_OPERANDS)
+    return register(OpSpec(code, f"{prefix}_COMMIT", kind, "commit the accepted entries of a "
+                           "speculative step's ring, window and count; fold when due", ops,
+                           notes=COMMIT_NOTES, reach=True, device=handler is not None,
+                           handler=handler))
 
 
 class Sizes(NamedTuple):
@@ -92,6 +118,7 @@ class RecurrentKind(LayerKind):
     fp32_params = ("A_log", "dt_bias", "D")
     core_op: ClassVar[int]  # set by the kind: its recurrent and its ReplaySSM opcode
     replay_op: ClassVar[int]
+    commit_op: ClassVar[int]  # its ReplaySSM commit after a speculative step's ACCEPT
     unit_name: ClassVar[str] = "UNIT"  # derived: the core records' unit operand
     # the unit in messages: (what it is, the symbol of its count), e.g. ("key head", "Hk")
     unit_label: ClassVar[tuple[str, str]] = ("unit", "U")
@@ -107,10 +134,16 @@ class RecurrentKind(LayerKind):
         cls.unit_name = core.names[1]
         cls.flow = {"PROJ": None, core.name: "PROJ", replay.name: "PROJ",
                     "OPROJ": (core.name, replay.name)}
+        cls.after = {spec(cls.commit_op).name: "ACCEPT"}
         super().__init_subclass__(**kw)
 
     @classmethod
     def sizes(cls, cfg) -> Sizes:  # noqa: ANN001 (the kind's config)
+        raise NotImplementedError
+
+    @classmethod
+    def unit_segments(cls, cfg, unit: int) -> list[slice]:  # noqa: ANN001
+        """The conv channels (of the window [C, K-1]) unit `unit` owns, as the core reads them."""
         raise NotImplementedError
 
     units = _size("units")
@@ -184,12 +217,14 @@ class RecurrentKind(LayerKind):
                      table="rec")]
 
     @classmethod
-    def state(cls, blk, model, batch: int, ring_cap: int):  # noqa: ANN001, ANN206
+    def state(cls, blk, model, batch: int, ring_cap: int, pending: int = 0):  # noqa: ANN001, ANN206
         c = blk.cfg
         out = [("conv", (batch, cls.conv_dim(c), c.conv_kernel - 1)),
                ("state", (batch, *cls.state_shape(c)))]
         if ring_cap:
             out += [(name, (batch, ring_cap, *s)) for name, s in cls.ring_shapes(c)]
+        if pending:  # a speculative step's T pre-conv inputs, until COMMIT
+            out.append(("pending", (batch, cls.conv_dim(c), pending)))
         return out
 
     @classmethod
@@ -219,7 +254,8 @@ class RecurrentKind(LayerKind):
             # wait; T entries are appended; the state is written at a fold only
             held, folds = replay_cycle(window, tokens)
             pre = st_bytes + int(held * entry)
-            st_store = tokens * entry + st_bytes * folds
+            # (a speculative step's fold is its COMMIT's)
+            st_store = tokens * entry + (0 if ctx.drafts else st_bytes * folds)
         else:
             pre, st_store = st_bytes, st_bytes
 
@@ -242,11 +278,40 @@ class RecurrentKind(LayerKind):
         return [proj, core, o], c_o
 
     @classmethod
+    def commit_stage(cls, blk, ctx, wait: int) -> Stage:  # noqa: ANN001
+        """A speculative step's COMMIT records, one per (sequence, unit), waiting on ACCEPT
+        (counter `wait`); the cost model assumes every draft accepted (the most folds)."""
+        c, layer, buf = blk.cfg, blk.layer, ctx.buf
+        units, row, counts = cls.units(c), buf.row("rec", layer), buf.i32["ring_count"]
+        params = buf.f32["ssm_params"]
+        common = {"PARAM_OFF": params.offset + row * params.shape[1],
+                  "STATE": buf.state[layer]["conv"].offset,
+                  "COUNT_OFF": counts.offset + row * counts.shape[1] * counts.shape[2],
+                  "EMIT_OFF": buf.i32["emitted"].offset}
+        st_bytes = math.prod(cls.state_shape(c)) // units * 4
+        held, folds = replay_cycle(ctx.replay_window, ctx.tokens)
+        win = cls.unit_channels(c) * (c.conv_kernel - 1 + ctx.tokens) * 4
+        c_commit = ctx.ctr(f"L{layer}.commit")
+
+        def mk(u0: int, u1: int) -> Instr:
+            b, unit = divmod(u0, units)
+            return Instr(cls.commit_op, layer, {"B_IDX": b, cls.unit_name: unit, **common},
+                         wait=wait, signal=c_commit,
+                         w_bytes=int(folds * (st_bytes + (held + ctx.tokens) * cls.entry_bytes(c))),
+                         l2_bytes=win + 8, store_bytes=win + int(folds * st_bytes) + 4,
+                         fp32_flops=folds * 4.0 * st_bytes / 4 * (held + ctx.tokens))
+
+        return Stage(f"L{layer}.commit", cls.commit_op, layer, ctx.batch * units, False, mk)
+
+    @classmethod
     def coverage(cls, blk, prog) -> dict[str, int]:  # noqa: ANN001
         from megakernel import isa
 
         op = cls.replay_op if prog.replay_window else cls.core_op
-        return {isa.spec(op).name: prog.batch * cls.units(blk.cfg)}
+        out = {isa.spec(op).name: prog.batch * cls.units(blk.cfg)}
+        if prog.drafts:
+            out[isa.spec(cls.commit_op).name] = prog.batch * cls.units(blk.cfg)
+        return out
 
     @classmethod
     def cover(cls, d: dict, blk, prog) -> tuple[int, int]:  # noqa: ANN001

@@ -50,6 +50,30 @@ class Block:
         return f"L{self.layer}.{self.name}"
 
 
+@dataclass(frozen=True)
+class MtpModule:
+    """One multi-token-prediction (MTP) module, the next-n predictor of DeepSeek-V3 and
+    Qwen3-Next / Qwen3.5 (reference/mtp.py runs it): from the target's hidden state g at
+    position p (the LM head input) and the embedding e of token p + 1,
+
+        x = proj [RMSNorm_embed(e) ; RMSNorm_hidden(g)]     (embedding first; proj is [H, 2H])
+        x = one decoder layer of `blocks` (h += op(norm(h)), its own KV cache)
+        g' = RMSNorm_final(x);  logits = the target's LM head (g')
+
+    Names are Hugging Face tensor names; a family may share them across depths (Qwen3.5 has one
+    `mtp.fc` and `mtp.norm` for all its `mtp.layers.{k}`)."""
+
+    depth: int
+    embed_norm: str  # enorm / pre_fc_norm_embedding
+    hidden_norm: str  # hnorm / pre_fc_norm_hidden
+    proj: str  # eh_proj / fc, [H, 2H]
+    final_norm: str  # shared_head.norm / mtp.norm
+    blocks: tuple[Block, ...]  # the decoder layer (layer index num_layers + depth)
+
+    def norms(self) -> tuple[str, ...]:
+        return (self.embed_norm, self.hidden_norm, self.final_norm)
+
+
 Part = tuple[str, str, Any, str]  # a block's (name, kind, cfg, prefix under its layer)
 
 
@@ -111,6 +135,27 @@ class ModelConfig:
     def blocks(self) -> tuple[Block, ...]:
         """The model's residual blocks in execution order."""
         return tuple(self.make_blocks())
+
+    # ---- multi-token prediction (reference/mtp.py) ---------------------------------------------
+    def make_mtp(self) -> tuple[MtpModule, ...]:
+        """The MTP modules the config enables (`mtp_layers` of a family that has them)."""
+        return ()
+
+    @cached_property
+    def mtp(self) -> tuple[MtpModule, ...]:
+        """The enabled MTP modules, depth 0 first (empty: the checkpoint's MTP tensors, if any,
+        are skipped on load)."""
+        return tuple(self.make_mtp())
+
+    @classmethod
+    def declared_mtp_layers(cls, d: dict[str, Any]) -> int:
+        """How many MTP modules a Hugging Face config.json declares (0 for a family without
+        them). `from_hf_dict` never enables them: `load_checkpoint(..., mtp=True)` does."""
+        return 0
+
+    def is_mtp_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to the MTP modules (enabled or not)."""
+        return False
 
     def kind_configs(self, kind: str) -> list[Any]:
         """Distinct configs of the blocks of `kind`, in first-use order."""
@@ -328,4 +373,23 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes[cfg.final_norm_name] = (h,)
     if not cfg.tie_word_embeddings:
         shapes[cfg.lm_head_name] = (cfg.vocab_size, h)
+    shapes.update(mtp_shapes(cfg))
+    return shapes
+
+
+def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The enabled MTP modules' tensor names -> shapes (the embedding and LM head are the
+    target's); empty when `cfg.mtp` is."""
+    from megakernel.layers import kind
+
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for m in cfg.mtp:
+        shapes.update({n: (h,) for n in (m.embed_norm, m.hidden_norm)})
+        shapes[m.proj] = (h, 2 * h)
+        for blk in m.blocks:
+            shapes[blk.norm] = (h,)
+            for local, shape in kind(blk.kind).shapes(blk, cfg).items():
+                shapes[blk.prefix + local] = tuple(shape)
+        shapes[m.final_norm] = (h,)
     return shapes

@@ -6,6 +6,13 @@ the zero-centred (1 + w) form.
 Published multimodal checkpoints prefix the text model with `model.language_model.` and carry
 `model.visual.*` and `mtp.*`: the prefix is mapped to `model.` and the rest skipped.
 
+MTP (`mtp_layers` > 0; config.json's `mtp_num_hidden_layers`, enabled by
+`load_checkpoint(..., mtp=True)`, never by `from_hf_dict`, so the published configs keep parsing
+to the presets): vLLM's Qwen3_5MultiTokenPredictor, `mtp.pre_fc_norm_embedding`,
+`mtp.pre_fc_norm_hidden`, `mtp.fc` [H, 2H] and `mtp.norm` shared by the depths, and per depth k
+one full-attention decoder layer `mtp.layers.{k}.` (gated attention + the dense SwiGLU); every
+norm the (1 + w) form.
+
 GGUF form (llama.cpp's `qwen35`, convert_hf_to_gguf.py's Qwen3_5TextModel): the layer pattern is
 `full_attention_interval` (layer i is attention when (i + 1) % interval == 0); every (1 + w) norm
 is stored as 1 + w; A_log as A = -exp(A_log); conv1d squeezed to [C, K]; dt_bias under
@@ -26,6 +33,7 @@ from megakernel.layers.swiglu import SwiGLUConfig
 from megakernel.models.config import (
     Block,
     ConfigError,
+    MtpModule,
     RopeConfig,
     as_bool,
     as_dict,
@@ -100,9 +108,13 @@ class Qwen35Config(LayerTypesConfig):
     intermediate_size: int
     attention: AttentionConfig
     gdn: GDNConfig
+    mtp_layers: int = 0  # enabled MTP modules (module docstring)
 
     def __post_init__(self) -> None:
         positive(self, "intermediate_size")
+        if (isinstance(self.mtp_layers, bool) or not isinstance(self.mtp_layers, int)
+                or self.mtp_layers < 0):
+            raise ConfigError(f"mtp_layers must be an integer >= 0, got {self.mtp_layers!r}")
         if not (self.attention.qk_norm and self.attention.output_gate):
             raise ConfigError("Qwen3.5 attention has q/k norm and an output gate")
         super().__post_init__()
@@ -116,6 +128,28 @@ class Qwen35Config(LayerTypesConfig):
                   "attention": ("mixer", "attention", self.attention, "self_attn.")}
         return tuple(b for i, t in enumerate(self.layer_types)
                      for b in decoder_layer(i, mixers[t], mlp))
+
+    def make_mtp(self) -> tuple[MtpModule, ...]:
+        out = []
+        for k in range(self.mtp_layers):
+            p = f"mtp.layers.{k}."
+            layer = self.num_layers + k
+            blocks = (Block(layer, "mixer", "attention", self.attention, p + "self_attn.",
+                            p + "input_layernorm.weight"),
+                      Block(layer, "mlp", "swiglu", SwiGLUConfig(self.intermediate_size),
+                            p + "mlp.", p + "post_attention_layernorm.weight"))
+            out.append(MtpModule(k, "mtp.pre_fc_norm_embedding.weight",
+                                 "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight",
+                                 "mtp.norm.weight", blocks))
+        return tuple(out)
+
+    @classmethod
+    def declared_mtp_layers(cls, d: dict[str, Any]) -> int:
+        text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+        return as_int(text, "mtp_num_hidden_layers", 0)
+
+    def is_mtp_tensor(self, name: str) -> bool:
+        return name.startswith(("mtp.", "model.mtp."))
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str = "") -> Qwen35Config:
@@ -288,4 +322,5 @@ class Qwen35Config(LayerTypesConfig):
             "linear_key_head_dim": g.k_head_dim,
             "linear_value_head_dim": g.v_head_dim,
             "linear_conv_kernel_dim": g.conv_kernel,
+            **({"mtp_num_hidden_layers": self.mtp_layers} if self.mtp_layers else {}),
         }

@@ -62,7 +62,10 @@ def tensor_roles(cfg: ModelConfig) -> dict[str, str]:
     from megakernel.layers import kind
 
     roles = {cfg.embed_name: "embed", cfg.final_norm_name: "norm", cfg.lm_head_name: "embed"}
-    for blk in cfg.blocks:
+    for m in cfg.mtp:  # MTP norms in the model's RMSNorm form; the [H, 2H] fusion a projection
+        roles.update({n: "norm" for n in m.norms()})
+        roles[m.proj] = "proj"
+    for blk in _all_blocks(cfg):
         roles[blk.norm] = "norm"
         kd = kind(blk.kind)
         for local in kd.shapes(blk, cfg):
@@ -70,12 +73,18 @@ def tensor_roles(cfg: ModelConfig) -> dict[str, str]:
     return roles
 
 
+def _all_blocks(cfg: ModelConfig) -> tuple:
+    """The model's blocks, then the enabled MTP modules' decoder-layer blocks."""
+    return cfg.blocks + tuple(b for m in cfg.mtp for b in m.blocks)
+
+
 def keep_fp32(cfg: ModelConfig) -> set[str]:
     """Names of the tensors transformers keeps in fp32 (not rounded in bf16 mode)."""
     from megakernel.layers import kind
 
-    return {blk.prefix + n for blk in cfg.blocks for n in kind(blk.kind).fp32_params
-            if blk.prefix + n in expected_shapes(cfg)}
+    want = expected_shapes(cfg)
+    return {blk.prefix + n for blk in _all_blocks(cfg) for n in kind(blk.kind).fp32_params
+            if blk.prefix + n in want}
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
@@ -166,8 +175,8 @@ def _scale_shapes(fmt: Fp8Format, shape: tuple[int, ...]) -> list[tuple[int, ...
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu", quant: Fp8Format | None = None
-                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                    device: str | torch.device = "cpu", quant: Fp8Format | None = None,
+                    mtp: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a Hugging Face checkpoint directory (config.json + safetensors, single or sharded)
     of any registered family.
 
@@ -188,6 +197,10 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     `X.activation_scale`) are skipped: megakernel is weight-only FP8, its activations stay
     bf16. Scales are checked (shape and dtype from the headers; finite and positive as read)
     and e4m3 codes for NaN; WeightError names the tensor.
+
+    MTP (multi-token prediction) modules are skipped unless `mtp=True`: then the config gets
+    the depth config.json declares (`ModelConfig.declared_mtp_layers`; WeightError when it
+    declares none) and the MTP tensors (`config.mtp_shapes`) are expected like any other.
     """
     from megakernel.models.registry import config_from_hf_dir
 
@@ -199,6 +212,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     cfg = config_from_hf_dir(root)
     if quant is not None and cfg.quant is None:
         cfg = cfg.replace(quant=quant)
+    if mtp:
+        depth = type(cfg).declared_mtp_layers(json.loads((root / "config.json").read_text()))
+        if depth <= 0:
+            raise WeightError(f"{root / 'config.json'} declares no MTP layers ({cfg.family})")
+        cfg = cfg.replace(mtp_layers=depth)
     fmt = cfg.quant
     files = _tensor_files(root)
     want = expected_shapes(cfg)
@@ -211,7 +229,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         if name.endswith(ACTIVATION_SCALES):
             continue  # W8A8's static activation scales: megakernel is weight-only FP8
         base = _scale_base(name)
-        ours = cfg.canonical_name(name if base is None else base)
+        theirs = name if base is None else base
+        if cfg.is_mtp_tensor(theirs):  # ours as named when enabled, else skipped
+            ours = theirs if theirs in want else None
+        else:
+            ours = cfg.canonical_name(theirs)
         if ours is None:
             continue
         if base is not None:

@@ -157,7 +157,8 @@ def plan_buffers(cfg, shape: StepShape) -> BufferPlan:  # noqa: ANN001 (ModelCon
     state: dict[int, dict[str, Region]] = {}
     off = 0
     for blk in cfg.blocks:
-        regs = kind(blk.kind).state(blk, cfg, shape.batch, shape.ring_cap)
+        regs = kind(blk.kind).state(blk, cfg, shape.batch, shape.ring_cap,
+                                    shape.tokens if shape.drafts else 0)
         if regs:
             state[blk.layer] = {}
             for name, shp in regs:

@@ -57,6 +57,8 @@ class Program:
     policy: str
     replay_window: int | None = None
     ring_bytes: int = 0  # the kernel build's shared-memory weight ring (spec.build_ring_bytes)
+    drafts: int = 0  # a speculative step's drafts k (tokens = 1 + k); 0: a plain step
+    ngram: int = 0  # the device n-gram drafter's longest suffix; 0: the host writes the drafts
     header: dict[str, int] = field(default_factory=dict)
     cost: object | None = None  # cost.CostReport of the fluid replay (replay.py)
     placement_cost: object | None = None  # the scheduler's own estimate (cost.SimState)
@@ -98,7 +100,7 @@ class Program:
 
     def step_shape(self) -> StepShape:
         return StepShape(self.batch, self.tokens, self.max_seq_len, self.n_splits, self.num_sms,
-                         self.buffers.ring_cap, self.buffers.paged)
+                         self.buffers.ring_cap, self.buffers.paged, self.drafts)
 
 
 @dataclass
@@ -118,6 +120,8 @@ class BuildContext:
     ctr: Counters
     mma: bool = True
     passes: int = 1
+    drafts: int = 0  # Program.drafts
+    ngram: int = 0  # Program.ngram
 
     @property
     def rows(self) -> int:
@@ -149,9 +153,25 @@ class BuildContext:
 
 
 # ---- validation ---------------------------------------------------------------------------------
+MAX_DRAFTS = 7  # drafts a speculative step verifies at most
+
+
 def validate(cfg, batch: int, tokens: int, max_seq_len: int, gpu: GPU,  # noqa: ANN001
-             replay_window: int | None = None) -> None:
+             replay_window: int | None = None, drafts: int = 0, ngram: int = 0) -> None:
     """Refuse, by name, what the program or the kernel does not support."""
+    if isinstance(drafts, bool) or not isinstance(drafts, int) or not 0 <= drafts <= MAX_DRAFTS:
+        raise PlanError(f"a speculative step verifies 1 to {MAX_DRAFTS} drafts, got {drafts!r}")
+    if drafts and tokens != 1 + drafts:
+        raise PlanError(f"a speculative step with {drafts} drafts runs {1 + drafts} tokens per "
+                        f"sequence, not {tokens}")
+    if drafts and cfg.recurrent_layers() and replay_window is None:
+        raise PlanError(f"speculative decoding of {cfg.name or cfg.family}'s recurrent layers "
+                        "needs ReplaySSM: the recurrent update keeps no committed state to return "
+                        "to after a rejected draft; pass --replay-window L (e.g. 16)")
+    if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0 or (ngram and
+                                                                             not drafts):
+        raise PlanError(f"the n-gram drafter needs a speculative step and a suffix length >= 1, "
+                        f"got ngram={ngram!r} with {drafts} drafts")
     try:
         validate_model(cfg)
     except ConfigError as e:
@@ -206,7 +226,11 @@ def build_stages(ctx: BuildContext) -> list[Stage]:
     for blk in ctx.model.blocks:
         stages, prev = kind(blk.kind).stages(blk, ctx, prev)
         out += stages
-    return out + head_stages(ctx, prev)
+    head, end = head_stages(ctx, prev)
+    if ctx.drafts:  # the recurrent layers commit what ACCEPT accepted
+        head += [kind(b.kind).commit_stage(b, ctx, end) for b in ctx.model.blocks
+                 if kind(b.kind).recurrent]
+    return out + head
 
 
 def default_max_seq_len(cfg) -> int:  # noqa: ANN001 (ModelConfig)
@@ -226,13 +250,17 @@ def compile_program(
     params=None,  # noqa: ANN001 (cost.CostParams)
     replay_window: int | None = None,
     paged: PagedKV | None = None,
+    drafts: int = 0,
+    ngram: int = 0,
 ) -> Program:
     """Compile one decode step. `context` (cached tokens per sequence) only feeds the cost model
     and the split heuristic; the program serves any lengths with lengths[b] + T <= S_max.
     `replay_window`: None runs recurrent layers by the recurrent update, L by ReplaySSM folding
     every L tokens (every step's T tokens are committed; the ring holds L - 1 + T entries).
     `paged`: K/V in vLLM's pages and the step metadata from the caller (program/paged.py); the
-    max sequence length is then the block table's reach."""
+    max sequence length is then the block table's reach. `drafts` k: a speculative step of
+    1 + k tokens that accepts on the device (layers/speculative.py); `ngram`: its drafts from
+    the device n-gram drafter matching up to that many tokens (0: from the host)."""
     from megakernel.kernel.limits import MMA_MIN_ROWS
     from megakernel.kernel.model_spec import default_build
     from megakernel.program import cost, schedule  # local: schedule imports this module
@@ -247,7 +275,12 @@ def compile_program(
             raise PlanError("paged KV serves models without recurrent layers")
     if max_seq_len is None:
         max_seq_len = default_max_seq_len(cfg)
-    validate(cfg, batch, tokens, max_seq_len, gpu, replay_window)
+    if drafts and tokens == 1:
+        tokens = 1 + drafts
+    validate(cfg, batch, tokens, max_seq_len, gpu, replay_window, drafts, ngram)
+    if paged is not None and drafts:
+        raise PlanError("a paged program serves the caller's verify batches as plain T-token "
+                        "steps (the caller accepts); it takes no drafts")
     if context is None:
         context = min(1024, max_seq_len - tokens)
     if not 0 <= context <= max_seq_len - tokens:
@@ -260,13 +293,13 @@ def compile_program(
     lay = weight_layout(cfg)
     ring_cap = replay_window - 1 + tokens if replay_window else 0
     buf = plan_buffers(cfg, StepShape(batch, tokens, max_seq_len, n_splits, gpu.num_sms,
-                                      ring_cap, paged))
+                                      ring_cap, paged, drafts))
     check_memory(cfg, buf, lay, gpu)
     spec = default_build(cfg, batch, tokens, gpu.arch)  # the kernel build the program runs on
     mma = spec.mma if spec else batch * tokens >= MMA_MIN_ROWS
     ctr = Counters()
     ctx = BuildContext(cfg, batch, tokens, context, n_splits, replay_window, lay, buf, ctr, mma,
-                       spec.passes if spec else 1)
+                       spec.passes if spec else 1, drafts, ngram)
     stage_list = build_stages(ctx)
     ring = spec.ring_bytes if spec else 0  # the build's weight ring
     best = None
@@ -274,7 +307,7 @@ def compile_program(
         number_lm_tiles(instrs, gpu.num_sms)
         prog = Program(cfg, batch, tokens, max_seq_len, gpu, n_splits, context, lay, buf,
                        count_signals(ctr.list, instrs), instrs, queues, policy, replay_window,
-                       ring)
+                       ring, drafts, ngram)
         prog.header = make_header(prog)
         if state is not None:
             prog.cost = replay(prog, params)
@@ -308,7 +341,7 @@ def number_lm_tiles(instrs: list[Instr], num_slots: int) -> None:
     for t, ins in enumerate(lm):
         ins.operands["TILE"] = t
     for ins in instrs:
-        if ins.op == isa.Op.ARGMAX:
+        if ins.op in (isa.Op.ARGMAX, isa.Op.ACCEPT):
             ins.operands["N_TILES"] = len(lm)
 
 
@@ -330,7 +363,8 @@ def make_header(p: Program) -> dict[str, int]:
         N_SPLITS=p.n_splits, NORM_KIND=int(c.norm_kind == "rms_1p"),
         EPS_F32_BITS=f32_bits(c.rms_norm_eps),
         N_LM_TILES=sum(1 for i in p.instrs if i.op == isa.Op.LMHEAD),
-        REPLAY_WINDOW=p.replay_window or 0, RING_CAP=b.ring_cap,
+        REPLAY_WINDOW=p.replay_window or 0, RING_CAP=b.ring_cap, DRAFTS=p.drafts,
+        NGRAM=p.ngram,
         F32_NUMEL=b.f32_numel, BF16_NUMEL=b.bf16_numel, I32_NUMEL=b.i32_numel,
         STATE_NUMEL_LO=lo, STATE_NUMEL_HI=hi,
     )

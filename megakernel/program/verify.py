@@ -68,7 +68,7 @@ class _Blocks:
         self.blocks = list(cfg.blocks)
         self.of: dict[tuple[int, str], int] = {}
         for i, blk in enumerate(self.blocks):
-            for name in kind(blk.kind).flow:
+            for name in (*kind(blk.kind).flow, *kind(blk.kind).after):
                 key = (blk.layer, name)
                 if key in self.of:
                     raise ProgramError(f"layer {blk.layer}: two blocks run {name}; the verifier "
@@ -127,12 +127,17 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
     def _producers(op: str, b: int) -> set[tuple[str, int]]:
         if op == "EMBED":
             return set()
-        if op == "ARGMAX":
+        if op in ("ARGMAX", "ACCEPT"):
             return {("LMHEAD", -1)}
+        if op == "NGRAM":
+            return {("ACCEPT", -1)}
         if op == "LMHEAD":
             last = len(blocks.blocks) - 1
             return {(kind(blocks.blocks[last].kind).out_op, last)}
-        flow = kind(blocks.blocks[b].kind).flow[op]
+        kd = kind(blocks.blocks[b].kind)
+        if op in kd.after:  # waits on a frame opcode
+            return {(kd.after[op], -1)}
+        flow = kd.flow[op]
         if flow is None:
             if b == 0:
                 return {("EMBED", -1)}
@@ -145,7 +150,10 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
 
     # ---- per record: dataflow, invariants, coverage
     cover: dict[tuple, list[tuple[int, int]]] = {}
-    want_cover: dict[tuple, int] = {("EMBED",): prog.rows, ("ARGMAX",): 1}
+    want_cover: dict[tuple, int] = {("EMBED",): prog.rows,
+                                    ("ACCEPT" if prog.drafts else "ARGMAX",): 1}
+    if prog.ngram:
+        want_cover[("NGRAM",)] = prog.batch
     times: dict[tuple, int] = {}  # covers per step, when not one
     for i, blk in enumerate(blocks.blocks):
         for op, units in kind(blk.kind).coverage(blk, prog).items():
@@ -184,8 +192,10 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
                 cover.setdefault((key,), []).append((d["ROW0"], d["ROW0"] + d["NROWS"]))
             elif spec.name == "EMBED":
                 cover.setdefault(("EMBED",), []).append((d["N0"], d["N1"]))
-            elif spec.name == "ARGMAX":
-                cover.setdefault(("ARGMAX",), []).append((0, 1))
+            elif spec.name in ("ARGMAX", "ACCEPT"):
+                cover.setdefault((spec.name,), []).append((0, 1))
+            elif spec.name == "NGRAM":
+                cover.setdefault(("NGRAM",), []).append((d["B0"], d["B1"]))
             else:
                 lo, hi = kind(blocks.blocks[b].kind).cover(d, blocks.blocks[b], prog)
                 cover.setdefault((spec.name, b), []).append((lo, hi))

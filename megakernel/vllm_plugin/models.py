@@ -1,7 +1,8 @@
-"""The plugin's model classes: vLLM's Llama, Qwen3 and Qwen2 whose uniform decode steps (one
-token per sequence, vLLM's attention metadata of the CPU backend) run on the megakernel's paged
-program; prefill, mixed batches and anything else run on vLLM's own model. vLLM still samples:
-`compute_logits` returns the program's fp32 logits for the rows `forward` served."""
+"""The plugin's model classes: vLLM's Llama, Qwen3 and Qwen2 whose decode steps (one token per
+sequence) and speculative verify steps (1 + drafts per sequence, ngram drafting; vLLM's attention
+metadata of the CPU backend) run on the megakernel's paged programs; prefill, mixed batches and
+anything else run on vLLM's own model. vLLM still samples (and accepts drafts): `compute_logits`
+returns the programs' fp32 logits for the rows `forward` served."""
 
 from __future__ import annotations
 
@@ -22,11 +23,28 @@ from megakernel.vllm_plugin.weights import hf_weights
 
 log = logging.getLogger(__name__)
 PAGE_ISA = "vec"  # the CPU attention kernel whose page layout program/paged.py follows
+TOKEN_DRAFTERS = ("ngram", "ngram_gpu")  # spec methods whose verify steps the plugin serves
+
+
+def verify_width(vllm_config) -> tuple[int, str | None]:  # noqa: ANN001
+    """The most tokens a sequence brings to a step the plugin serves: 1 + k under an ngram
+    speculative config (its verify steps), else 1; and why the plugin must not serve at all, if
+    so (a drafter that reads the target model's hidden states, which the program does not
+    return: EAGLE, MTP, Medusa, ...)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return 1, None
+    if spec.method in TOKEN_DRAFTERS:
+        return 1 + spec.num_speculative_tokens, None
+    if spec.use_eagle() or spec.method in ("medusa", "extract_hidden_states"):
+        return 1, f"speculative method {spec.method!r} drafts from the target's hidden states"
+    return 1, None  # a draft model's or suffix drafts: verify steps stay on vLLM's model
 
 
 class MegakernelMixin:
-    """Put before a vLLM model class: `forward` / `compute_logits` route decode steps to the
-    megakernel (module docstring). `megakernel_stats()`: decode steps served per bucket."""
+    """Put before a vLLM model class: `forward` / `compute_logits` route decode and verify
+    steps to the megakernel (module docstring). `megakernel_stats()`: decode steps served per
+    bucket; `megakernel_verify_stats()`: verify steps served and their program runs."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:  # noqa: ANN001
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -38,6 +56,9 @@ class MegakernelMixin:
         self._mk_packed = None  # program/pack.PackedWeights, from load_weights
         self._mk_logits: torch.Tensor | None = None  # [n, V] of the last step it served
         self._mk_off: str | None = None  # why the megakernel path is off, once known
+        self._mk_width, why = verify_width(vllm_config)  # most tokens per sequence served
+        if why is not None:
+            self._refuse(why)
         try:  # cfg.quant from the checkpoint's quantization_config (docs/FP8.md)
             self._mk_cfg = config_from_hf_dict(hf)
         except ConfigError as e:  # a quantization megakernel does not serve: vLLM's model does
@@ -45,7 +66,8 @@ class MegakernelMixin:
                 raise
             self._mk_cfg = config_from_hf_dict({k: v for k, v in hf.items()
                                                 if k != "quantization_config"})
-            self._refuse(f"quantization_config: {e}")
+            if self._mk_off is None:
+                self._refuse(f"quantization_config: {e}")
         if (self._mk_off is None and self._mk_cfg.quant is None
                 and vllm_config.quant_config is not None):
             self._refuse(f"vLLM quantizes the model ({vllm_config.quant_config.get_name()}) "
@@ -59,18 +81,26 @@ class MegakernelMixin:
     def megakernel_stats(self) -> dict[int, int]:
         return dict(self._mk.stats) if self._mk is not None else {}
 
+    def megakernel_verify_stats(self) -> tuple[int, dict[tuple[int, int], int]]:
+        """Verify steps served, and their program runs per (bucket, tokens per sequence)."""
+        if self._mk is None:
+            return 0, {}
+        return self._mk.verify_steps, dict(self._mk.verify_stats)
+
     def _attn_layers(self) -> list:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def _decode_meta(self, input_ids, intermediate_tensors, inputs_embeds):  # noqa: ANN001, ANN202
-        """vLLM's attention metadata when this forward is a uniform decode step we serve."""
+        """vLLM's attention metadata when this forward is a step we serve: every sequence brings
+        at most `_mk_width` tokens (one: a decode step; up to 1 + k: a verify step)."""
         if input_ids is None or inputs_embeds is not None or intermediate_tensors is not None:
             return None
         meta = get_forward_context().attn_metadata
         if not isinstance(meta, dict):
             return None
         meta = meta.get(self._attn_layers()[0].layer_name)
-        if meta is None or getattr(meta, "max_query_len", 0) != 1 or not meta.causal:
+        if (meta is None or not 1 <= getattr(meta, "max_query_len", 0) <= self._mk_width
+                or not meta.causal):
             return None
         return meta if self._mk_packed is not None and self._megakernel_on() else None
 
@@ -123,12 +153,13 @@ class MegakernelMixin:
         if meta is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds,
                                    **kwargs)
-        n = meta.num_actual_tokens
+        n, r = meta.num_actual_tokens, meta.query_start_loc.numel() - 1  # tokens, sequences
         dec = self._decoder(meta.block_table.shape[1])
-        self._mk_logits = dec.step(input_ids[:n].long(), meta.seq_lens[:n].long(),
-                                   meta.block_table[:n, : dec.paged.max_blocks].long(),
+        self._mk_logits = dec.step(input_ids[:n].long(), meta.seq_lens[:r].long(),
+                                   meta.block_table[:r, : dec.paged.max_blocks].long(),
                                    meta.slot_mapping[:n].long(),
-                                   [a.kv_cache for a in self._attn_layers()])
+                                   [a.kv_cache for a in self._attn_layers()],
+                                   meta.query_start_loc.diff().long())
         # the rows vLLM picks for sampling come back to compute_logits: carry their index
         hidden = torch.zeros(input_ids.shape[0], self._mk_cfg.hidden_size,
                              dtype=torch.float32)

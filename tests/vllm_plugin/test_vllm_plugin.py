@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process:
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.triton_utils import dispatcher  # noqa: E402
 from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 
 from megakernel.models import fp8, preset  # noqa: E402
@@ -59,23 +61,39 @@ def _vec_isa(*args, **kw) -> str:  # noqa: ANN002, ANN003
 _ATTN_ISA = cpu_attn._get_attn_isa
 
 
+class _ModulesWithoutLlvmlite:
+    """`sys` as vLLM's kernel-override scan (triton_utils.dispatcher, run at every engine start)
+    sees it: without llvmlite's modules, which hold no vLLM kernel. Once numba has compiled
+    (vLLM's ngram proposer does, at its start), `vars(llvmlite.binding.ffi.lib)` is a C function
+    wrapper, not a dict, and the scan's `vars(value).get(...)` raises AttributeError: every later
+    engine in the process would fail to start."""
+
+    @property
+    def modules(self) -> dict[str, object]:
+        return {k: m for k, m in sys.modules.items() if k.split(".")[0] != "llvmlite"}
+
+
 def _serve(path: str, prompts: list[list[int]], arch: str | None,  # noqa: ANN202
-           patch=None):  # noqa: ANN001
+           patch=None, max_tokens=MAX_TOKENS, spec: dict | None = None,  # noqa: ANN001
+           probe=None):  # noqa: ANN001
     """Generate with stock vLLM (arch None) or the plugin; `patch(monkeypatch)` is applied for
-    the whole run."""
+    the whole run, `spec` is vLLM's speculative_config, `probe(model)` what comes back of the
+    plugin's model (default: its decode steps per bucket and its packed weights)."""
     kw = {"hf_overrides": {"architectures": [arch]}} if arch else {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_attn, "_get_attn_isa", _vec_isa)
+        mp.setattr(dispatcher, "sys", _ModulesWithoutLlvmlite())
         if patch is not None:
             patch(mp)
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                   max_model_len=256, block_size=32, num_gpu_blocks_override=32, max_logprobs=2,
-                  seed=0, **kw)
+                  seed=0, speculative_config=spec, **kw)
         params = [SamplingParams(temperature=0, max_tokens=m, logprobs=2, ignore_eos=True,
-                                 detokenize=False) for m in MAX_TOKENS]
+                                 detokenize=False) for m in max_tokens]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         # the model lives in this process: its decode steps per bucket and its packed weights
-        mk = llm.apply_model(lambda m: (m.megakernel_stats(), m._mk_packed))[0] if arch else None
+        probe = probe or (lambda m: (m.megakernel_stats(), m._mk_packed))
+        mk = llm.apply_model(probe)[0] if arch else None
         del llm
     return [o.outputs[0] for o in outs], mk
 
@@ -99,9 +117,16 @@ def _compare(name: str, path: str, prompts: list[list[int]], patch=None):  # noq
         want[bucket_of(n)] = want.get(bucket_of(n), 0) + 1
     assert stats == want, f"megakernel decode steps per bucket {stats}, expected {want}"
 
+    _same_greedy(name, stock, mine, MAX_TOKENS)
+    return packed
+
+
+def _same_greedy(name: str, stock: list, mine: list, max_tokens: tuple[int, ...]) -> int:
+    """Greedy tokens equal up to near ties, the chosen tokens' logprobs within the bf16 band
+    (module docstring). Returns the number of near-tie flips."""
     worst, flips = 0.0, 0
     for s, (a, b) in enumerate(zip(stock, mine, strict=True)):
-        assert len(b.token_ids) == MAX_TOKENS[s]
+        assert len(b.token_ids) == max_tokens[s]
         for t, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
             top = sorted((lp.logprob for lp in a.logprobs[t].values()), reverse=True)
             if ta != tb:
@@ -113,7 +138,7 @@ def _compare(name: str, path: str, prompts: list[list[int]], patch=None):  # noq
             worst = max(worst, abs(a.logprobs[t][ta].logprob - b.logprobs[t][tb].logprob))
     print(f"\n{name}: worst logprob difference {worst:.3g}, near-tie flips {flips}")
     assert worst <= LOGPROB_TOL, f"logprobs differ by {worst:.3g} > {LOGPROB_TOL}"
-    return packed
+    return flips
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -121,6 +146,69 @@ def test_plugin_matches_stock_vllm(name: str, tmp_path) -> None:
     cfg = preset(name)
     save_checkpoint(cfg, random_weights(cfg, seed=5), tmp_path)
     _compare(name, str(tmp_path), _prompts(cfg))
+
+
+# Speculative decoding (docs/VLLM.md, "Speculative decoding"): vLLM drafts with its ngram
+# proposer and accepts with its rejection sampler (greedy) in both engines; the plugin's model
+# runs the verify steps, each sequence bringing 1 + its drafts (0 .. k) tokens. Three prompts
+# repeat a token the random model (llama-tiny, seed 5) itself repeats greedily (margins 0.44 to
+# 0.69), so every draft is accepted and those sequences bring 1 + k tokens a step; two repeat a
+# random pattern, which the ngram lookup drafts from but the model mostly does not follow, so
+# the steps are ragged (1 .. 1 + k tokens per sequence) until those two finish.
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 2}
+SPEC_LOOPS = ((50, 8), (394, 11), (454, 9))  # (token, prompt length)
+SPEC_PATTERNS = (4, 6)  # pattern lengths; each such prompt is its pattern 4 times
+SPEC_MAX_TOKENS = (32, 28, 24, 12, 16)
+
+
+def _spec_prompts(cfg) -> list[list[int]]:  # noqa: ANN001
+    g = torch.Generator().manual_seed(11)
+    return ([[t] * n for t, n in SPEC_LOOPS]
+            + [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() * 4
+               for n in SPEC_PATTERNS])
+
+
+def _step_widths(seen: list[int]):  # noqa: ANN202
+    """A patch recording, per forward of vLLM's own Llama, the most tokens a sequence brings
+    (max_query_len; the plugin's model reaches it only for what the plugin does not serve)."""
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    stock_forward = LlamaForCausalLM.forward
+
+    def forward(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, dict) and meta:  # not a dummy run
+            seen.append(next(iter(meta.values())).max_query_len)
+        return stock_forward(self, *args, **kw)
+
+    return lambda mp: mp.setattr(LlamaForCausalLM, "forward", forward)
+
+
+def test_speculative_verify_steps_match_stock_vllm(tmp_path) -> None:
+    """Stock vLLM and the plugin, the same ngram speculative_config: greedy tokens equal up to
+    near ties, and on the plugin every decode and verify step ran on the megakernel (vLLM's own
+    model ran prefills only), verify steps with 1 + k tokens per sequence among them."""
+    cfg = preset("llama-tiny")
+    save_checkpoint(cfg, random_weights(cfg, seed=5), tmp_path)
+    prompts = _spec_prompts(cfg)
+    width = 1 + SPEC["num_speculative_tokens"]
+    on_stock, on_vllm = [], []
+    stock, _ = _serve(str(tmp_path), prompts, None, _step_widths(on_stock), SPEC_MAX_TOKENS,
+                      SPEC)
+    mine, (stats, (verify, runs)) = _serve(
+        str(tmp_path), prompts, ARCHS["llama-tiny"], _step_widths(on_vllm), SPEC_MAX_TOKENS,
+        SPEC, probe=lambda m: (m.megakernel_stats(), m.megakernel_verify_stats()))
+    flips = _same_greedy("llama-tiny, ngram speculative", stock, mine, SPEC_MAX_TOKENS)
+    print(f"decode steps {stats}, verify steps {verify}, runs per (bucket, T) {runs}")
+
+    assert any(1 < w <= width for w in on_stock), f"stock vLLM ran no verify step: {on_stock}"
+    assert all(w > width for w in on_vllm), f"steps left on vLLM's model: {on_vllm}"
+    assert verify > 0 and any(t == width for _, t in runs), runs
+    assert sum(stats.values()) + verify < max(SPEC_MAX_TOKENS) - 1, "no draft was accepted"
+    if flips == 0:  # the same tokens: the same drafts, so the same steps
+        assert sum(stats.values()) + verify == sum(w <= width for w in on_stock)
 
 
 # FP8 checkpoints (docs/VLLM.md, "FP8 checkpoints"). vLLM-CPU 0.32 without AMX runs one FP8

@@ -1,4 +1,5 @@
-"""EMBED, the residual projections (OPROJ, DOWN), PROJ, LMHEAD and ARGMAX (layers/frame.py)."""
+"""EMBED, the residual projections (OPROJ, DOWN), PROJ, LMHEAD and ARGMAX (layers/frame.py);
+ACCEPT and NGRAM (layers/speculative.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from megakernel import isa
 from megakernel.executor.core import Executor, op
+from megakernel.reference.speculative import accepted_count, ngram_propose
 
 
 @op("EMBED")
@@ -77,3 +79,41 @@ def store_tokens(ex: Executor, d: dict, tok: torch.Tensor) -> None:
         ex.write("i32", d["LEN_OFF"], (p.batch,), slice(None), ln + p.tokens)
     if d["FLAGS"] & isa.FLAG_FEEDBACK:
         ex.write("i32", d["TOK_OFF"], (n,), slice(None), tok)
+
+
+@op("ACCEPT")
+def accept(ex: Executor, d: dict, epoch: int) -> None:
+    """The speculative step's end (layers/speculative.py): greedy tokens, accepted drafts,
+    emitted tokens, history, lengths and the bonus fed back."""
+    p = ex.prog
+    b, t, s_max = p.batch, p.tokens, p.max_seq_len
+    parg = ex.read("f32", d["PARG_OFF"], (p.num_sms, p.rows, 2), slice(0, d["N_TILES"]))
+    greedy = best_of(parg)[:, 1].to(torch.int32)
+    ex.write("i32", d["OUT_OFF"], (p.rows,), slice(None), greedy)
+    toks = ex.read("i32", d["TOK_OFF"], (p.rows,), slice(None), scratch=False).view(b, t)
+    lens = ex.read("i32", d["LEN_OFF"], (b,), slice(None), scratch=False)
+    g = greedy.view(b, t)
+    acc = accepted_count(toks[:, 1:], g)
+    emit = torch.minimum(acc + 1, (s_max - t - lens.long()).clamp(min=0)).to(torch.int32)
+    for i in range(b):
+        e, n = int(emit[i]), int(lens[i])
+        if e:
+            bonus = g[i, e - 1]
+            row = torch.cat((toks[i, :e], bonus[None]))
+            ex.write("i32", d["HIST_OFF"], (b, s_max), (i, slice(n, n + e + 1)), row)
+            ex.write("i32", d["TOK_OFF"], (p.rows,), slice(i * t, i * t + 1), bonus[None])
+    ex.write("i32", d["EMIT_OFF"], (b,), slice(None), emit)
+    ex.write("i32", d["LEN_OFF"], (b,), slice(None), lens + emit)
+
+
+@op("NGRAM")
+def ngram(ex: Executor, d: dict, epoch: int) -> None:
+    """Drafts of sequences [B0, B1) by prompt lookup (reference/speculative.ngram_propose)."""
+    p = ex.prog
+    b, t, s_max = p.batch, p.tokens, p.max_seq_len
+    for i in range(d["B0"], d["B1"]):
+        m = int(ex.read("i32", d["LEN_OFF"], (b,), slice(i, i + 1), scratch=False)) + 1
+        hist = ex.read("i32", d["HIST_OFF"], (b, s_max), (i, slice(0, m)), scratch=False)
+        drafts = ngram_propose(hist.tolist(), t - 1, d["N_MAX"])
+        ex.write("i32", d["TOK_OFF"], (p.rows,), slice(i * t + 1, (i + 1) * t),
+                 torch.tensor(drafts, dtype=torch.int32))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megakernel import isa
 from megakernel.executor.core import Executor, ExecutorError, op
 from megakernel.layers import kind
 from megakernel.reference.layers.common import l2norm, rms_norm, shift_window, short_conv, softplus
@@ -28,7 +29,8 @@ def state_views(ex: Executor, d: dict, blk) -> dict[str, tuple[int, tuple[int, .
     """name -> (offset, shape) of the layer's state block, from the record's 64-bit STATE and the
     kind's layout (conv window, state, ring entries)."""
     p, off, out = ex.prog, d["STATE"], {}
-    for name, shape in kind(blk.kind).state(blk, ex.cfg, p.batch, p.buffers.ring_cap):
+    for name, shape in kind(blk.kind).state(blk, ex.cfg, p.batch, p.buffers.ring_cap,
+                                            p.tokens if p.drafts else 0):
         out[name] = (off, shape)
         off += math.prod(shape)
     return out
@@ -37,11 +39,13 @@ def state_views(ex: Executor, d: dict, blk) -> dict[str, tuple[int, tuple[int, .
 def conv(ex: Executor, d: dict, blk, col0: int, segs: list[slice], taps: torch.Tensor,  # noqa: ANN001
          bias: torch.Tensor | None = None) -> list[torch.Tensor]:
     """silu(causal conv) of the T new inputs of sequence B_IDX on conv channels `segs`; channel c
-    is proj column col0 + c. The window is read and shifted (written) once per channel."""
+    is proj column col0 + c. The window is read and shifted (written) once per channel; in a
+    speculative step it is left alone and the T inputs go to `pending` (COMMIT shifts it)."""
     p = ex.prog
     kd = kind(blk.kind)
     rows = slice(d["B_IDX"] * p.tokens, (d["B_IDX"] + 1) * p.tokens)
-    win_off, win_shape = state_views(ex, d, blk)["conv"]
+    views = state_views(ex, d, blk)
+    win_off, win_shape = views["conv"]
     width = kd.proj_width(blk.cfg)
     out = []
     for sg in segs:
@@ -50,7 +54,11 @@ def conv(ex: Executor, d: dict, blk, col0: int, segs: list[slice], taps: torch.T
         win = ex.read("state", win_off, win_shape, (d["B_IDX"], sg), scratch=False)  # [c, K-1]
         pre = short_conv(win[None], x[None], taps[sg][:, None, :],
                          None if bias is None else bias[sg])[0]  # [T, c]
-        ex.write("state", win_off, win_shape, (d["B_IDX"], sg), shift_window(win[None], x[None])[0])
+        if p.drafts:
+            ex.write("state", *views["pending"], (d["B_IDX"], sg), x.T)
+        else:
+            ex.write("state", win_off, win_shape, (d["B_IDX"], sg),
+                     shift_window(win[None], x[None])[0])
         out.append(torch.nn.functional.silu(pre))
     return out
 
@@ -111,12 +119,19 @@ class Ring:
 
     def commit(self, new: dict[str, torch.Tensor], fold: Callable[[], torch.Tensor]) -> None:
         """Append the T new entries; when n + T >= L (header REPLAY_WINDOW) store the state
-        `fold()` (every entry folded in) and restart the ring, else count n + T."""
+        `fold()` (every entry folded in) and restart the ring, else count n + T. A speculative
+        step only appends: its COMMIT record keeps the accepted entries."""
         ex = self.ex
         t_ = ex.prog.tokens
         for name, val in new.items():
             ex.write("state", *self._at(name, slice(self.n, self.n + t_)), val)
-        count = self.n + t_
+        if not ex.prog.drafts:
+            self.keep(t_, fold)
+
+    def keep(self, m: int, fold: Callable[[], torch.Tensor]) -> None:
+        """Count n + m entries committed; at n + m >= L store `fold()` and count 0."""
+        ex = self.ex
+        count = self.n + m
         if count >= ex.prog.header["REPLAY_WINDOW"]:
             ex.write("state", *self._at("state"), fold())
             count = 0
@@ -134,9 +149,7 @@ def _gdn_inputs(ex: Executor, d: dict):  # noqa: ANN202
     h0 = kh * rep
     taps = ex.weights[d["CONV_W"] : d["CONV_W"] + c.conv_dim * c.conv_kernel].view(
         c.conv_dim, c.conv_kernel).float()
-    segs = [slice(kh * dk, (kh + 1) * dk), slice(kd + kh * dk, kd + (kh + 1) * dk),
-            slice(2 * kd + h0 * dv, 2 * kd + (h0 + rep) * dv)]
-    q, k, v = conv(ex, d, blk, 0, segs, taps)
+    q, k, v = conv(ex, d, blk, 0, kind("gdn").unit_segments(c, kh), taps)
     bc = c.conv_dim + c.value_dim + h0
     prm = ex.f32[d["PARAM_OFF"] : d["PARAM_OFF"] + 2 * hv].view(2, hv)[:, h0 : h0 + rep]
     t_ = ex.prog.tokens
@@ -203,8 +216,7 @@ def _kda_inputs(ex: Executor, d: dict):  # noqa: ANN202
     fb = ex.weights[w0 + c.conv_dim * kw :][: hd * dd].view(hd, dd)[h * dd : (h + 1) * dd]
     gb = ex.weights[w0 + c.conv_dim * kw + hd * dd :][: hd * dd].view(hd, dd)
     gb = gb[h * dd : (h + 1) * dd]
-    q, k, v = conv(ex, d, blk, 0, [slice(o + h * dd, o + (h + 1) * dd) for o in (0, hd, 2 * hd)],
-                   taps)
+    q, k, v = conv(ex, d, blk, 0, kind("kda").unit_segments(c, h), taps)
     base = 3 * hd
     fa, bb, ga = (proj_cols(ex, d, blk, base, dd), proj_cols(ex, d, blk, base + dd + h, 1),
                   proj_cols(ex, d, blk, base + dd + hh, dd))
@@ -258,9 +270,7 @@ def _mamba_inputs(ex: Executor, d: dict):  # noqa: ANN202
     h0 = j * rep
     taps = ex.weights[d["CONV_W"] : d["CONV_W"] + cd * kw].view(cd, kw).float()
     bias = ex.weights[d["CONV_W"] + cd * kw : d["CONV_W"] + cd * (kw + 1)].float()
-    segs = [slice(h0 * hp, (h0 + rep) * hp), slice(di + j * ns, di + (j + 1) * ns),
-            slice(di + ng * ns + j * ns, di + ng * ns + (j + 1) * ns)]  # x | B | C of the group
-    x, bb, cc = conv(ex, d, blk, di, segs, taps, bias)
+    x, bb, cc = conv(ex, d, blk, di, kind("mamba2").unit_segments(m, j), taps, bias)
     prm = ex.f32[d["PARAM_OFF"] : d["PARAM_OFF"] + 3 * hh].view(3, hh)[:, h0 : h0 + rep]
     t_ = ex.prog.tokens
     dt = proj_cols(ex, d, blk, di + cd + h0, rep)  # [T, R]
@@ -308,3 +318,58 @@ def mamba_replay(ex: Executor, d: dict, epoch: int) -> None:
         state, {"x": torch.cat((old["x"], inp["x"])), "B": torch.cat((old["B"], b_new)),
                 "dt": torch.cat((old["dt"], inp["dt"]))}, inp["a"]))
     _mamba_output(ex, d, blk, inp, y)
+
+
+# ---- GDN_COMMIT, KDA_COMMIT, MAMBA_COMMIT (layers/recurrent.py): after ACCEPT ----------------------
+def _unit_ring(ex: Executor, d: dict, blk) -> tuple[Ring, Callable[[dict], torch.Tensor]]:  # noqa: ANN001
+    """The ring of the record's (sequence, unit) and the kind's fold of entries [0, m) read as
+    {name: [m, ...]} into its committed state."""
+    c, name = blk.cfg, blk.kind
+    unit = d[kind(name).unit_name]
+    if name == "gdn":
+        rep, dk = c.num_v_heads // c.num_k_heads, c.k_head_dim
+        heads = slice(unit * rep, (unit + 1) * rep)
+        ring = Ring(ex, d, blk, unit, {"k": unit, "u": heads, "g": heads}, heads)
+
+        def fold(e: dict) -> torch.Tensor:
+            return delta_rule_fold(ring.state(), {
+                "k": e["k"][:, None].expand(-1, rep, dk), "u": e["u"],
+                "g": e["g"][..., None].expand(-1, rep, dk)})
+    elif name == "kda":
+        heads = slice(unit, unit + 1)
+        ring = Ring(ex, d, blk, unit, {"k": heads, "u": heads, "g": heads}, heads)
+
+        def fold(e: dict) -> torch.Tensor:
+            return delta_rule_fold(ring.state(), e)
+    else:  # mamba2: per group
+        rep = c.num_heads // c.n_groups
+        heads = slice(unit * rep, (unit + 1) * rep)
+        ring = Ring(ex, d, blk, unit, {"x": heads, "B": unit, "dt": heads}, heads)
+        a = -ex.f32[d["PARAM_OFF"] : d["PARAM_OFF"] + c.num_heads][heads].exp()
+
+        def fold(e: dict) -> torch.Tensor:
+            b = e["B"][:, None, :].expand(-1, rep, c.state_size)
+            return ssd_fold(ring.state(), {"x": e["x"], "B": b, "dt": e["dt"]}, a)
+    return ring, fold
+
+
+@op("GDN_COMMIT")
+@op("KDA_COMMIT")
+@op("MAMBA_COMMIT")
+def commit(ex: Executor, d: dict, epoch: int) -> None:
+    """Keep emitted[b] of the step's proposed entries: the window shifted by them, the count
+    advanced, the state folded when the window L is reached (reference commit_layer)."""
+    p = ex.prog
+    blk = ex.block(d, isa.spec(d["OPCODE"]).kind)
+    kd, bi = kind(blk.kind), d["B_IDX"]
+    keep = int(ex.read("i32", d["EMIT_OFF"], (p.batch,), slice(bi, bi + 1), scratch=False))
+    views = state_views(ex, d, blk)
+    for sg in kd.unit_segments(blk.cfg, d[kd.unit_name]):
+        win = ex.read("state", *views["conv"], (bi, sg), scratch=False)  # [c, K-1]
+        pend = ex.read("state", *views["pending"], (bi, sg), scratch=False)  # [c, T]
+        ex.write("state", *views["conv"], (bi, sg),
+                 shift_window(win[None], pend[:, :keep].T[None])[0])
+    ring, fold = _unit_ring(ex, d, blk)
+    m = ring.n + keep
+    ring.keep(keep, lambda: fold({name: ex.read("state", *ring._at(name, slice(0, m)),
+                                                scratch=False) for name in ring.sel}))
