@@ -33,6 +33,7 @@ from megakernel.program.gpus import GPU
 from megakernel.program.pack import WeightLayout, weight_layout
 from megakernel.program.paged import PagedKV
 from megakernel.program.stages import Counter, Counters, Instr, PlanError, Stage
+from megakernel.speculative import MAX_DRAFTS
 
 __all__ = ["BuildContext", "PlanError", "Program", "compile_program", "default_splits",
            "validate"]
@@ -153,9 +154,6 @@ class BuildContext:
 
 
 # ---- validation ---------------------------------------------------------------------------------
-MAX_DRAFTS = 7  # drafts a speculative step verifies at most
-
-
 def validate(cfg, batch: int, tokens: int, max_seq_len: int, gpu: GPU,  # noqa: ANN001
              replay_window: int | None = None, drafts: int = 0, ngram: int = 0) -> None:
     """Refuse, by name, what the program or the kernel does not support."""
