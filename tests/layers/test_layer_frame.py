@@ -31,7 +31,8 @@ from tests.layers.helpers import (
     tiny_program,
 )
 
-FRAME_OPS = {"END": 0, "EMBED": 1, "OPROJ": 5, "DOWN": 7, "LMHEAD": 8, "ARGMAX": 9, "PROJ": 16}
+FRAME_OPS = {"END": 0, "EMBED": 1, "OPROJ": 5, "DOWN": 7, "LMHEAD": 8, "ARGMAX": 9, "PROJ": 16,
+             "ACCEPT": 35, "NGRAM": 36}
 
 
 def test_frame_opcodes() -> None:
@@ -111,7 +112,8 @@ def test_head_stages(tokens: int) -> None:
     lengths and (T = 1) feeds the tokens back."""
     cfg = preset("nemotron-h-tiny").replace(vocab_size=250)
     ctx = build_context(cfg, tokens=tokens)
-    lm, am = frame.head_stages(ctx, wait=5)
+    (lm, am), end = frame.head_stages(ctx, wait=5)
+    assert end == lm.make(0, 16).signal
     assert (lm.op, lm.units, lm.unit_rows) == (isa.Op.LMHEAD, 16, 16)
     d = lm.make(0, 16).operands
     assert (d["NROWS"], d["NORM_OFF"]) == (256, ctx.lay["final_norm"].offset)
