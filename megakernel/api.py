@@ -12,6 +12,11 @@ both run on the program (megakernel.engine). Programs (and the kernel's builds) 
 bucket 1, 2, 4, ... up to max_batch, as CUDA-graph engines do; a call's batch is padded to its
 bucket with copies of its first prompt whose outputs are dropped (copies, so that the chunked
 prefill still covers the shortest real prompt).
+
+`load(..., speculative="ngram:3")` (or "mtp:K", "draft:MODEL:K"; megakernel/speculative.py)
+decodes speculatively: after every prompt's first new token, steps of 1 + k tokens verify k
+drafts and keep the accepted ones, on the program (the reference backend: its own loop). The
+tokens are plain greedy decoding's; `out.speculative` says how many drafts were accepted.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ class GenerationOutput:
     texts: list[str] | None = None
     first_token_s: float | None = None
     total_s: float = 0.0
+    # with speculative decoding: engine.Generated.speculative_stats ("method", "k", "steps",
+    # "accepted_per_step", "tokens_per_step"); None without
+    speculative: dict | None = None
 
 
 def bucket(n: int, max_batch: int) -> int:
@@ -80,7 +88,11 @@ class LLM:
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], backend: str = "auto",  # noqa: ANN001
                  max_batch: int = 8, max_seq_len: int = 4096, replay_window: int | None = None,
-                 tokenizer: Any = None, build_dir: str | Path | None = None) -> None:
+                 tokenizer: Any = None, build_dir: str | Path | None = None,
+                 speculative: Any = None, seed: int = 0) -> None:
+        from megakernel.backends import check_speculative
+        from megakernel.speculative import parse
+
         if backend not in BACKENDS:
             raise GenerationError(f"unknown backend {backend!r}; choose from "
                                   f"{', '.join(BACKENDS)}")
@@ -92,8 +104,13 @@ class LLM:
         if replay_window is not None and (replay_window < 1 or not cfg.recurrent_layers()):
             raise GenerationError(f"replay_window {replay_window} needs a model with recurrent "
                                   f"layers and L >= 1")
+        spec = parse(speculative)  # SpeculativeError (a UserError) names a bad method string
+        check_speculative(spec, cfg, replay_window, "replay_window=L")
+        host_drafts = spec is not None and spec.method != "ngram"
         if backend == AUTO:
             why = _kernel_available(cfg, bool(replay_window))
+            if why is None and host_drafts:
+                why = f"speculative {spec} drafts on the host, which the kernel backend does not"
             backend = "kernel" if why is None else "cpu-executor"
             print(f"megakernel: backend {backend}" + (f" ({why})" if why else ""),
                   file=sys.stderr)
@@ -101,13 +118,21 @@ class LLM:
             from megakernel.kernel.model_spec import check_kernel_support
             from megakernel.kernel_backend import require_gpu
 
+            if host_drafts:
+                from megakernel.speculative import SpeculativeError
+
+                raise SpeculativeError(f"speculative {spec} drafts on the host (megakernel."
+                                       "drafters), which runs on the cpu-executor and reference "
+                                       "backends, not the kernel; use ngram:K on the kernel")
             # SpecError names the layer kinds it cannot run
-            check_kernel_support(cfg, bool(replay_window))
+            check_kernel_support(cfg, bool(replay_window), drafts=spec.k if spec else 0,
+                                 ngram=spec.ngram if spec else 0)
             require_gpu()  # KernelUnavailable
         self.cfg, self.weights, self.backend = cfg, weights, backend
         self.max_batch, self.max_seq_len, self.replay_window = max_batch, max_seq_len, replay_window
         self.tokenizer, self.build_dir = tokenizer, build_dir
-        self._programs: dict[tuple[int, int], object] = {}  # (batch, tokens) -> Program
+        self.speculative, self.seed = spec, seed  # megakernel.speculative.Speculative | None
+        self._programs: dict[tuple[int, ...], object] = {}  # (batch, tokens[, k, n]) -> Program
         self._kernels: dict[int, object] = {}  # batch -> kernel_backend.Megakernel
         self._packed = None
 
@@ -143,10 +168,16 @@ class LLM:
             if bad:
                 raise GenerationError(f"token id {bad[0]} in prompt {i} is outside the "
                                       f"vocabulary [0, {vocab})")
-            if len(p) + max_new_tokens - 1 > self.max_seq_len:
+            need = len(p) + max_new_tokens - 1
+            if self.speculative is not None:  # the last step still verifies 1 + k tokens
+                from megakernel.engine import spec_max_seq_len
+
+                need = spec_max_seq_len(len(p), max_new_tokens, self.speculative.k)
+            if need > self.max_seq_len:
+                what = f" and speculative {self.speculative}" if self.speculative else ""
                 raise GenerationError(f"prompt {i} ({len(p)} tokens) plus {max_new_tokens} new "
-                                      f"tokens needs {len(p) + max_new_tokens - 1} positions, "
-                                      f"more than max_seq_len {self.max_seq_len}")
+                                      f"tokens{what} needs {need} positions, more than "
+                                      f"max_seq_len {self.max_seq_len}")
         return ids
 
     # ---- generation ----------------------------------------------------------------------------
@@ -163,16 +194,37 @@ class LLM:
         if chat and eos_token_id is None:
             eos_token_id = model_eos(self.tokenizer)
         t0 = time.perf_counter()
-        first_s = None
+        first_s, stats = None, None
         if self.backend == "reference":
-            tokens = self._reference(ids, max_new_tokens)
+            if self.speculative is not None:
+                g = self._reference_speculative(ids, max_new_tokens)
+                tokens, stats = g.tokens, self._stats(g)
+            else:
+                tokens = self._reference(ids, max_new_tokens)
         else:
             g = self._program(ids, max_new_tokens, eos_token_id)
             tokens, first_s = g.tokens, g.first_token_s
+            stats = self._stats(g) if self.speculative is not None else None
         tokens = [until_eos(t, eos_token_id) for t in tokens]
         texts = ([self.tokenizer.decode(t, skip_special_tokens=chat) for t in tokens]
                  if self.tokenizer is not None else None)
-        return GenerationOutput(tokens, self.backend, texts, first_s, time.perf_counter() - t0)
+        return GenerationOutput(tokens, self.backend, texts, first_s, time.perf_counter() - t0,
+                                stats)
+
+    def _stats(self, g) -> dict:  # noqa: ANN001 (engine.Generated)
+        sp = self.speculative
+        stats = g.speculative_stats(sp.method, sp.k)
+        if sp.model is not None:
+            stats["draft_model"] = sp.model
+        return stats
+
+    def _drafts_fn(self, batch: int):  # noqa: ANN202
+        """This call's host drafter (None for ngram:K: the program drafts); drafters keep
+        per-row state, so each call gets its own."""
+        from megakernel.backends import drafts_function
+
+        return drafts_function(self.speculative, self.cfg, self.weights, self.backend, batch,
+                               self.max_seq_len, seed=self.seed)
 
     def _reference(self, ids: list[list[int]], steps: int) -> list[list[int]]:
         from megakernel.reference.model import ReferenceModel, generate
@@ -181,6 +233,13 @@ class LLM:
                              replay_window=self.replay_window)
         return generate(ref, ids, steps, self.max_seq_len)
 
+    def _reference_speculative(self, ids: list[list[int]], steps: int):  # noqa: ANN202
+        from megakernel.backends import reference_speculative_generate
+
+        return reference_speculative_generate(
+            self.cfg, self.weights, ids, steps, self.max_seq_len, self.seed, self.replay_window,
+            self.speculative, self._drafts_fn(len(ids)))
+
     def _program(self, ids: list[list[int]], steps: int, eos: int | None):  # noqa: ANN202
         """Run the bucket's program with copies of the first prompt padding the batch (they never
         shorten the chunked prefill); drop their rows."""
@@ -188,33 +247,45 @@ class LLM:
         b = bucket(n, self.max_batch)
         padded = ids + [ids[0]] * (b - n)
         live = [True] * n + [False] * (b - n)
+        sp = self.speculative
+        drafts_fn = self._drafts_fn(b) if sp is not None else None
         if self.backend == "kernel":
             g = self._kernel(b).generate_program(padded, steps, eos, live=live,
-                                                 chunk_tokens=PREFILL_CHUNK)
+                                                 chunk_tokens=PREFILL_CHUNK, speculative=sp,
+                                                 drafts_fn=drafts_fn)
         else:
             from megakernel.engine import program_generate
-            from megakernel.executor.generate import executor_steppers
+            from megakernel.executor.generate import executor_steppers, speculative_stepper
             from megakernel.program.pack import pack_weights
 
             if self._packed is None:
                 self._packed = pack_weights(self.cfg, self.weights)
             chunk = min(PREFILL_CHUNK, min(len(p) for p in ids) - 1)
+
+            def compile_fn(t: int, drafts: int = 0, ngram: int = 0) -> object:
+                return self._compiled(b, t, drafts, ngram)
+
             single, chunk_st = executor_steppers(
                 self.cfg, self._packed, b, self.max_seq_len, self.replay_window, chunk,
-                compile_fn=lambda t: self._compiled(b, t))
-            g = program_generate(single, padded, steps, eos, chunk=chunk_st, live=live)
+                compile_fn=compile_fn)
+            spec = None
+            if sp is not None:
+                ngram = sp.ngram if drafts_fn is None else 0
+                spec = speculative_stepper(single, self._packed, compile_fn, sp.k, ngram)
+            g = program_generate(single, padded, steps, eos, chunk=chunk_st, live=live,
+                                 spec=spec, drafts_fn=drafts_fn)
         g.tokens = g.tokens[:n]
         return g
 
-    def _compiled(self, batch: int, tokens: int):  # noqa: ANN202
+    def _compiled(self, batch: int, tokens: int, drafts: int = 0, ngram: int = 0):  # noqa: ANN202
         from megakernel.executor.generate import executor_gpu
         from megakernel.program.compiler import compile_program
 
-        key = (batch, tokens)
+        key = (batch, tokens, drafts, ngram) if drafts else (batch, tokens)
         if key not in self._programs:
             self._programs[key] = compile_program(
                 self.cfg, batch, executor_gpu(), tokens=tokens, max_seq_len=self.max_seq_len,
-                replay_window=self.replay_window)
+                replay_window=self.replay_window, drafts=drafts, ngram=ngram)
         return self._programs[key]
 
     def _kernel(self, batch: int):  # noqa: ANN202
@@ -231,12 +302,15 @@ class LLM:
 def load(model: str | Path, backend: str = "auto", max_batch: int = 8, max_seq_len: int = 4096,
          replay_window: int | None = None, seed: int = 0,
          build_dir: str | Path | None = None, weights: str = "bf16",
-         fp8_granularity: str = "channel", fp8_lm_head: bool = False) -> LLM:
+         fp8_granularity: str = "channel", fp8_lm_head: bool = False,
+         speculative: str | None = None) -> LLM:
     """Load a preset (random bf16 weights from `seed`), a Hugging Face checkpoint directory or a
     GGUF file (its tokenizer too, when it has one) and pick the backend; see the module
     docstring. `weights="fp8"` quantizes the block matrices to e4m3 on load (scales per output
     channel, or per 128x128 block with `fp8_granularity="block"`; the LM head too with
-    `fp8_lm_head`); an FP8 checkpoint loads as FP8 either way (docs/FP8.md)."""
+    `fp8_lm_head`); an FP8 checkpoint loads as FP8 either way (docs/FP8.md). `speculative`:
+    "ngram:K", "mtp:K" or "draft:MODEL:K" (the module docstring; a model with recurrent layers
+    needs `replay_window`)."""
     from megakernel.models.gguf import is_gguf
     from megakernel.models.sources import load_model
 
@@ -257,7 +331,7 @@ def load(model: str | Path, backend: str = "auto", max_batch: int = 8, max_seq_l
         except (CliError, ConfigError):  # no tokenizer files, or none in the GGUF metadata
             tokenizer = None  # token ids only
     return LLM(cfg, weights, backend, max_batch, max_seq_len, replay_window, tokenizer,
-               build_dir)
+               build_dir, speculative, seed)
 
 
 __all__ = ["BACKENDS", "GenerationError", "GenerationOutput", "KernelUnavailable", "LLM",

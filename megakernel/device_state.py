@@ -1,7 +1,8 @@
 """A program's kernel arguments on one device (`DeviceState`, made by `allocate_state`: records,
 counters, packed weights, arenas, KV cache, recurrent state) and the build that serves a model
 (`find_build`: a build directory, $MEGAKERNEL_BUILD_DIR or the JIT cache). The op
-(torch_op.decode_step) takes `DeviceState.tensors()` in `TENSORS` order.
+(torch_op.decode_step) takes `DeviceState.tensors()` in `TENSORS` order; the speculative op
+(torch_op.speculative_step) the same tensors with `spec_offsets`.
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ ENV_BUILD_DIR = "MEGAKERNEL_BUILD_DIR"
 
 def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
                build_dir: str | Path | None, replay_window: int = 0,
-               paged=None) -> Manifest:  # noqa: ANN001 (program.paged.PagedKV | None)
+               paged=None, drafts: int = 0,  # noqa: ANN001 (program.paged.PagedKV | None)
+               ngram: int = 0) -> Manifest:
     """The manifest to launch: `build_dir` / $MEGAKERNEL_BUILD_DIR (AOT; a single build
     DIR/<arch>/ or a build set DIR/<spec tag>/<arch>/) or the JIT cache (`replay_window`: for
     programs with that ReplaySSM window, 0 = the recurrent update; `paged`: the paged-KV build
-    for this page pool)."""
+    for this page pool; `drafts`, `ngram`: the speculative step's build, layers/speculative.py)."""
     from megakernel.kernel.model_spec import make_spec
 
     # SpecError names what the kernel cannot run
-    need = make_spec(cfg, batch, tokens, arch, replay_window=replay_window, paged=paged)
+    need = make_spec(cfg, batch, tokens, arch, replay_window=replay_window, paged=paged,
+                     drafts=drafts, ngram=ngram)
     build_dir = build_dir or os.environ.get(ENV_BUILD_DIR)
     if build_dir is None:
         from megakernel.kernel.jit import ensure_build
 
-        build_dir = ensure_build(cfg, batch, tokens, arch, replay_window=replay_window)
+        build_dir = ensure_build(cfg, batch, tokens, arch, replay_window=replay_window,
+                                 drafts=drafts, ngram=ngram)
     build_dir = Path(build_dir)
     if not (build_dir / arch / "manifest.json").is_file():  # a build set: DIR/<tag>/<arch>/
         tagged = build_dir / need.tag
@@ -46,7 +50,13 @@ def find_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
     # rms_norm_eps differs from the build's would otherwise run with the wrong one)
     want = {k: v for k, v in need.to_dict().items()
             if k not in ("arch", "num_threads", "smem_stages", "timeline", "l2_window")}
-    bad = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
+    # (a field newer than the build's manifest has its default there)
+    from dataclasses import fields
+
+    from megakernel.kernel.spec import KernelSpec
+
+    default = {f.name: f.default for f in fields(KernelSpec)}
+    bad = {k: (s.get(k, default[k]), v) for k, v in want.items() if s.get(k, default[k]) != v}
     if bad:
         raise ArgumentError(
             f"the build in {m.path} does not serve this model/batch: "
@@ -76,6 +86,9 @@ class DeviceState:
     state: torch.Tensor  # fp32 [buffers.state_numel]: conv windows, states, rings (persistent)
     offsets: list[int]  # [lengths_off, tokens_out_off, logits_off, S_MAX] for decode_step
     packed: object = None  # megakernel.program.pack.PackedWeights (`weights` is its arena)
+    # a speculative program's (drafts k): `offsets` + [tokens_in_off, emitted_off] (i32) for
+    # torch_op.speculative_step; None for a plain program
+    spec_offsets: list[int] | None = None
 
     def region(self, arena: str, name: str) -> torch.Tensor:
         r = getattr(self.prog.buffers, arena)[name]
@@ -127,6 +140,8 @@ def allocate_state(cfg: ModelConfig, weights: dict[str, torch.Tensor] | None, pr
                  hdr["S_MAX"]],
         packed=packed,
     )
+    if getattr(prog, "drafts", 0):
+        st.spec_offsets = [*st.offsets, buf.i32["tokens_in"].offset, buf.i32["emitted"].offset]
     for blk in cfg.blocks:  # host-written constants (RoPE tables, ...) and checkpoint tables
         for name, t in kind(blk.kind).constants(blk, cfg, prog.step_shape()).items():
             st.region("f32", name).copy_(t.reshape(-1))

@@ -12,14 +12,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megakernel.backends import BACKENDS, BF16_ONLY
+from megakernel.backends import BACKENDS, BF16_ONLY, SPECULATIVE
 from megakernel.cli import CliError, add_weight_arguments, weight_options
 
 
 # ---- backends ------------------------------------------------------------------------------------
-def backend_function(name: str) -> Callable[..., list[list[int]]]:
-    """The backend's generate function, or CliError saying why it is not available."""
-    module, attr = BACKENDS[name]
+def backend_function(name: str, table: dict[str, tuple[str, str]] = BACKENDS
+                     ) -> Callable[..., Any]:
+    """The backend's generate function (from `table`: BACKENDS, or SPECULATIVE for
+    --speculative), or CliError saying why it is not available."""
+    module, attr = table[name]
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -91,13 +93,20 @@ def run_generation(
     device: str = "cpu",
     replay_window: int | None = None,
     weights: dict[str, Any] | None = None,
+    speculative: str | None = None,
 ) -> dict[str, Any]:
     """Load `model` (preset: random weights from `seed`; directory: checkpoint), generate greedily.
 
     Models with recurrent layers (Qwen3.5, Kimi Linear, Nemotron-H) run them by the recurrent
-    update, or by ReplaySSM when `replay_window` (L >= 1) is given. Returns the JSON-ready
-    result: tokens (new ids per prompt), timings and settings.
+    update, or by ReplaySSM when `replay_window` (L >= 1) is given. `speculative` ("ngram:3",
+    "mtp:2", "draft:MODEL:3"; megakernel.speculative): after the first new token, steps of 1 + k
+    tokens that verify k drafts (the same tokens as plain greedy decoding); the result then holds
+    "speculative" (engine.Generated.speculative_stats). Returns the JSON-ready result: tokens
+    (new ids per prompt), timings and settings.
     """
+    from megakernel.speculative import parse
+
+    spec = parse(speculative)  # SpeculativeError (a UserError) names a bad method string
     if backend not in BACKENDS:
         raise CliError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if dtype not in ("bf16", "fp32"):
@@ -113,7 +122,7 @@ def run_generation(
     if replay_window is not None and replay_window < 1:
         raise CliError(f"--replay-window must be >= 1 (or 0 for the recurrent update), "
                        f"got {replay_window}")
-    fn = backend_function(backend)  # fail early, before loading weights
+    fn = backend_function(backend, SPECULATIVE if spec else BACKENDS)  # before loading weights
     if backend == "reference":
         import megakernel.reference.model  # noqa: F401 (import time is not generation time)
 
@@ -133,15 +142,23 @@ def run_generation(
     if replay_window is not None and not cfg.recurrent_layers():
         raise CliError(f"--replay-window applies to models with recurrent layers; {model!r} "
                        "has none")
+    from megakernel.backends import check_speculative
+
+    check_speculative(spec, cfg, replay_window, "--replay-window L")
 
     longest = max(len(p) for p in prompts)
     needed = longest + steps - 1  # the last new token is never fed back
+    if spec is not None:  # a live row's last step still verifies 1 + k tokens
+        from megakernel.engine import spec_max_seq_len
+
+        needed = spec_max_seq_len(longest, steps, spec.k)
     given = max_seq_len is not None  # name only the flags the user passed
     if max_seq_len is None:
-        max_seq_len = longest + steps
+        max_seq_len = max(longest + steps, needed)
     if max_seq_len < needed:
+        what = f" and --speculative {spec}" if spec is not None else ""
         raise CliError(f"--max-seq-len {max_seq_len} is too small: the longest prompt "
-                       f"({longest} tokens) plus --steps {steps} needs {needed}")
+                       f"({longest} tokens) plus --steps {steps}{what} needs {needed}")
     if max_seq_len > cfg.max_position_embeddings:
         what = (f"--max-seq-len {max_seq_len}" if given else
                 f"--steps {steps} after the longest prompt ({longest} tokens) needs "
@@ -154,15 +171,30 @@ def run_generation(
             raise CliError(f"token id {bad[0]} in prompt {i} is out of range for vocab size "
                            f"{cfg.vocab_size}")
 
-    t0 = time.perf_counter()
-    tokens = fn(cfg, tensors, prompts, steps, max_seq_len, seed, replay_window=replay_window)
-    gen_s = time.perf_counter() - t0
+    stats = None
+    if spec is None:
+        t0 = time.perf_counter()
+        tokens = fn(cfg, tensors, prompts, steps, max_seq_len, seed, replay_window=replay_window)
+        gen_s = time.perf_counter() - t0
+    else:
+        from megakernel.backends import drafts_function
+
+        drafts_fn = drafts_function(spec, cfg, tensors, backend, len(prompts), max_seq_len,
+                                    seed=seed, mode=dtype, device=device)
+        t0 = time.perf_counter()
+        g = fn(cfg, tensors, prompts, steps, max_seq_len, seed, replay_window=replay_window,
+               speculative=spec, drafts_fn=drafts_fn)
+        gen_s = time.perf_counter() - t0
+        tokens = g.tokens
+        stats = g.speculative_stats(spec.method, spec.k)
+        if spec.model is not None:
+            stats["draft_model"] = spec.model
     tokens = [[int(t) for t in row] for row in tokens]
     if len(tokens) != len(prompts) or any(len(row) != steps for row in tokens):
         raise RuntimeError(f"backend {backend!r} returned {[len(r) for r in tokens]} tokens for "
                            f"{len(prompts)} prompts x {steps} steps")
     n_new = len(prompts) * steps
-    return {
+    r = {
         "model": model,
         "random_weights": model in presets(),
         "backend": backend,
@@ -179,6 +211,9 @@ def run_generation(
         "generate_s": round(gen_s, 4),
         "tokens_per_s": round(n_new / gen_s, 2) if gen_s > 0 else None,
     }
+    if stats is not None:
+        r["speculative"] = stats
+    return r
 
 
 def describe_generation(r: dict[str, Any]) -> list[str]:
@@ -191,6 +226,11 @@ def describe_generation(r: dict[str, Any]) -> list[str]:
         lines.append(f"  prompt {i} {p} -> new tokens {t}")
         if "texts" in r:
             lines.append(f"    text: {r['texts'][i]!r}")
+    if "speculative" in r:
+        s = r["speculative"]
+        lines.append(f"  speculative {s['method']} with {s['k']} draft(s) a step: "
+                     f"{s['accepted_per_step']:.2f} drafts accepted, {s['tokens_per_step']:.2f} "
+                     f"tokens per step and sequence, over {s['steps']} speculative step(s)")
     lines.append(f"  {r['batch'] * r['steps']} new tokens in {r['generate_s']:.3f} s "
                  f"({r['tokens_per_s']} tokens/s); weights ready in {r['load_s']:.3f} s")
     return lines
@@ -219,6 +259,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-window", type=int, default=None, metavar="L",
                    help="models with recurrent layers: ReplaySSM, folding the state every L tokens "
                         "(0 = plain recurrent update, the default)")
+    p.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="speculative decoding with k drafts a step (1 <= k <= 7): ngram:K (prompt "
+                        "lookup, drafted on the program), mtp:K (the checkpoint's MTP layer), "
+                        "draft:MODEL:K (a draft model); the tokens are plain greedy decoding's. "
+                        "Recurrent models need --replay-window")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     add_weight_arguments(p)
 
@@ -268,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replay_window is not None and args.replay_window < 0:
         raise CliError(f"--replay-window must be >= 0, got {args.replay_window}")
     r = run_generation(args.model, prompts, args.steps, args.backend, args.dtype, args.seed,
-                       args.max_seq_len, args.device, replay, weight_options(args))
+                       args.max_seq_len, args.device, replay, weight_options(args),
+                       args.speculative)
     if args.chat:
         from megakernel.chat import model_eos, until_eos
 

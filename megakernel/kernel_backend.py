@@ -43,11 +43,14 @@ class Megakernel:
                  tokens: int = 1, max_seq_len: int | None = None,
                  build_dir: str | Path | None = None, device: str | torch.device = "cuda",
                  replay_window: int | None = None, gpu: str | None = None,
-                 n_splits: int | None = None):
+                 n_splits: int | None = None, drafts: int = 0, ngram: int = 0,
+                 caches: tuple[torch.Tensor, torch.Tensor] | None = None):
         from megakernel.program.compiler import compile_program
         from megakernel.program.gpus import from_device
         from megakernel.program.gpus import gpu as named_gpu
 
+        if drafts and tokens == 1:  # a speculative step verifies the last token and k drafts
+            tokens = 1 + drafts
         self.cfg, self.batch, self.tokens = cfg, batch, tokens
         self.device = torch.device(device)
         self.manifest: Manifest | None = None
@@ -58,16 +61,26 @@ class Megakernel:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             dev = device_info(self.device)
+            spec_kw = {}
+            if drafts:  # refused before any build is looked for or made
+                spec_kw = _speculative_build(cfg, batch, tokens, dev.arch, replay_window or 0,
+                                             drafts, ngram)
             self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir,
-                                       replay_window=replay_window or 0)
+                                       replay_window=replay_window or 0, **spec_kw)
+            if drafts:
+                _check_speculative_manifest(self.manifest, ngram)
             target = from_device(self.device.index)
         self.prog = compile_program(cfg, batch, target, tokens=tokens, max_seq_len=max_seq_len,
-                                    replay_window=replay_window, n_splits=n_splits)
+                                    replay_window=replay_window, n_splits=n_splits,
+                                    drafts=drafts, ngram=ngram)
         self.max_seq_len = self.prog.max_seq_len
         if self.manifest is not None:
             check_records(self.prog.records(), self.manifest.spec, self.prog.layout)
             check_header(self.prog.header, self.manifest.spec)
-        self.args = allocate_state(cfg, weights, self.prog, self.device)
+        if caches is not None and (tuple(caches[0].shape), tuple(caches[1].shape)) != (
+                self.prog.buffers.kv_shape, self.prog.buffers.v_shape):
+            caches = None  # another cache layout: copy_state carries the cache instead
+        self.args = allocate_state(cfg, weights, self.prog, self.device, caches=caches)
         self.timeline: torch.Tensor | None = None  # the timeline build's records (timeline.py)
         if self.manifest is not None and self.manifest.spec.get("timeline"):
             from megakernel.timeline import attach_records
@@ -83,6 +96,7 @@ class Megakernel:
         self._how = dict(build_dir=build_dir, device=self.device, replay_window=replay_window,
                          gpu=gpu, n_splits=n_splits)  # what a sibling program for T tokens needs
         self._chunks: dict[int, Megakernel | None] = {}  # T -> the prefill program (None: no build)
+        self._specs: dict[tuple[int, int], Megakernel] = {}  # (k, ngram) -> speculative program
 
     def _region(self, arena: str, name: str) -> torch.Tensor:
         return self.args.region(arena, name)
@@ -172,25 +186,71 @@ class Megakernel:
                 self._chunks[tokens] = None
         return self._chunks[tokens]
 
+    def speculative_program(self, drafts: int, ngram: int = 0) -> Megakernel:
+        """The same model and batch compiled for a speculative step of 1 + `drafts` tokens
+        (`ngram`: with the device n-gram drafter), sharing this one's cache length and, where
+        the layouts agree, its KV cache. Made once per (drafts, ngram); a build without the
+        speculative step is refused (KernelUnavailable)."""
+        key = (drafts, ngram)
+        if key not in self._specs:
+            self._specs[key] = Megakernel(self.cfg, self._weights_hf, self.batch, 1 + drafts,
+                                          self.max_seq_len, drafts=drafts, ngram=ngram,
+                                          caches=(self.k_cache, self.v_cache), **self._how)
+        return self._specs[key]
+
+    def speculative_step(self, drafts: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of a speculative program through torch.ops.megakernel.speculative_step:
+        `drafts` [B, k] (None: the device drafter's) -> (greedy tokens [B, 1 + k] int32,
+        accepted drafts [B] int32, -1 for a row whose cache is full). Row b*T of tokens_in, the
+        last token, is the bonus the previous step fed back (write it before the first step)."""
+        if not self.prog.drafts:
+            raise ArgumentError("speculative_step needs a program compiled with drafts "
+                                "(Megakernel(..., drafts=k) or speculative_program(k))")
+        if self.manifest is not None:  # the executor checks its own
+            check_lengths(self.manifest.spec, self.lengths, self.max_seq_len)
+        if drafts is not None:
+            drafts = torch.as_tensor(drafts, device=self.device)
+            if drafts.numel() and bool(((drafts < 0) | (drafts >= self.cfg.vocab_size)).any()):
+                raise ArgumentError(f"draft token ids must be in [0, {self.cfg.vocab_size})")
+        tokens, accepted = torch.ops.megakernel.speculative_step(
+            *(getattr(self, n) for n in TENSORS), self.kernel_id, self.args.spec_offsets, drafts)
+        self.lengths = [n + max(0, a + 1) for n, a in zip(self.lengths, accepted.tolist(),
+                                                          strict=True)]
+        return tokens, accepted
+
     def generate_program(self, prompts: list[list[int]], steps: int,
                          eos_token_id: int | None = None, live: list[bool] | None = None,
-                         chunk_tokens: int = 1):  # noqa: ANN201 (engine.Generated)
+                         chunk_tokens: int = 1, speculative=None,  # noqa: ANN001
+                         drafts_fn=None):  # noqa: ANN001, ANN201 (engine.Generated)
         """Greedy generation with the prefill on the program too (megakernel.engine: the common
         prompt prefix in chunks of `chunk_tokens` by `chunk_program`, when built, then one token
         per step: every row consumes its next prompt token or its own last new token), from
         empty caches: the first token comes from the kernel (or the CPU executor on "cpu").
-        Returns engine.Generated (tokens, first_token_s: time to first token)."""
-        from megakernel.engine import program_generate
+        `speculative` (a megakernel.speculative.Speculative): then steps of 1 + k tokens on
+        `speculative_program` (drafted on the device for ngram:K, else by `drafts_fn`).
+        Returns engine.Generated (tokens, first_token_s: time to first token, accepted)."""
+        from megakernel.engine import program_generate, spec_max_seq_len
 
         if self.tokens != 1:
             raise ArgumentError("generation runs one token per step; build with --tokens 1")
         if len(prompts) != self.batch or any(len(p) == 0 for p in prompts):
             raise ArgumentError(f"generation needs {self.batch} non-empty prompts, got "
                                 f"{[len(p) for p in prompts]} tokens")
-        need = max(len(p) for p in prompts) + steps - 1
+        k = speculative.k if speculative is not None else 0
+        need = (spec_max_seq_len(max(len(p) for p in prompts), steps, k) if k
+                else max(len(p) for p in prompts) + steps - 1)
         if need > self.max_seq_len:
-            raise ArgumentError(f"the longest prompt plus {steps} new tokens needs {need} "
+            what = f" and {k} drafts a step" if k else ""
+            raise ArgumentError(f"the longest prompt plus {steps} new tokens{what} needs {need} "
                                 f"positions; the program has max_seq_len {self.max_seq_len}")
+        if k and drafts_fn is None and speculative.ngram == 0:
+            raise ArgumentError(f"speculative {speculative} drafts on the host: pass drafts_fn")
+        spec = None
+        if k:  # made (and refused, without the build) before any step runs
+            sp = self.speculative_program(k, speculative.ngram if drafts_fn is None else 0)
+            sp.reset()
+            spec = _SpecOpStepper(sp)
         self.reset()
         chunk = None
         if chunk_tokens > 1 and min(len(p) for p in prompts) > chunk_tokens:
@@ -199,7 +259,7 @@ class Megakernel:
                 ck.reset()
                 chunk = _OpStepper(ck)
         return program_generate(_OpStepper(self), prompts, steps, eos_token_id, chunk=chunk,
-                                live=live)
+                                live=live, spec=spec, drafts_fn=drafts_fn)
 
     def generate(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
         """New tokens per prompt, prefill and decode on the program (`generate_program`)."""
@@ -233,6 +293,59 @@ class _OpStepper:
             torch.cuda.synchronize(self.mk.device)
 
 
+class _SpecOpStepper(_OpStepper):
+    """A speculative Megakernel as an engine.Stepper: each step is one `speculative_step`
+    through the op; a feed [B, 1 + k] writes the last tokens and passes the drafts in."""
+
+    def step(self, tokens: torch.Tensor | None) -> torch.Tensor:
+        from megakernel.finite import check_logits
+
+        mk, drafts = self.mk, None
+        if tokens is not None:
+            t = torch.as_tensor(tokens).reshape(mk.batch, mk.tokens)
+            if bool(((t < 0) | (t >= mk.cfg.vocab_size)).any()):
+                raise ArgumentError(f"token ids must be in [0, {mk.cfg.vocab_size})")
+            mk._region("i32", "tokens_in").view(mk.batch, mk.tokens)[:, 0].copy_(t[:, 0])
+            drafts = t[:, 1:].to(mk.device)
+        out, _ = mk.speculative_step(drafts)
+        check_logits(mk.logits, self.n, "kernel")
+        self.n += 1
+        return out.view(mk.batch, mk.tokens).to(torch.int64)
+
+
+def _speculative_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
+                       replay_window: int, drafts: int, ngram: int) -> dict:
+    """KernelUnavailable, before a build is looked for or made, unless the kernel's build of
+    this model has the speculative step (ACCEPT, and NGRAM for the device drafter); returns
+    find_build's keywords for it."""
+    from megakernel.errors import SpecError
+    from megakernel.kernel.model_spec import make_spec
+
+    try:
+        need = make_spec(cfg, batch, tokens, arch, replay_window=replay_window, drafts=drafts,
+                         ngram=ngram)
+    except SpecError as e:
+        raise KernelUnavailable(f"speculative decoding on the kernel: {e}") from None
+    _require_speculative_ops(need.ops, ngram, f"the kernel build for {cfg.name or cfg.family}")
+    return dict(drafts=drafts, ngram=ngram)
+
+
+def _check_speculative_manifest(manifest: Manifest, ngram: int) -> None:
+    _require_speculative_ops(manifest.spec.get("ops", ()), ngram, f"the build in {manifest.path}")
+
+
+def _require_speculative_ops(ops, ngram: int, what: str) -> None:  # noqa: ANN001
+    from megakernel import isa
+
+    need = [isa.Op.ACCEPT] + ([isa.Op.NGRAM] if ngram else [])
+    missing = [op.name for op in need if int(op) not in {int(o) for o in ops}]
+    if missing:
+        raise KernelUnavailable(
+            f"speculative decoding on the kernel needs the speculative step's device handlers "
+            f"({', '.join(missing)}), which {what} does not have; run it with --backend "
+            f"cpu-executor (or reference) for now")
+
+
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax with the lowest index on ties (torch.argmax's documented behaviour)."""
     return torch.argmax(logits, dim=-1)
@@ -258,3 +371,27 @@ def generate(cfg: ModelConfig, weights: dict[str, torch.Tensor], prompts: list[l
     mk = Megakernel(cfg, weights, batch=len(prompts), tokens=1, max_seq_len=max_seq_len,
                     build_dir=build_dir, replay_window=replay_window)
     return mk.generate(prompts, steps)
+
+
+def speculative_generate(cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                         prompts: list[list[int]], steps: int, max_seq_len: int | None = None,
+                         seed: int = 0, replay_window: int | None = None, speculative=None,  # noqa: ANN001
+                         drafts_fn=None, build_dir: str | Path | None = None):  # noqa: ANN001, ANN201
+    """`--backend kernel --speculative METHOD`: greedy speculative generation on the kernel
+    (Megakernel.generate_program with `speculative`); returns engine.Generated. Refused by name,
+    before a GPU is asked for, where the kernel cannot run the model."""
+    from megakernel.engine import PREFILL_CHUNK, spec_max_seq_len
+    from megakernel.kernel.model_spec import check_kernel_support
+
+    del seed
+    check_kernel_support(cfg, bool(replay_window), drafts=speculative.k,
+                         ngram=speculative.ngram if drafts_fn is None else 0)
+    require_gpu()
+    if not prompts:
+        raise ArgumentError("no prompts given")
+    if max_seq_len is None:
+        max_seq_len = spec_max_seq_len(max(len(p) for p in prompts), steps, speculative.k)
+    mk = Megakernel(cfg, weights, batch=len(prompts), tokens=1, max_seq_len=max_seq_len,
+                    build_dir=build_dir, replay_window=replay_window)
+    return mk.generate_program(prompts, steps, chunk_tokens=PREFILL_CHUNK,
+                               speculative=speculative, drafts_fn=drafts_fn)

@@ -145,7 +145,8 @@ def check_header(header: dict[str, int], spec: Spec) -> None:
     each layer kind's (LayerKind.kernel_header: the RoPE dims and output gate of attention, the
     MoE's shape); ArgumentError naming the first mismatch."""
     s = as_spec(spec)
-    want = {"NORM_KIND": int(s.norm_one_plus), "REPLAY_WINDOW": s.replay_window}
+    want = {"NORM_KIND": int(s.norm_one_plus), "REPLAY_WINDOW": s.replay_window,
+            "DRAFTS": s.drafts, "NGRAM": s.ngram}
     if s.replay_window:
         want["RING_CAP"] = s.ring_cap
     want.update(s.paged_shape.header() if s.paged else {"PAGED": 0})
@@ -251,7 +252,13 @@ def check_weight_format(d: dict, spec: KernelSpec, layout) -> str:  # noqa: ANN0
 
 
 def check_frame_record(d: dict, spec: KernelSpec) -> str:
-    """The frame's records that are not matvecs (layers/frame.py): EMBED's rows and vectors."""
+    """The frame's records that are not matvecs (layers/frame.py): EMBED's rows and vectors;
+    NGRAM's sequences and suffix length (layers/speculative.py)."""
+    if d["OPCODE"] == isa.Op.NGRAM:
+        if not (0 <= d["B0"] <= d["B1"] <= spec.batch and 1 <= d["N_MAX"] <= spec.ngram):
+            return (f"sequences [{d['B0']}, {d['B1']}) or suffix length {d['N_MAX']} outside "
+                    f"the build's B={spec.batch}, ngram={spec.ngram}")
+        return ""
     if d["OPCODE"] != isa.Op.EMBED:
         return ""
     if d["K"] != spec.hidden or not 0 <= d["N0"] <= d["N1"] <= spec.rows:

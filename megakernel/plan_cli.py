@@ -8,6 +8,13 @@ SM's idle fraction, and the assumptions. `--json` adds one JSON object as the la
 (program/refit.py) and prints them with the predicted/measured table before and after;
 `--save-params OUT.json` keeps them and `--params OUT.json` plans with them.
 
+`--speculative ngram:3 --acceptance A` plans the speculative step (1 + k tokens per sequence,
+accepting on the device) next to the plain one: both predicted step times, their ratio, the
+expected tokens per step and the tokens/s per user of each (`speculative_summary`). A is the
+per-draft acceptance rate: the probability that a draft is accepted given that every draft
+before it was, the same for each position, so a step emits 1 + A + A^2 + ... + A^k tokens on
+average. draft:MODEL:K adds K steps of the draft model's plain program to each step.
+
 `--timeline OUT.png` draws the predicted per-SM timeline of the step (megakernel/timeline.py),
 beside the measured one of `--timeline-records FILE` (the timeline build's records, .npz or
 .json). `--refit FILE` with such a records file fits the per-instruction fixed cost and latency
@@ -28,6 +35,8 @@ from megakernel.cli import add_weight_arguments, weight_options
 from megakernel.program import cost
 from megakernel.program.gpus import GPUS, SOURCES, from_device, gpu
 from megakernel.progress import stage
+
+DEFAULT_ACCEPTANCE = 0.7  # --acceptance when not given (an assumption, printed as one)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured copy bandwidth in GB/s (replaces the cited read bandwidth)")
     p.add_argument("--measured-step-us", type=float, default=None,
                    help="a measured step time to report against the prediction")
+    p.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="plan the speculative step of ngram:K, mtp:K or draft:MODEL:K (1 + K "
+                        "tokens per sequence) against the plain one")
+    p.add_argument("--acceptance", type=float, default=None, metavar="A",
+                   help="with --speculative: the per-draft acceptance rate in [0, 1], the "
+                        "probability a draft is accepted given the drafts before it were; a step "
+                        f"emits 1 + A + ... + A^K tokens (default {DEFAULT_ACCEPTANCE})")
     p.add_argument("--isa", action="store_true", help="also print the instruction set table")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--refit", default=None, metavar="FILE.json",
@@ -77,12 +93,14 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
          policy: str = "cost", copy_bw_gbs: float | None = None,
          params: cost.CostParams | None = None, replay_window: int | None = None,
          programs: list | None = None, quiet: bool = True,
-         weights: dict[str, Any] | None = None) -> dict[str, Any]:
+         weights: dict[str, Any] | None = None, drafts: int = 0,
+         ngram: int = 0) -> dict[str, Any]:
     """Compile, verify and summarise one program of any family (the JSON-ready result of
     `plan`). `params`: cost parameters (e.g. refitted ones, refit.load_params); default the cited
     ones. `replay_window`: ReplaySSM fold window of the recurrent layers (None: recurrent).
     `programs`: a list that receives the compiled program. `quiet=False` prints progress
-    (megakernel.progress) on stderr."""
+    (megakernel.progress) on stderr. `drafts` k: the speculative step of 1 + k tokens
+    (`ngram`: with the device n-gram drafter)."""
     from megakernel import isa
     from megakernel.models import resolve
     from megakernel.program.bytes import step_bytes_by_category
@@ -90,6 +108,8 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
     from megakernel.program.verify import check_program
 
     cfg = resolve(model, **(weights or {}))  # weights: cli.weight_options (--weights fp8 ...)
+    if drafts:
+        tokens = 1 + drafts
     if context is not None:  # named by the flags, before the compiler's own check
         from megakernel.cli import CliError
         from megakernel.program.compiler import default_max_seq_len
@@ -98,7 +118,8 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
         if context + tokens > s_max:
             given = (f"--max-seq-len {s_max}" if max_seq_len else
                      f"the default --max-seq-len of {s_max} (min(max_position_embeddings, 4096))")
-            raise CliError(f"--context {context} + --tokens {tokens} do not fit {given}; lower "
+            what = f"{tokens} tokens a speculative step" if drafts else f"--tokens {tokens}"
+            raise CliError(f"--context {context} + {what} do not fit {given}; lower "
                            f"--context or raise --max-seq-len")
     g = from_device() if gpu_name == "device" else gpu(gpu_name)
     if copy_bw_gbs is not None:
@@ -107,7 +128,7 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
     with stage(f"compiling the {model} program", quiet):
         prog = compile_program(cfg, batch, g, tokens=tokens, max_seq_len=max_seq_len,
                                context=context, n_splits=splits, policy=policy, params=params,
-                               replay_window=replay_window)
+                               replay_window=replay_window, drafts=drafts, ngram=ngram)
     plan_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with stage(f"verifying {len(prog.instrs)} instructions", quiet):
@@ -121,6 +142,7 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
     weights = sum(i.w_bytes for i in prog.instrs if not isa.spec(i.op).reach)
     return {
         "model": model, "family": cfg.family, "gpu": g.name, "batch": batch, "tokens": tokens,
+        "drafts": drafts, "ngram": ngram,
         "weights": "bf16" if cfg.quant is None else cfg.quant.describe(),
         "replay_window": replay_window or 0,
         "context": prog.context, "max_seq_len": prog.max_seq_len, "n_splits": prog.n_splits,
@@ -195,6 +217,103 @@ def describe(r: dict[str, Any]) -> list[str]:
         lines.append(f"cost parameters refitted to measurements: {r['cost_params_file']} "
                      "(replaces the cited values above where they differ)")
     return lines
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens a speculative step of k drafts emits per sequence on average when each draft is
+    accepted with probability `acceptance` given that the drafts before it were (the bonus token
+    always): 1 + A + A^2 + ... + A^k."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def check_acceptance(acceptance: float) -> None:
+    from megakernel.cli import CliError
+
+    if not (math.isfinite(acceptance) and 0.0 <= acceptance <= 1.0):
+        raise CliError(f"--acceptance is the per-draft acceptance rate, a probability in [0, 1], "
+                       f"got {acceptance}")
+
+
+def speculative_summary(method: str, k: int, acceptance: float, plain_s: float, step_s: float,
+                        draft_s: float = 0.0, model: str | None = None) -> dict[str, Any]:
+    """The `plan --speculative` numbers: a speculative step (the 1 + k step `step_s`, plus k
+    draft-model steps of `draft_s` each for draft:MODEL:K) against the plain T = 1 step
+    `plain_s`, at per-draft acceptance `acceptance` (expected_tokens)."""
+    total = step_s + k * draft_s
+    tokens = expected_tokens(k, acceptance)
+    out = {"method": method, "k": k, "acceptance": acceptance,
+           "plain_step_us": round(plain_s * 1e6, 2), "spec_step_us": round(step_s * 1e6, 2),
+           "step_ratio": round(step_s / plain_s, 4),
+           "tokens_per_step": round(tokens, 4),
+           "accepted_per_step": round(tokens - 1, 4),
+           "tokens_per_s_per_user": round(tokens / total, 2),
+           "plain_tokens_per_s_per_user": round(1 / plain_s, 2),
+           "speedup": round(tokens * plain_s / total, 4)}
+    if model is not None:
+        out.update(draft_model=model, draft_step_us=round(draft_s * 1e6, 2),
+                   total_step_us=round(total * 1e6, 2))
+    return out
+
+
+def describe_speculative(s: dict[str, Any]) -> list[str]:
+    what = f"{s['method']}:{s['k']}" if "draft_model" not in s else \
+        f"draft:{s['draft_model']}:{s['k']}"
+    lines = [f"speculative {what}: the 1 + {s['k']} step {s['spec_step_us']:.1f} us against the "
+             f"plain step {s['plain_step_us']:.1f} us ({s['step_ratio']:.3f}x)"]
+    if "draft_model" in s:
+        lines.append(f"  draft model {s['draft_model']}: {s['k']} plain steps of "
+                     f"{s['draft_step_us']:.1f} us before each verify; {s['total_step_us']:.1f} "
+                     "us a speculative step in all")
+    elif s["method"] == "mtp":
+        lines.append("  the MTP drafter's own passes (one decoder layer and the LM head per "
+                     "draft) are not counted")
+    assumed = " (assumed: --acceptance A)" if s.get("acceptance_assumed") else ""
+    lines.append(f"  at per-draft acceptance {s['acceptance']:g}{assumed}: "
+                 f"{s['tokens_per_step']:.3f} "
+                 f"tokens per step and sequence (1 + A + ... + A^{s['k']}), "
+                 f"{s['tokens_per_s_per_user']:.0f} tokens/s per user against "
+                 f"{s['plain_tokens_per_s_per_user']:.0f} plain ({s['speedup']:.2f}x)")
+    return lines
+
+
+def plan_speculative(args: argparse.Namespace, params, programs: list) -> dict[str, Any]:  # noqa: ANN001
+    """`plan --speculative`: the speculative program's plan (the printed one) with a
+    "speculative" object comparing it to the plain program (and the draft model's steps)."""
+    from megakernel.backends import check_speculative
+    from megakernel.cli import CliError
+    from megakernel.models import resolve
+    from megakernel.speculative import parse
+
+    sp = parse(args.speculative)
+    if sp is None:
+        raise CliError("--speculative needs a method: ngram:K, mtp:K or draft:MODEL:K")
+    if args.tokens != 1:
+        raise CliError(f"--speculative plans a step of 1 + {sp.k} tokens; leave --tokens out")
+    acceptance = DEFAULT_ACCEPTANCE if args.acceptance is None else args.acceptance
+    check_acceptance(acceptance)
+    wopts = weight_options(args)
+    check_speculative(sp, resolve(args.model, **wopts), args.replay_window, "--replay-window L")
+    common = dict(context=args.context, max_seq_len=args.max_seq_len, splits=args.splits,
+                  policy=args.policy, copy_bw_gbs=args.copy_bw, params=params,
+                  replay_window=args.replay_window, quiet=args.json, weights=wopts)
+    r = plan(args.model, args.gpu, args.batch, programs=programs, drafts=sp.k, ngram=sp.ngram,
+             **common)
+    plain = plan(args.model, args.gpu, args.batch, 1, **common)
+    draft_s = 0.0
+    if sp.method == "draft":
+        from megakernel.drafters import check_draft_model
+
+        dcfg = resolve(sp.model)
+        check_draft_model(resolve(args.model, **wopts), dcfg, sp.model)
+        draft = plan(sp.model, args.gpu, args.batch, 1, **{**common, "replay_window": None,
+                                                           "weights": None})
+        draft_s = draft["predicted_step_us"] * 1e-6
+    r["speculative"] = speculative_summary(sp.method, sp.k, acceptance,
+                                           plain["predicted_step_us"] * 1e-6,
+                                           r["predicted_step_us"] * 1e-6, draft_s, sp.model)
+    r["speculative"]["acceptance_assumed"] = args.acceptance is None
+    return r
 
 
 def is_timeline_file(path: str) -> bool:
@@ -295,9 +414,16 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline_records and not args.timeline:
         raise RefitError("--timeline-records needs --timeline OUT.png (or --refit RECORDS)")
     programs: list = []
-    r = plan(args.model, args.gpu, args.batch, args.tokens, args.context, args.max_seq_len,
-             args.splits, args.policy, args.copy_bw, params, args.replay_window, programs,
-             quiet=args.json, weights=weight_options(args))
+    if args.speculative:
+        r = plan_speculative(args, params, programs)
+    else:
+        if args.acceptance is not None:
+            from megakernel.cli import CliError
+
+            raise CliError("--acceptance needs --speculative METHOD")
+        r = plan(args.model, args.gpu, args.batch, args.tokens, args.context, args.max_seq_len,
+                 args.splits, args.policy, args.copy_bw, params, args.replay_window, programs,
+                 quiet=args.json, weights=weight_options(args))
     if args.params:
         r["cost_params_file"] = args.params
     if args.measured_step_us is not None:
@@ -308,6 +434,8 @@ def run(args: argparse.Namespace) -> int:
         print(table_markdown())
         print()
     print("\n".join(describe(r)))
+    if "speculative" in r:
+        print("\n".join(describe_speculative(r["speculative"])))
     if args.timeline:
         print(draw_timeline(programs[0], params, args.timeline, args.timeline_records))
     if args.json:

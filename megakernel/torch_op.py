@@ -8,6 +8,13 @@ traces under torch.compile (fake, meta or CPU tensors) and the real launch is on
 on torch's current stream, which CUDA graphs can capture. Importing the package registers it;
 nothing here imports the DSL. What owns a model's arguments is device_state.py; what drives
 generation through the op is kernel_backend.py.
+
+`torch.ops.megakernel.speculative_step(...)` is the same step of a speculative program (1 + k
+tokens per sequence, compiled with drafts=k; layers/speculative.py): it takes the k drafts per
+sequence in (None when the program drafts on the device, NGRAM), runs the step, which accepts on
+the device, and returns every row's greedy tokens [B, 1 + k] and the accepted drafts [B]
+(emitted - 1: the first accepted + 1 tokens of a row are the ones it emitted; -1: none, its cache
+is full).
 """
 
 from __future__ import annotations
@@ -167,6 +174,100 @@ def _outputs(e: _Entry, f32: torch.Tensor, i32: torch.Tensor, tok_off: int, logi
     else:
         logits = f32.new_empty((0, v))
     return tokens, logits
+
+
+# ---- the speculative step -----------------------------------------------------------------------
+def _spec_shape(e: _Entry, kernel: int) -> tuple[int, int]:
+    """(B, T = 1 + k) of a speculative program or build; ArgumentError for a plain one."""
+    from megakernel import isa
+
+    if e.manifest is not None:
+        s = e.manifest.spec
+        if int(isa.Op.ACCEPT) not in s.get("ops", ()):
+            raise ArgumentError(f"kernel id {kernel}: the build in {e.manifest.path} has no "
+                                "speculative step (no ACCEPT handler); build it for a program "
+                                "compiled with drafts")
+        return int(s["batch"]), int(s["tokens"])
+    if not e.prog.drafts:
+        raise ArgumentError(f"kernel id {kernel} is a plain program ({e.prog.tokens} token(s) a "
+                            "step, no drafts); compile it with drafts=k for speculative_step")
+    return e.prog.batch, e.prog.tokens
+
+
+def _device_drafts(e: _Entry) -> bool:
+    from megakernel import isa
+
+    if e.manifest is not None:
+        return int(isa.Op.NGRAM) in e.manifest.spec.get("ops", ())
+    return bool(e.prog.ngram)
+
+
+def _spec_offsets(offsets: list[int]) -> tuple[list[int], int, int]:
+    if len(offsets) != 6:
+        raise ArgumentError(f"offsets must be [lengths_off, tokens_out_off, logits_off, s_max, "
+                            f"tokens_in_off, emitted_off], got {list(offsets)}")
+    return [int(x) for x in offsets[:4]], int(offsets[4]), int(offsets[5])
+
+
+def _check_drafts(e: _Entry, kernel: int, i32: torch.Tensor, drafts: torch.Tensor | None,
+                  tok_in: int, emit: int) -> tuple[int, int]:
+    """Every argument the speculative step adds, checked before the step: (B, T)."""
+    b, t = _spec_shape(e, kernel)
+    k = t - 1
+    if drafts is None:
+        if not _device_drafts(e):
+            raise ArgumentError(f"kernel id {kernel} has no device drafter (NGRAM): pass drafts "
+                                f"[{b}, {k}]")
+    else:
+        if tuple(drafts.shape) != (b, k):
+            raise ArgumentError(f"drafts must be [{b}, {k}] (batch, drafts a step), got "
+                                f"{tuple(drafts.shape)}")
+        if drafts.dtype not in (torch.int32, torch.int64):
+            raise ArgumentError(f"drafts must be torch.int32 or torch.int64, got {drafts.dtype}")
+        if drafts.device != i32.device:
+            raise ArgumentError(f"drafts are on {drafts.device}, the arenas on {i32.device}")
+    if tok_in < 0 or tok_in + b * t > i32.numel():
+        raise ArgumentError(f"tokens_in_off {tok_in} + {b * t} rows is outside the i32 arena")
+    if emit < 0 or emit + b > i32.numel():
+        raise ArgumentError(f"emitted_off {emit} + {b} sequences is outside the i32 arena")
+    return b, t
+
+
+@torch.library.custom_op("megakernel::speculative_step", mutates_args=MUTATED)
+def speculative_step(program: torch.Tensor, counters: torch.Tensor, weights: torch.Tensor,
+                     f32: torch.Tensor, bf16: torch.Tensor, i32: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, state: torch.Tensor,
+                     kernel: int, offsets: list[int], drafts: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One speculative step (module docstring) of a program compiled with k drafts, registered
+    like decode_step's. offsets = decode_step's four, then tokens_in_off and emitted_off (i32).
+    `drafts` [B, k] int32/int64 go into tokens_in rows b*T + 1 .. b*T + k (row b*T, the last
+    token, is the bonus the previous step fed back, or what the caller wrote before the first
+    step); None keeps the device drafter's. Token ids are the caller's to check (as decode_step's
+    tokens_in).
+
+    Returns (tokens [B, 1 + k] int32: each row's greedy tokens, the first accepted + 1 of them
+    emitted; accepted [B] int32: emitted - 1), copies."""
+    e = _entry(kernel)
+    base, tok_in, emit = _spec_offsets(offsets)
+    b, t = _check_drafts(e, kernel, i32, drafts, tok_in, emit)
+    if drafts is not None:
+        i32[tok_in: tok_in + b * t].view(b, t)[:, 1:].copy_(drafts)
+    args = (program, counters, weights, f32, bf16, i32, k_cache, v_cache, state, kernel, base,
+            False)
+    if program.device.type == "cpu":
+        tokens, _ = _decode_step_cpu(*args)
+    else:
+        tokens, _ = _launch(*args)
+    return tokens.view(b, t), i32[emit: emit + b] - 1
+
+
+@speculative_step.register_fake
+def _(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state, kernel, offsets,
+      drafts=None):
+    e = _entry(kernel)
+    b, t = _spec_shape(e, kernel)
+    return i32.new_empty((b, t)), i32.new_empty((b,))
 
 
 @decode_step.register_fake

@@ -49,7 +49,8 @@ def generate(model, prompts: list[list[int]], steps: int, k: int,  # noqa: ANN00
     """Greedy speculative generation of `steps` new tokens per prompt on a ReplaySSM (or
     attention-only) `ReferenceModel` with k drafts a step: verify 1 + k tokens, commit the
     accepted ones. `drafts_fn(histories, k)` proposes the drafts (default: the n-gram drafter).
-    Returns (tokens per prompt, accepted counts per step and prompt)."""
+    Returns (tokens per prompt, accepted counts per step of the rows still generating).
+    Each row is verified on its own (a batch-1 view of the cache), so finished rows stop."""
     from .model import ReferenceError, greedy
 
     if k < 1:
@@ -68,20 +69,24 @@ def generate(model, prompts: list[list[int]], steps: int, k: int,  # noqa: ANN00
     out = [[t] for t in last]
     acc_log: list[list[int]] = []
     while min(len(o) for o in out) < steps:
-        drafts = torch.tensor(propose(hist, k), dtype=torch.int64)
-        tokens = torch.cat((torch.tensor(last)[:, None], drafts), dim=1)
-        logits = (model.verify(cache, tokens) if model.replay_window is not None
-                  else model._forward(cache, tokens, replay=False, prefill=False))
-        g = greedy(logits)
-        a = accepted_count(drafts, g)
-        if model.replay_window is not None:
-            model.commit(cache, a)
-        else:
-            cache.lengths += a + 1
-        acc_log.append(a.tolist())
-        for i in range(b):
-            new = g[i, : int(a[i]) + 1].tolist()
+        live = [i for i in range(b) if len(out[i]) < steps]  # finished rows are not stepped
+        drafts = propose([hist[i] for i in live], k)
+        step_acc = []
+        for i, d in zip(live, drafts, strict=True):
+            seq = cache.row(i)
+            tokens = torch.tensor([[last[i], *d]], dtype=torch.int64)
+            logits = (model.verify(seq, tokens) if model.replay_window is not None
+                      else model._forward(seq, tokens, replay=False, prefill=False))
+            g = greedy(logits)[0]
+            a = int(accepted_count(tokens[:, 1:], g[None])[0])
+            if model.replay_window is not None:
+                model.commit(seq, [a])
+            else:
+                seq.lengths += a + 1
+            step_acc.append(a)
+            new = g[: a + 1].tolist()
             out[i] += new
             hist[i] += new
             last[i] = new[-1]
+        acc_log.append(step_acc)
     return [o[:steps] for o in out], acc_log

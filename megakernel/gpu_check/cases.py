@@ -39,6 +39,16 @@ class Case:
     # "block" (models.fp8.Fp8Format): the model is the preset quantized on load, judged against
     # the FP8 model's reference (its weights dequantized exactly), on a build of that format
     fp8: str = ""
+    # a speculative step (layers/speculative.py): k drafts a step (tokens = 1 + k), the host's
+    # scripted from the plain kernel's run so that every accepted count 0..k occurs, or with
+    # `ngram` the device drafter's (gpu_check/spec_case.py)
+    drafts: int = 0
+    ngram: int = 0
+
+    @property
+    def build_kw(self) -> dict[str, int]:
+        """make_spec's / build_arch's keywords of the case's build besides its shape."""
+        return dict(replay_window=self.replay_window, drafts=self.drafts, ngram=self.ngram)
 
     @property
     def name(self) -> str:
@@ -46,7 +56,9 @@ class Case:
         return f"{self.model} B={self.batch} T={self.tokens}{s}" + (
             f" paged/{self.paged}" if self.paged else "") + (
             f" L={self.replay_window}" if self.replay_window else "") + (
-            f" {self.weights}" if self.fp8 else "")
+            f" {self.weights}" if self.fp8 else "") + (
+            f" k={self.drafts}" if self.drafts else "") + (
+            f" ngram={self.ngram}" if self.ngram else "")
 
     @property
     def weights(self) -> str:
@@ -160,6 +172,16 @@ TINY = (
 KIMI = tuple(Case("kimi-linear-tiny", b, t, 24, 2, replay_window=w, cap_s=30)
              for b, t in ((1, 1), (4, 1), (1, 4)) for w in (0, 4))
 KIMI_GLOBAL = tuple(c for c in KIMI if c.batch == c.tokens == 1)
+# the speculative step (ACCEPT, the COMMIT records, NGRAM): scripted host drafts make every
+# accepted count 0..k occur, the tokens must equal the plain kernel's and the state arena the
+# executor's after every step (gpu_check/spec_case.py); the device drafter on a repetitive prompt
+SPECULATIVE = (
+    Case("llama-tiny", 2, 4, 16, 16, cap_s=30, drafts=3),
+    Case("qwen3.5-tiny", 1, 4, 16, 16, cap_s=30, replay_window=4, drafts=3),
+    Case("nemotron-h-tiny", 1, 4, 16, 16, cap_s=30, replay_window=4, drafts=3),
+    Case("kimi-linear-tiny", 2, 2, 16, 16, cap_s=30, replay_window=4, drafts=1),
+    Case("llama-tiny", 2, 4, 16, 16, cap_s=30, drafts=3, ngram=3),
+)
 MID = (  # K-split 2 on the FMA path (B = 1); K-chunked slabs on mma (default) and FMA (global)
     Case("llama-mid", 1, 1, 16, 1, cap_s=45),
     Case("llama-mid", 16, 1, 16, 1, cap_s=45),
@@ -199,7 +221,7 @@ STAGES = (
            Group("default", (Case("llama-tiny", 1, 1, 8, 2, cap_s=60),)))),
     Stage(1, "shapes", "the tiny set, K-split and K-chunked slabs, several attention splits, "
           "FP8 weights",
-          (Group("default", TINY + KIMI + MID + FP8),
+          (Group("default", TINY + KIMI + MID + FP8 + SPECULATIVE),
            Group("global", TINY + KIMI_GLOBAL + MID + FP8_GLOBAL))),
     Stage(2, "real", "the real presets against the references (one against the executor too)",
           (Group("default", REAL), Group("global", REAL[:1]))),

@@ -78,10 +78,9 @@ def have_build(build_dir: Path, it: dict[str, Any], arch: str | None) -> bool:
     c = Case.from_dict(it["case"])
     try:
         cfg = c.config()  # the case's weight format: an FP8 case's build is an FP8 build
-        make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[it["variant"]],
-                  replay_window=c.replay_window)
+        make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[it["variant"]], **c.build_kw)
         # as prepare names it
-        tag = make_spec(cfg, c.batch, c.tokens, arch, replay_window=c.replay_window).tag
+        tag = make_spec(cfg, c.batch, c.tokens, arch, **c.build_kw).tag
     except Exception:  # the variant cannot serve the case: not built either
         return False
     return (variant_dir(build_dir, it["variant"]) / tag / arch / "manifest.json").is_file()
@@ -265,6 +264,7 @@ def child(job_file: Path) -> int:
 
     from megakernel.gpu_check import bench
     from megakernel.gpu_check.case import Weights, run_case
+    from megakernel.gpu_check.spec_case import run_speculative_case
 
     emit(event="device", info=_device_info(simulate))
     weights = Weights(Path(job["weights_dir"]), "cpu" if simulate else "cuda")
@@ -279,7 +279,8 @@ def child(job_file: Path) -> int:
         try:
             kind, v = it["kind"], it["variant"]
             if kind == "check":
-                res = run_case(c, variant_dir(build_dir, v), weights, simulate)
+                run = run_speculative_case if c.drafts else run_case  # spec_case.py
+                res = run(c, variant_dir(build_dir, v), weights, simulate)
             elif kind == "measure":
                 res = measured = bench.measure_bandwidth(build_dir, simulate)
             elif kind == "bench":

@@ -41,15 +41,13 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
                 try:
                     # can the variant serve it? and the tag find_build looks for
                     make_spec(cfg, c.batch, c.tokens, arch, **VARIANTS[v], paged=pool,
-                              replay_window=c.replay_window)
-                    tag = make_spec(cfg, c.batch, c.tokens, arch, paged=pool,
-                                    replay_window=c.replay_window).tag
+                              **c.build_kw)
+                    tag = make_spec(cfg, c.batch, c.tokens, arch, paged=pool, **c.build_kw).tag
                     if (tag, arch, v) in done:
                         continue
                     done.add((tag, arch, v))
                     m = build_arch(cfg, arch, variant_dir(build_dir, v) / tag, c.batch,
-                                   c.tokens, **VARIANTS[v], paged=pool,
-                                   replay_window=c.replay_window)
+                                   c.tokens, **VARIANTS[v], paged=pool, **c.build_kw)
                 except Exception as e:  # SpecError (the variant cannot serve it), BuildError
                     failed.append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
                     print(f"FAILED {failed[-1]}", flush=True)

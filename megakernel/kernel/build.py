@@ -146,14 +146,16 @@ def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
                tokens: int = 1, num_threads: int = limits.NUM_THREADS,
                smem_stages: int | None = None, timeline: bool = False,
                l2_window: int = -1, replay_window: int = 0,
-               paged=None) -> dict:  # noqa: ANN001 (PagedKV | None)
+               paged=None, drafts: int = 0,  # noqa: ANN001 (PagedKV | None)
+               ngram: int = 0) -> dict:
     """Compile one arch into out_dir/<arch>/ and return its manifest (`smem_stages`: the
     shared-memory weight pipeline's stages, None = the deepest ring that fits, spec.make_spec;
     `timeline`: the variant that records per-instruction times, megakernel/timeline.py;
     `replay_window`: the ReplaySSM fold window L of the programs it runs, 0 = recurrent;
-    `paged`: the paged-KV build for this page pool, program/paged.PagedKV)."""
+    `paged`: the paged-KV build for this page pool, program/paged.PagedKV; `drafts`, `ngram`:
+    the speculative step's k drafts and device n-gram drafter, layers/speculative.py)."""
     spec = make_spec(cfg, batch, tokens, arch, num_threads, smem_stages, timeline, l2_window,
-                     replay_window=replay_window, paged=paged)
+                     replay_window=replay_window, paged=paged, drafts=drafts, ngram=ngram)
     return build_spec(spec, cfg, out_dir)
 
 
@@ -207,18 +209,21 @@ def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path) -> dict:
 
 def build(cfg: ModelConfig, archs: list[str], out_dir: str | Path, batch: int = 1,
           tokens: int = 1, replay_window: int = 0,
-          paged=None) -> list[dict]:  # noqa: ANN001 (PagedKV | None)
+          paged=None, drafts: int = 0, ngram: int = 0) -> list[dict]:  # noqa: ANN001 (PagedKV)
     for a in archs:
         if a not in ARCHS:
             raise BuildError(f"unsupported arch {a!r}; supported: {', '.join(ARCHS)}")
-    return [build_arch(cfg, a, out_dir, batch, tokens, replay_window=replay_window, paged=paged)
-            for a in archs]
+    return [build_arch(cfg, a, out_dir, batch, tokens, replay_window=replay_window, paged=paged,
+                       drafts=drafts, ngram=ngram) for a in archs]
 
 
 def report_line(m: dict) -> str:
     r = m["resources"]
     q = (m.get("model_config") or {}).get("quantization_config")
     fmt = "" if q is None else " fp8"
+    spec = m.get("spec") or {}
+    if spec.get("drafts"):
+        fmt += f" k={spec['drafts']}" + (f" ngram={spec['ngram']}" if spec.get("ngram") else "")
     return (f"{m['arch']:8s} {m['model'] or '?':14s}{fmt} B={m['batch']} T={m['tokens']}  "
             f"regs {r['registers']:3d}  spills {r['spill_stores']}/{r['spill_loads']} B  "
             f"local {r['local_bytes']} B  smem {m['dynamic_smem_bytes']} B  "
@@ -235,6 +240,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=1, help="tokens per sequence per step T")
     p.add_argument("--replay-window", type=int, default=0, metavar="L",
                    help="ReplaySSM fold window of the programs it runs (0: recurrent update)")
+    p.add_argument("--drafts", type=int, default=0, metavar="K",
+                   help="a speculative step's drafts (T = 1 + K, ACCEPT; 0: a plain step)")
+    p.add_argument("--ngram", type=int, default=0, metavar="N",
+                   help="the device n-gram drafter's longest suffix (0: the host drafts)")
     p.add_argument("--paged", default=None, metavar="BLOCKS,BLOCK_SIZE,MAX_BLOCKS",
                    help="the paged-KV build for this page pool (program/paged.py)")
     p.add_argument("--json", action="store_true", help="print the manifests as JSON last")
@@ -262,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
             paged = PagedKV(*(int(x) for x in args.paged.split(",")))
         except (TypeError, ValueError) as e:
             raise CliError(f"--paged {args.paged!r}: BLOCKS,BLOCK_SIZE,MAX_BLOCKS ({e})") from None
-    manifests = build(cfg, archs, args.out, args.batch, args.tokens, args.replay_window, paged)
+    manifests = build(cfg, archs, args.out, args.batch, args.tokens, args.replay_window, paged,
+                      args.drafts, args.ngram)
     for m in manifests:
         print(report_line(m))
     print(f"built {len(manifests)} arch(es) into {args.out} in {time.perf_counter() - t0:.1f} s")

@@ -33,7 +33,7 @@ SLAB_NAMES = ("W_LO", "W_HI", "NROWS", "K")
 # what the kernel implements: the frame's opcodes the persistent loop runs itself, the other
 # opcodes by the class their declaration names: a handler (OpSpec.handler, kernel/handler.py) or,
 # for a matvec, an epilogue (OpSpec.matvec, kernel/epilogue.py)
-BUILTIN = ("END", "EMBED", "ARGMAX")
+BUILTIN = ("END", "EMBED", "ARGMAX", "ACCEPT")
 
 
 class FieldError(ValueError):

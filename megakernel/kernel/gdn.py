@@ -64,6 +64,9 @@ class GatedDeltaRule(Handler):
         self.eps = spec.eps
         self.sm = self.g.smem()  # word offsets in the scratch span
         self.replay = spec.replay_window > 0  # GDN_REPLAY (ReplaySSM) instead of GDN_CORE
+        # a speculative step: the T conv inputs go to `pending`, the ring entries are appended
+        # but count, window and state wait for the COMMIT record (kernel/commit.py)
+        self.drafts = spec.drafts > 0
         self.op = self.REPLAY if self.replay else self.CORE
         # records are read by GDN_CORE's words (the unit K_HEAD, COUNT_OFF by GDN_REPLAY's): the
         # subclass's ops must hold their operands there (FieldError if they ever differ)
@@ -103,17 +106,18 @@ class GatedDeltaRule(Handler):
         cta_sync(self.named)
         if cutlass.const_expr(self.replay):
             n = ld(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh))  # (< L)
-            self.ring(b, kh, n, st0, pS, sS, tidx)
+            self.ring(b, kh, n, n + self.T, st0, pS, sS, tidx)
             cta_sync(self.named)
             self.dots(n, sS, warp, lane)
             cta_sync(self.named)
             fold = n + self.T >= self.g.replay_window
             self.replay_states(b, kh, n, fold, st0, pS, sS, warp, lane)
-            if tidx == 0:  # read by this record only, at the next step
-                new = n + self.T
-                if fold:
-                    new = Int32(0)
-                st(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh), new)
+            if cutlass.const_expr(not self.drafts):  # (speculative: COMMIT counts and folds)
+                if tidx == 0:  # read by this record only, at the next step
+                    new = n + self.T
+                    if fold:
+                        new = Int32(0)
+                    st(pI, rec[word(Op.GDN_REPLAY, "COUNT_OFF")] + self.g.count(b, kh), new)
         else:
             self.kq(sS, warp, lane)
             cta_sync(self.named)
@@ -127,7 +131,8 @@ class GatedDeltaRule(Handler):
     def conv(self, b: Int32, kh: Int32, proj: Int32, conv_w: Int64, st0: Int64,
              pW: cute.Pointer, pF: cute.Pointer, pS: cute.Pointer, sS: cute.Tensor, tidx: Int32):
         """x[t][c] = silu(sum_j taps[chan, j] u[t + j]), u = [window | T new inputs]; the last
-        K - 1 of u become the window. A thread per channel."""
+        K - 1 of u become the window (a speculative step: the T inputs go to `pending`, the
+        window stays). A thread per channel."""
         g, T, W = self.g, self.T, self.g.win
         x0 = self.sm["x"]
         for c in cutlass.range(tidx, g.ch, self.NT, unroll=1):
@@ -143,8 +148,12 @@ class GatedDeltaRule(Handler):
                 for j in cutlass.range_constexpr(g.conv_k):
                     acc = acc + u[t + j] * ld(pW, taps + j).to(Float32)
                 sS[x0 + t * g.ch + c] = silu(acc)
-            for j in cutlass.range_constexpr(W):
-                st(pS, st0 + Int64(g.window(b, chan, j)), u[T + j])
+            if cutlass.const_expr(self.drafts):
+                for t in cutlass.range_constexpr(T):
+                    st(pS, st0 + Int64(g.pending(b, chan, t)), u[W + t])
+            else:
+                for j in cutlass.range_constexpr(W):
+                    st(pS, st0 + Int64(g.window(b, chan, j)), u[T + j])
 
     # ---- phase 2: gates, norms, k.q ----------------------------------------------------------
     @cute.jit
@@ -245,12 +254,13 @@ class GatedDeltaRule(Handler):
 
     # ---- ReplaySSM (GDN_REPLAY): r1-r3 of gdn_index.py ----------------------------------------
     @cute.jit
-    def ring(self, b: Int32, kh: Int32, n: Int32, st0: Int64, pS: cute.Pointer, sS: cute.Tensor,
-             tidx: Int32):
-        """r1: keys [e] and gs [r][e] for the n + T entries: the committed ones from the ring
-        (read once), the new normalised k and g from shared memory (appended to the ring)."""
+    def ring(self, b: Int32, kh: Int32, n: Int32, ne: Int32, st0: Int64, pS: cute.Pointer,
+             sS: cute.Tensor, tidx: Int32):
+        """r1: keys [e] and gs [r][e] for the ne entries (n + T; a COMMIT's fold: n = ne): the
+        n committed ones from the ring (read once), the new normalised k and g from shared
+        memory (appended to the ring)."""
         g, sm = self.g, self.sm
-        for idx in cutlass.range(tidx, (n + self.T) * g.dk, self.NT, unroll=1):
+        for idx in cutlass.range(tidx, ne * g.dk, self.NT, unroll=1):
             e = idx // g.dk
             i = idx - e * g.dk
             at = st0 + Int64(g.ring_k(b, e, kh, i))
@@ -261,14 +271,15 @@ class GatedDeltaRule(Handler):
                 v = sS[sm["x"] + (e - n) * g.ch + g.dk + i]
                 st(pS, at, v)
             sS[sm["keys"] + g.key(e, i)] = v
-        self.ring_gates(b, kh, n, st0, pS, sS, tidx)
+        self.ring_gates(b, kh, n, ne, st0, pS, sS, tidx)
 
     @cute.jit
-    def ring_gates(self, b: Int32, kh: Int32, n: Int32, st0: Int64, pS: cute.Pointer,
+    def ring_gates(self, b: Int32, kh: Int32, n: Int32, ne: Int32, st0: Int64, pS: cute.Pointer,
                    sS: cute.Tensor, tidx: Int32):
-        """r1's gs [R][CAP]: the committed g from the ring, the new ones appended to it."""
+        """r1's gs [R][CAP] of the ne entries: the n committed g from the ring, the new ones
+        appended to it."""
         g, sm = self.g, self.sm
-        for idx in cutlass.range(tidx, (n + self.T) * g.rep, self.NT, unroll=1):
+        for idx in cutlass.range(tidx, ne * g.rep, self.NT, unroll=1):
             e = idx // g.rep
             r = idx - e * g.rep
             at = st0 + Int64(g.ring_g(b, e, kh * g.rep + r))
@@ -325,31 +336,42 @@ class GatedDeltaRule(Handler):
             if warp == 0:
                 self.solve(b, h, r, j, col, live, n, st0, pS, sS)
             cta_sync(self.named)  # ut complete
-            if fold:
-                if cutlass.const_expr(self.CHANNEL):  # decays in tot and kf (kda_index.py)
-                    for rr in cutlass.range_constexpr(RPW):
-                        s_reg[rr] = sS[sm["tot"] + warp * RPW + rr] * s_reg[rr]
-                    for e in cutlass.range(n + T, unroll=1):
-                        c = sS[sm["ut"] + g.ut(e, col)]
+            if cutlass.const_expr(not self.drafts):  # (speculative: COMMIT folds)
+                if fold:
+                    self.fold_tile(r, col, n + T, sS, warp, s_reg)
+                    if live:
                         for rr in cutlass.range_constexpr(RPW):
-                            s_reg[rr] = s_reg[rr] + sS[sm["kf"] + g.gs_c(e, warp * RPW + rr)] * c
-                else:
-                    tot = Float32(0.0)  # log-decay over every entry: the committed state's
-                    for e in cutlass.range(n + T, unroll=1):
-                        tot = tot + sS[sm["gs"] + g.gs(r, e)]
-                    a = cute.math.exp(tot)
-                    for rr in cutlass.range_constexpr(RPW):
-                        s_reg[rr] = a * s_reg[rr]
-                    seg = Float32(0.0)  # log-decay over the entries after e
-                    for jj in cutlass.range(n + T, unroll=1):
-                        e = n + T - 1 - jj
-                        c = cute.math.exp(seg) * sS[sm["ut"] + g.ut(e, col)]
-                        for rr in cutlass.range_constexpr(RPW):
-                            s_reg[rr] = s_reg[rr] + sS[sm["keys"] + g.key(e, warp * RPW + rr)] * c
-                        seg = seg + sS[sm["gs"] + g.gs(r, e)]
-                if live:
-                    for rr in cutlass.range_constexpr(RPW):
-                        st(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)), s_reg[rr])
+                            st(pS, st0 + Int64(g.state(b, h, warp * RPW + rr, j)), s_reg[rr])
+
+    @cute.jit
+    def fold_tile(self, r: Int32, col: Int32, ne: Int32, sS: cute.Tensor, warp: Int32,
+                  s_reg: cute.Tensor):
+        """The fold of a column tile (this warp's rows of column col of value head r, S_c in
+        s_reg) over the ne entries: S <- e^{G} S_c + sum_e decay(e) k_e u_e^T, the entries'
+        keys and gs (CHANNEL: kf and tot) and the tile's ut in shared memory. GDN_REPLAY's
+        fold and GDN_COMMIT's (kernel/commit.py) both run it."""
+        g, RPW, sm = self.g, self.g.rpw, self.sm
+        if cutlass.const_expr(self.CHANNEL):  # decays in tot and kf (kda_index.py)
+            for rr in cutlass.range_constexpr(RPW):
+                s_reg[rr] = sS[sm["tot"] + warp * RPW + rr] * s_reg[rr]
+            for e in cutlass.range(ne, unroll=1):
+                c = sS[sm["ut"] + g.ut(e, col)]
+                for rr in cutlass.range_constexpr(RPW):
+                    s_reg[rr] = s_reg[rr] + sS[sm["kf"] + g.gs_c(e, warp * RPW + rr)] * c
+        else:
+            tot = Float32(0.0)  # log-decay over every entry: the committed state's
+            for e in cutlass.range(ne, unroll=1):
+                tot = tot + sS[sm["gs"] + g.gs(r, e)]
+            a = cute.math.exp(tot)
+            for rr in cutlass.range_constexpr(RPW):
+                s_reg[rr] = a * s_reg[rr]
+            seg = Float32(0.0)  # log-decay over the entries after e
+            for jj in cutlass.range(ne, unroll=1):
+                e = ne - 1 - jj
+                c = cute.math.exp(seg) * sS[sm["ut"] + g.ut(e, col)]
+                for rr in cutlass.range_constexpr(RPW):
+                    s_reg[rr] = s_reg[rr] + sS[sm["keys"] + g.key(e, warp * RPW + rr)] * c
+                seg = seg + sS[sm["gs"] + g.gs(r, e)]
 
     @cute.jit
     def solve(self, b: Int32, h: Int32, r: Int32, j: Int32, col: Int32, live, n: Int32,

@@ -169,6 +169,18 @@ class GDNShape:
                 + self.batch * self.cap * (self.key_dim + self.value_dim))
         return base + (b * self.cap + e) * self.hv + h
 
+    g_entry = property(lambda self: self.hv)  # ring g values of one entry (all heads)
+
+    def ring_end(self):
+        """Element after the ring (k, u, g): where a speculative step's `pending` starts."""
+        return (self.state(self.batch, 0, 0, 0)
+                + self.batch * self.cap * (self.key_dim + self.value_dim + self.g_entry))
+
+    def pending(self, b, chan, t):
+        """Element (b, chan, t) of a speculative step's pending conv inputs [B, C, T] (after the
+        ring, layers/recurrent.py state())."""
+        return self.ring_end() + (b * self.conv_dim + chan) * self.tokens + t
+
     def count(self, b, kh):
         """ring_count[b, kh] of the layer (from the record's COUNT_OFF)."""
         return b * self.hk + kh

@@ -38,9 +38,10 @@ def dsl_version() -> str | None:
 
 
 def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
-                 root: Path | None = None, replay_window: int = 0) -> Path:
-    """A build directory for (cfg, batch, tokens, arch, ReplaySSM window): from the cache, or
-    compiled now."""
+                 root: Path | None = None, replay_window: int = 0, drafts: int = 0,
+                 ngram: int = 0) -> Path:
+    """A build directory for (cfg, batch, tokens, arch, ReplaySSM window, speculative drafts and
+    n-gram drafter): from the cache, or compiled now."""
     version = dsl_version()
     if version is None:
         from megakernel.runtime import KernelUnavailable
@@ -49,7 +50,8 @@ def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
                                 "(nvidia-cutlass-dsl) is not installed to compile one; build on "
                                 "another machine with `python -m megakernel build` and pass "
                                 "its output directory")
-    spec = make_spec(cfg, batch, tokens, arch, replay_window=replay_window)
+    spec = make_spec(cfg, batch, tokens, arch, replay_window=replay_window, drafts=drafts,
+                     ngram=ngram)
     key = fingerprint(spec, version)
     root = root or cache_root()
     entry = root / key[:32]
@@ -65,7 +67,8 @@ def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
 
             tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
             try:
-                build_arch(cfg, arch, tmp, batch, tokens, replay_window=replay_window)
+                build_arch(cfg, arch, tmp, batch, tokens, replay_window=replay_window,
+                           drafts=drafts, ngram=ngram)
                 entry.mkdir(parents=True, exist_ok=True)
                 os.replace(tmp / arch, entry / arch)
             finally:

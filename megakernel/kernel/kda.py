@@ -114,11 +114,12 @@ class KimiDeltaAttention(GatedDeltaRule):
 
     # ---- ReplaySSM (KDA_REPLAY) --------------------------------------------------------------
     @cute.jit
-    def ring_gates(self, b: Int32, h: Int32, n: Int32, st0: Int64, pS: cute.Pointer,
+    def ring_gates(self, b: Int32, h: Int32, n: Int32, ne: Int32, st0: Int64, pS: cute.Pointer,
                    sS: cute.Tensor, tidx: Int32):
-        """r1's gs [CAP][d]: the committed g [d] from the ring, the new ones appended to it."""
+        """r1's gs [CAP][d] of the ne entries: the n committed g [d] from the ring, the new ones
+        appended to it."""
         g, sm = self.g, self.sm
-        for idx in cutlass.range(tidx, (n + self.T) * g.d, self.NT, unroll=1):
+        for idx in cutlass.range(tidx, ne * g.d, self.NT, unroll=1):
             e = idx // g.d
             i = idx - e * g.d
             at = st0 + Int64(g.ring_g(b, e, h, i))
@@ -151,18 +152,8 @@ class KimiDeltaAttention(GatedDeltaRule):
             if lane == 0:
                 sS[sm["dots"] + g.dot(t, which, e)] = d
         tidx = warp * LANES + lane
-        for idx in cutlass.range(tidx, (n + T) * g.d, self.NT, unroll=1):
-            e = idx // g.d
-            i = idx - e * g.d
-            seg = Float32(0.0)
-            for ee in cutlass.range(e + 1, n + T, unroll=1):
-                seg = seg + sS[sm["gs"] + g.gs_c(ee, i)]
-            sS[sm["kf"] + g.gs_c(e, i)] = cute.math.exp(seg) * sS[sm["keys"] + g.key(e, i)]
-        for i in cutlass.range(tidx, g.d, self.NT, unroll=1):
-            seg = Float32(0.0)
-            for ee in cutlass.range(n + T, unroll=1):
-                seg = seg + sS[sm["gs"] + g.gs_c(ee, i)]
-            sS[sm["tot"] + i] = cute.math.exp(seg)
+        if cutlass.const_expr(not self.drafts):  # (speculative: COMMIT folds)
+            self.fold_vectors(n + T, sS, tidx)
         for idx in cutlass.range(tidx, T * g.d, self.NT, unroll=1):
             t = idx // g.d
             i = idx - t * g.d
@@ -173,3 +164,22 @@ class KimiDeltaAttention(GatedDeltaRule):
             xt = sm["x"] + t * g.ch
             sS[sm["kc"] + g.kc(t, 0, i)] = a * sS[xt + i]
             sS[sm["kc"] + g.kc(t, 1, i)] = a * sS[xt + g.dk + i]
+
+    @cute.jit
+    def fold_vectors(self, ne: Int32, sS: cute.Tensor, tidx: Int32):
+        """The fold's decayed keys and total decay of the ne entries, a thread per element:
+        kf[e][i] = e^{G_i(e, ne)} k_e[i], tot[i] = e^{G_i[0, ne)} (KDA_REPLAY's r2 and
+        KDA_COMMIT's fold, kernel/commit.py)."""
+        g, sm = self.g, self.sm
+        for idx in cutlass.range(tidx, ne * g.d, self.NT, unroll=1):
+            e = idx // g.d
+            i = idx - e * g.d
+            seg = Float32(0.0)
+            for ee in cutlass.range(e + 1, ne, unroll=1):
+                seg = seg + sS[sm["gs"] + g.gs_c(ee, i)]
+            sS[sm["kf"] + g.gs_c(e, i)] = cute.math.exp(seg) * sS[sm["keys"] + g.key(e, i)]
+        for i in cutlass.range(tidx, g.d, self.NT, unroll=1):
+            seg = Float32(0.0)
+            for ee in cutlass.range(ne, unroll=1):
+                seg = seg + sS[sm["gs"] + g.gs_c(ee, i)]
+            sS[sm["tot"] + i] = cute.math.exp(seg)

@@ -108,6 +108,8 @@ class KDAShape(GDNShape):
         """Element of the params row (A_log [H] at h, then dt_bias [H d])."""
         return self.hv + h * self.d + i
 
+    g_entry = property(lambda self: self.hv * self.d)  # ring g values of one entry: [H, d]
+
     def ring_g(self, b, e, h, i=0):
         """Element (b, entry e, head h, channel i) of the ring's g [B, CAP, H, d]."""
         base = (self.state(self.batch, 0, 0, 0)

@@ -32,6 +32,10 @@ ACC_SMEM_BYTES = 32 * 1024  # fp32 matvec results of one row chunk ([ks][n][row]
 # tile's 8 weight rows the B operand, the tile's K split over the warps; the FMA GEMV re-reads the
 # staged activations once per weight row and would be bound by shared-memory bandwidth there.
 MMA_MIN_ROWS = 8
+# A speculative step's 1 + k rows per sequence take the mma form from 2 rows: the FMA GEMV's
+# cost grows with the rows (the cost model puts llama-3.2-1b's 1 + 3 step at 1.90x a plain step
+# on FMA, 1.17x on mma); plain builds keep MMA_MIN_ROWS.
+MMA_SPEC_MIN_ROWS = 2
 MMA_K_ALIGN = 32  # K (every matvec) in steps of 32: one 16-byte vector per lane per B row
 MMA_M = 16  # activation rows per mma (A operand); NO is a multiple of it
 MMA_N = 8  # weight rows per mma (B operand) = rows of a ring tile

@@ -40,6 +40,9 @@ class Mamba2(Handler):
         self.NT, self.NW, self.T = spec.num_threads, spec.num_warps, spec.tokens
         self.eps = spec.eps
         self.sm = self.m.smem()  # word offsets in the scratch span
+        # a speculative step (MAMBA_REPLAY only): the conv inputs go to `pending`, the window
+        # stays until the COMMIT record (kernel/commit.py)
+        self.drafts = spec.drafts > 0
 
     @cute.jit
     def prefetch(self, op: Int32, s: Step):
@@ -122,7 +125,8 @@ class Mamba2(Handler):
     def conv_sums(self, b: Int32, j: Int32, chunk: Int32, st0: Int64, pS: cute.Pointer,
                   sS: cute.Tensor, tidx: Int32, v: cute.Tensor):
         """x[t][c] = silu(sum_k taps[chan, k] u[t + k] + bias[chan]), u = [window | T new
-        inputs], of conv_loads' channels; the last K - 1 of u become the window. Every sum and
+        inputs], of conv_loads' channels; the last K - 1 of u become the window (a speculative
+        step: the T inputs go to `pending`, the window stays). Every sum and
         window store before the first silu (its division may call a slow path: fewer values
         live across it)."""
         m, T, W, K, CB = self.m, self.T, self.m.win, self.m.conv_k, self.m.conv_batch
@@ -137,8 +141,12 @@ class Mamba2(Handler):
                 acc[i * T + t] = a + v[i * per + W + T]
             if c < m.ch:
                 chan = m.channel(c, j, cutlass.min)
-                for k in cutlass.range_constexpr(W):
-                    st(pS, st0 + Int64(m.window(b, chan, k)), v[i * per + T + k])
+                if cutlass.const_expr(self.drafts):
+                    for t in cutlass.range_constexpr(T):
+                        st(pS, st0 + Int64(m.pending(b, chan, t)), v[i * per + W + t])
+                else:
+                    for k in cutlass.range_constexpr(W):
+                        st(pS, st0 + Int64(m.window(b, chan, k)), v[i * per + T + k])
         for i in cutlass.range_constexpr(CB):
             c = m.conv_channel(chunk, tidx, i)
             if c < m.ch:

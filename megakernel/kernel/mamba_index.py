@@ -218,6 +218,16 @@ class MambaShape:
                 + self.batch * self.cap * (self.d_inner + self.gn))
         return base + (b * self.cap + e) * self.heads + j * self.rep + r
 
+    def ring_end(self):
+        """Element after the ring (x, B, dt): where a speculative step's `pending` starts."""
+        return (self.state(self.batch, 0, 0, 0)
+                + self.batch * self.cap * (self.d_inner + self.gn + self.heads))
+
+    def pending(self, b, chan, t):
+        """Element (b, chan, t) of a speculative step's pending conv inputs [B, C, T] (after the
+        ring, layers/recurrent.py state())."""
+        return self.ring_end() + (b * self.conv_dim + chan) * self.tokens + t
+
     def count(self, b, j):
         """ring_count[b, j] of the layer (from the record's COUNT_OFF)."""
         return b * self.groups + j

@@ -66,11 +66,12 @@ class Mamba2Replay(Mamba2):
         cta_sync(self.named)
         fold = n + self.T >= self.L
         self.replay_states(b, j, n, fold, st0, pS, sS, warp, lane)
-        if tidx == 0:
-            count = n + self.T
-            if fold:
-                count = Int32(0)
-            st(pI, cnt, count)
+        if cutlass.const_expr(not self.drafts):  # (speculative: COMMIT counts and folds)
+            if tidx == 0:
+                count = n + self.T
+                if fold:
+                    count = Int32(0)
+                st(pI, cnt, count)
         cta_sync(self.named)
         self.output(b, j, proj, Int64(norm_w), rec[word(Op.MAMBA_REPLAY, "OUT_OFF")], pW, pF,
                     pB, sS, tidx, warp, lane)
@@ -162,6 +163,14 @@ class Mamba2Replay(Mamba2):
             t = idx // R
             r = idx - t * R
             sS[sm["decay"] + idx] = cute.math.exp(self.lam_sum(Int32(0), n + t, r, sS))
+        if cutlass.const_expr(not self.drafts):  # (speculative: COMMIT folds)
+            self.fold_weights(ne, sS, tidx)
+
+    @cute.jit
+    def fold_weights(self, ne: Int32, sS: cute.Tensor, tidx: Int32):
+        """wf[e][r] = dt_e e^{Lam(ne-1, e)}: the fold's weights of the ne entries, a thread
+        each (MAMBA_REPLAY's r3 and MAMBA_COMMIT's fold, kernel/commit.py)."""
+        sm, R = self.sm, self.m.rep
         for idx in cutlass.range(tidx, ne * R, self.NT, unroll=1):
             e = idx // R
             r = idx - e * R
@@ -245,24 +254,36 @@ class Mamba2Replay(Mamba2):
                     y = y + sS[sm["d"] + r] * sS[sm["x"] + t * m.ch + row]
                     if lane % m.lpr == 0:
                         sS[sm["y"] + t * m.rows + row] = y
-            if fold:
+            if cutlass.const_expr(not self.drafts):  # (speculative: COMMIT folds)
+                if fold:
+                    self.fold_tile(it, ne, s_reg, xe, bv, sS, warp, lane)
+                    self.store_tile(b, j, it, st0, pS, warp, lane, s_reg)
+
+    @cute.jit
+    def fold_tile(self, it: Int32, ne: Int32, s_reg: cute.Tensor, xe: cute.Tensor,
+                  bv: cute.Tensor, sS: cute.Tensor, warp: Int32, lane: Int32):
+        """The fold of row tile `it` (S_c in s_reg, the lane's entries' x in xe) over the ne
+        entries: S <- decay[T-1] S_c + sum_e x_e (wf[e] B_e), entries in order, x_e[row]
+        shuffled from the lane that holds it (MAMBA_REPLAY's r4 and MAMBA_COMMIT's fold,
+        kernel/commit.py)."""
+        m, T, RPT, CPL, sm, R = self.m, self.T, self.m.rpt, self.m.cpl, self.sm, self.m.rep
+        E = m.entries
+        for k in cutlass.range_constexpr(RPT):
+            r = m.row(it, warp, lane, k) // m.head_dim
+            dec = sS[sm["decay"] + (T - 1) * R + r]
+            for c in cutlass.range_constexpr(CPL):
+                s_reg[k * CPL + c] = dec * s_reg[k * CPL + c]
+        for i in cutlass.range_constexpr(E):
+            for e in cutlass.range(i * m.lpr, cutlass.min(ne, (i + 1) * m.lpr), unroll=1):
+                src = m.entry_lane(lane, e)
+                for c in cutlass.range_constexpr(CPL):
+                    bv[c] = sS[sm["bs"] + e * m.state_size + m.col(lane, c)]
                 for k in cutlass.range_constexpr(RPT):
                     r = m.row(it, warp, lane, k) // m.head_dim
-                    dec = sS[sm["decay"] + (T - 1) * R + r]
+                    xv = cute.arch.shuffle_sync(xe[k * E + i], src)
+                    w = sS[sm["wf"] + e * R + r]
                     for c in cutlass.range_constexpr(CPL):
-                        s_reg[k * CPL + c] = dec * s_reg[k * CPL + c]
-                for i in cutlass.range_constexpr(E):
-                    for e in cutlass.range(i * m.lpr, cutlass.min(ne, (i + 1) * m.lpr), unroll=1):
-                        src = m.entry_lane(lane, e)
-                        for c in cutlass.range_constexpr(CPL):
-                            bv[c] = sS[sm["bs"] + e * m.state_size + m.col(lane, c)]
-                        for k in cutlass.range_constexpr(RPT):
-                            r = m.row(it, warp, lane, k) // m.head_dim
-                            xv = cute.arch.shuffle_sync(xe[k * E + i], src)
-                            w = sS[sm["wf"] + e * R + r]
-                            for c in cutlass.range_constexpr(CPL):
-                                s_reg[k * CPL + c] = s_reg[k * CPL + c] + xv * (w * bv[c])
-                self.store_tile(b, j, it, st0, pS, warp, lane, s_reg)
+                        s_reg[k * CPL + c] = s_reg[k * CPL + c] + xv * (w * bv[c])
 
     # ---- L2 prefetch of S_c and the committed x entries (before the dependency wait) ---------
     @cute.jit

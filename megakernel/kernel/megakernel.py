@@ -14,12 +14,14 @@ across their dependency waits, and slides the L2 lookahead ahead of its own tile
 and synchronise on named barrier 1. With smem_stages = 0 the consumers read the weights from
 global memory (Matvec.run) and there is no loader warp.
 
-Who runs an opcode: EMBED and ARGMAX here; the matvec family in matvec.py, by epilogue (the MoE's
-expert slabs bound at run time to their work-list slot); every other opcode by the handler class
+Who runs an opcode: EMBED and ARGMAX (a speculative build's ACCEPT, speculative_index.py)
+here; the matvec family in matvec.py, by epilogue (the MoE's expert slabs bound at run time to
+their work-list slot); every other opcode by the handler class
 its ISA declaration names (OpSpec.handler, the interface in handler.py): split-KV attention and
 its merge in attention.py, the gated delta rule in gdn.py and with a channel-wise decay (KDA) in
-kda.py, Mamba2 in mamba2.py / mamba_replay.py, latent attention in mla.py, the MoE router in
-moe_router.py and MOE_COMBINE in moe.py.
+kda.py, Mamba2 in mamba2.py / mamba_replay.py, their speculative commits in commit.py, the n-gram
+drafter in speculative.py, latent attention in mla.py, the MoE router in moe_router.py and
+MOE_COMBINE in moe.py.
 Records are read by field name and the opcode sets the loop branches on (the matvec opcodes, the
 ticket opcodes that signal from their merge) come from the ISA registry (fields.py); a record
 whose opcode the build has no handler for traps. The host side `__call__` exists only to give
@@ -55,6 +57,8 @@ from megakernel.kernel.memory import (
 )
 from megakernel.kernel.pipeline import Pipeline
 from megakernel.kernel.spec import KernelSpec
+from megakernel.kernel.speculative_index import AcceptShape
+from megakernel.kernel.sync import cta_sync
 
 
 class DecodeMegakernel:
@@ -76,6 +80,9 @@ class DecodeMegakernel:
         self.named = spec.num_threads if spec.pipelined else 0  # consumer barrier (pipeline.py)
         self.pipe = Pipeline(spec) if spec.pipelined else None
         self.lookahead = Lookahead(spec)
+        # the step's end: ARGMAX, or ACCEPT in a speculative build (speculative_index.py)
+        self.end_op = Op.ACCEPT if spec.drafts else Op.ARGMAX
+        self.acc = AcceptShape.for_spec(spec)
 
     @cute.jit
     def __call__(self, program: cute.Pointer, counters: cute.Pointer, weights: cute.Pointer,
@@ -197,8 +204,11 @@ class DecodeMegakernel:
                     timeline.put(tl, pc, "opcode", op)
             if op == Op.EMBED:
                 self.embed(rec, weights, f32, i32, tidx)
-            elif op == Op.ARGMAX:
-                self.argmax(rec, f32, i32, tidx, warp, lane)
+            elif op == self.end_op:  # ARGMAX, or a speculative build's ACCEPT
+                if cutlass.const_expr(self.spec.drafts > 0):
+                    self.accept(rec, f32, i32, s_max, tidx, warp, lane)
+                else:
+                    self.argmax(rec, f32, i32, tidx, warp, lane)
             elif one_of(op, self.ops.matvec):
                 if cutlass.const_expr(self.piped):
                     j = self.matvec.run_piped(op, rec, layer, weights, f32, bf16, i32, k_cache,
@@ -266,6 +276,23 @@ class DecodeMegakernel:
             store_f32x8(f32, out_off + (n0 + nn) * k + v * VEC, row)
 
     @cute.jit
+    def best_token(self, n: Int32, n_tiles: Int32, parg: Int32, f32: cute.Pointer, lane: Int32):
+        """Row n's greedy token over the LM-head tiles' partial (max, index) pairs, a lane per
+        tile then the warp: the largest value, equal maxima to the lowest index (every lane
+        gets it)."""
+        best = Float32(-float("inf"))
+        bidx = Int32(0x7FFFFFFF)
+        for tile in cutlass.range(lane, n_tiles, LANES):
+            v = ld(f32, parg + self.acc.parg(tile, n, 0))
+            i = ld(f32, parg + self.acc.parg(tile, n, 1)).to(Int32)
+            take = (v > best) | ((v == best) & (i < bidx))
+            if take:
+                best = v
+                bidx = i
+        best, bidx = warp_argmax(best, bidx)
+        return bidx
+
+    @cute.jit
     def argmax(self, rec: cute.Tensor, f32: cute.Pointer, i32: cute.Pointer, tidx: Int32,
                warp: Int32, lane: Int32):
         """tokens_out[n] = argmax over the LM-head tiles' partials; then the step's flags."""
@@ -273,16 +300,7 @@ class DecodeMegakernel:
         out_off, tok_off = rec[word(Op.ARGMAX, "OUT_OFF")], rec[word(Op.ARGMAX, "TOK_OFF")]
         len_off, flags = rec[word(Op.ARGMAX, "LEN_OFF")], rec[word(Op.ARGMAX, "FLAGS")]
         for n in cutlass.range(warp, self.N, self.NW):
-            best = Float32(-float("inf"))
-            bidx = Int32(0x7FFFFFFF)
-            for tile in cutlass.range(lane, n_tiles, LANES):
-                v = ld(f32, parg + (tile * self.N + n) * 2)
-                i = ld(f32, parg + (tile * self.N + n) * 2 + 1).to(Int32)
-                take = (v > best) | ((v == best) & (i < bidx))
-                if take:
-                    best = v
-                    bidx = i
-            best, bidx = warp_argmax(best, bidx)
+            bidx = self.best_token(n, n_tiles, parg, f32, lane)
             if lane == 0:
                 st(i32, out_off + n, bidx)
                 if (flags & isa.FLAG_FEEDBACK) != 0:
@@ -290,3 +308,45 @@ class DecodeMegakernel:
         if (flags & isa.FLAG_ADVANCE) != 0:
             for b in cutlass.range(tidx, self.B, self.NT):
                 st(i32, len_off + b, ld(i32, len_off + b) + self.T)
+
+    @cute.jit
+    def accept(self, rec: cute.Tensor, f32: cute.Pointer, i32: cute.Pointer, s_max: Int32,
+               tidx: Int32, warp: Int32, lane: Int32):
+        """The speculative step's end (layers/speculative.py ACCEPT; speculative_index.py): the
+        greedy tokens as ARGMAX's, a warp per row; one barrier; then a thread per sequence
+        counts the accepted drafts and emits them and the bonus."""
+        a_ = self.acc
+        n_tiles, parg = rec[word(Op.ACCEPT, "N_TILES")], rec[word(Op.ACCEPT, "PARG_OFF")]
+        out_off, tok_off = rec[word(Op.ACCEPT, "OUT_OFF")], rec[word(Op.ACCEPT, "TOK_OFF")]
+        len_off, emit_off = rec[word(Op.ACCEPT, "LEN_OFF")], rec[word(Op.ACCEPT, "EMIT_OFF")]
+        hist = rec[word(Op.ACCEPT, "HIST_OFF")]
+        for n in cutlass.range(warp, self.N, self.NW):
+            bidx = self.best_token(n, n_tiles, parg, f32, lane)
+            if lane == 0:
+                st(i32, out_off + n, bidx)
+        cta_sync(self.named)  # every row's greedy token (this CTA's stores) is visible
+        for b in cutlass.range(tidx, self.B, self.NT, unroll=1):
+            g = cute.make_rmem_tensor((self.T,), Int32)  # greedy tokens of the T rows
+            x = cute.make_rmem_tensor((self.T,), Int32)  # the T inputs
+            for t in cutlass.range_constexpr(self.T):
+                g[t] = ld(i32, out_off + a_.row(b, t))
+                x[t] = ld(i32, tok_off + a_.row(b, t))
+            length = ld(i32, len_off + b)
+            acc = Int32(0)  # leading drafts equal to the greedy token of the row before them
+            alive = Int32(1)
+            for t in cutlass.range_constexpr(a_.drafts):
+                if x[t + 1] != g[t]:
+                    alive = Int32(0)
+                acc = acc + alive
+            e = a_.emitted(acc, length, s_max, cutlass.min, cutlass.max)
+            bonus = x[0]
+            for t in cutlass.range_constexpr(self.T):  # committed inputs; the bonus g[e - 1]
+                if t < e:
+                    st(i32, hist + a_.hist(b, length + t, s_max), x[t])
+                if t == e - 1:
+                    bonus = g[t]
+            if e > 0:
+                st(i32, hist + a_.hist(b, length + e, s_max), bonus)
+                st(i32, tok_off + a_.row(b, 0), bonus)
+            st(i32, emit_off + b, e)
+            st(i32, len_off + b, length + e)

@@ -27,24 +27,33 @@ def mlp_kinds() -> tuple[str, ...]:
     return tuple(sorted(n for n, k in all_kinds().items() if issubclass(k, MLPKind)))
 
 
-def kinds_ops(kinds, replay: bool = False) -> set[int]:  # noqa: ANN001 (kind names)
+def kinds_ops(kinds, replay: bool = False, drafts: int = 0,  # noqa: ANN001 (kind names)
+              ngram: int = 0) -> set[int]:
     """The opcodes of a program whose blocks are of `kinds`: their `flow` plus the frame's; a
-    recurrent kind's core op is its ReplaySSM one when `replay` (a program has one of the two)."""
+    recurrent kind's core op is its ReplaySSM one when `replay` (a program has one of the two);
+    a speculative step (`drafts` k >= 1) ends in ACCEPT in place of ARGMAX, adds NGRAM with the
+    device drafter (`ngram` >= 1) and the kinds' opcodes that run after it (`after`: the
+    recurrent kinds' COMMIT)."""
     from megakernel.layers import kind
 
     names = set(FRAME_OPS)
+    if drafts:
+        names = (names - {"ARGMAX"}) | {"ACCEPT"} | ({"NGRAM"} if ngram else set())
     for k in kinds:
         kd = kind(k)
         names |= set(kd.flow)
+        if drafts:
+            names |= set(kd.after)
         if kd.recurrent:
             names.discard(isa.spec(kd.core_op if replay else kd.replay_op).name)
     return {int(getattr(isa.Op, n)) for n in names}
 
 
-def program_ops(cfg, replay: bool = False) -> set[int]:  # noqa: ANN001 (ModelConfig)
+def program_ops(cfg, replay: bool = False, drafts: int = 0,  # noqa: ANN001 (ModelConfig)
+                ngram: int = 0) -> set[int]:
     """The opcodes a program of `cfg` uses (its kinds' `flow` plus the frame's; `replay`: with a
-    ReplaySSM window)."""
-    return kinds_ops({blk.kind for blk in cfg.blocks}, replay)
+    ReplaySSM window; `drafts`, `ngram`: a speculative step, kinds_ops)."""
+    return kinds_ops({blk.kind for blk in cfg.blocks}, replay, drafts, ngram)
 
 
 def model_kinds(cfg) -> list[str]:  # noqa: ANN001 (ModelConfig)
@@ -53,12 +62,13 @@ def model_kinds(cfg) -> list[str]:  # noqa: ANN001 (ModelConfig)
 
 
 def check_kernel_support(cfg, replay: bool = False,  # noqa: ANN001 (ModelConfig)
-                         unhandled: str = "refuse") -> None:
+                         unhandled: str = "refuse", drafts: int = 0, ngram: int = 0) -> None:
     """SpecError naming what of `cfg` the kernel does not run yet (validate() has accepted it);
-    `unhandled="trap"` lets opcodes without a device handler through (make_spec)."""
+    `unhandled="trap"` lets opcodes without a device handler through (make_spec); `drafts`,
+    `ngram`: the opcodes of a speculative step (kinds_ops)."""
     from megakernel.layers import kind
 
-    missing = sorted(isa.spec(op).name for op in program_ops(cfg, replay)
+    missing = sorted(isa.spec(op).name for op in program_ops(cfg, replay, drafts, ngram)
                      if not isa.spec(op).device)
     if missing and unhandled != "trap":
         kinds = sorted({isa.spec(getattr(isa.Op, n)).kind for n in missing})
@@ -114,7 +124,7 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
               num_threads: int = NUM_THREADS, smem_stages: int | None = None,
               timeline: bool = False, l2_window: int = -1, replay: bool = False,
               replay_window: int = 0, paged=None,  # noqa: ANN001 (program.paged.PagedKV | None)
-              unhandled: str = "refuse") -> KernelSpec:
+              unhandled: str = "refuse", drafts: int = 0, ngram: int = 0) -> KernelSpec:
     """The build's static config for a model, batch and tokens per step (`replay_window` L >= 1:
     programs with that ReplaySSM window, whose recurrent layers run the kinds' ReplaySSM core
     ops; `replay` without a window: the op set only, for support checks). `smem_stages`
@@ -124,7 +134,12 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
     the L2 lookahead in bytes per SM (-1: the arch's, 0: none, for an A/B of the lookahead);
     `paged`: a program/paged.PagedKV page pool (the paged build, kernel/paged_index.py);
     `unhandled`: "refuse" (SpecError) a model with opcodes that have no device handler yet, or
-    "trap": build without them (a record of one fails the launch), for developing a handler."""
+    "trap": build without them (a record of one fails the launch), for developing a handler;
+    `drafts` k >= 1: programs of a speculative step (T = 1 + k: tokens 1 is taken as 1 + k),
+    `ngram`: with the device n-gram drafter matching up to that many tokens (layers/speculative.py).
+    """
+    if drafts and tokens == 1:
+        tokens = 1 + drafts
     if batch < 1 or tokens < 1:
         raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
     if replay_window < 0:
@@ -135,11 +150,12 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         for stages in range(PIPELINE_STAGES, MIN_PIPELINE_STAGES - 1, -1):
             try:
                 return make_spec(cfg, batch, tokens, arch, num_threads, stages, timeline,
-                                 l2_window, replay, replay_window, paged, unhandled)
+                                 l2_window, replay, replay_window, paged, unhandled, drafts,
+                                 ngram)
             except SpecError:
                 pass
         return make_spec(cfg, batch, tokens, arch, num_threads, 0, timeline, l2_window, replay,
-                         replay_window, paged, unhandled)
+                         replay_window, paged, unhandled, drafts, ngram)
     from megakernel.layers import kind
     from megakernel.models import validate
 
@@ -149,10 +165,10 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
                         f"{cfg.name or cfg.family} has none")
     if unhandled not in ("refuse", "trap"):
         raise SpecError(f"unhandled must be 'refuse' or 'trap', got {unhandled!r}")
-    check_kernel_support(cfg, replay, unhandled)
+    check_kernel_support(cfg, replay, unhandled, drafts, ngram)
     # the layers with a KV (or latent) cache slot, in order (kv_slot)
     attn = tuple(b.layer for b in cfg.blocks if kind(b.kind).kv_cache)
-    ops = tuple(sorted(op for op in program_ops(cfg, replay)
+    ops = tuple(sorted(op for op in program_ops(cfg, replay, drafts, ngram)
                        if unhandled == "refuse" or isa.spec(op).device))
     spec = KernelSpec(
         arch=arch, family=cfg.family, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
@@ -160,8 +176,8 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
         kinds=kind_constants(cfg), norm_one_plus=cfg.norm_kind == "rms_1p",
         gate_off=gate_offset(cfg, batch, tokens), ops=ops,
         attn_layers=() if attn == tuple(range(cfg.num_layers)) else attn,
-        replay_window=replay_window, paged=paged_constants(cfg, batch, tokens, paged),
-        **weight_format(cfg),
+        replay_window=replay_window, drafts=drafts, ngram=ngram,
+        paged=paged_constants(cfg, batch, tokens, paged), **weight_format(cfg),
         num_threads=num_threads, smem_stages=smem_stages, timeline=timeline,
         l2_window=l2_window)
     spec.validate()
@@ -195,10 +211,13 @@ def paged_constants(cfg, batch: int, tokens: int, paged) -> tuple[int, ...]:  # 
             i32["slot_mapping"].offset)
 
 
-def default_build(cfg: Any, batch: int, tokens: int, arch: str) -> KernelSpec | None:  # noqa: ANN401
-    """The default build's spec for this model/batch, or None when no kernel build serves it."""
+def default_build(cfg: Any, batch: int, tokens: int, arch: str,  # noqa: ANN401
+                  replay_window: int = 0, drafts: int = 0, ngram: int = 0) -> KernelSpec | None:
+    """The default build's spec for this model/batch (a ReplaySSM window, a speculative step:
+    make_spec), or None when no kernel build serves it."""
     try:
-        return make_spec(cfg, batch, tokens, arch)
+        return make_spec(cfg, batch, tokens, arch, replay_window=replay_window, drafts=drafts,
+                         ngram=ngram)
     except SpecError:
         return None
 

@@ -30,6 +30,7 @@ from megakernel.kernel.limits import (
     MMA_M,
     MMA_MIN_ROWS,
     MMA_N,
+    MMA_SPEC_MIN_ROWS,
     MMA_X_PAD,
     NUM_THREADS,
     PIPELINE_STAGES,
@@ -103,6 +104,11 @@ class KernelSpec:
     # the recurrent layers run their kinds' REPLAY ops with rings of L - 1 + T entries; 0 = the
     # recurrent update
     replay_window: int = 0
+    # a speculative step (layers/speculative.py; program header DRAFTS, NGRAM): k drafts a step
+    # (tokens = 1 + k), ACCEPT in place of ARGMAX and the recurrent kinds' COMMIT records; 0 = a
+    # plain step. `ngram`: the device drafter's longest suffix (NGRAM records; 0: host drafts)
+    drafts: int = 0
+    ngram: int = 0
     # paged KV (kernel/paged_index.py): (num_blocks, block_size, max_blocks, block table and
     # slot mapping i32 offsets); () = the contiguous cache [slots, B, Hkv, S_max, D]
     paged: tuple[int, ...] = ()
@@ -289,7 +295,8 @@ class KernelSpec:
         activation rows, 8 consumer warps (a ring tile is then 8 weight rows = one mma N) and
         every K a multiple of MMA_K_ALIGN; otherwise the FMA GEMV."""
         ks = self.matvec_ks
-        return (self.pipelined and self.rows >= MMA_MIN_ROWS and self.num_warps == MMA_N
+        least = MMA_SPEC_MIN_ROWS if self.drafts else MMA_MIN_ROWS
+        return (self.pipelined and self.rows >= least and self.num_warps == MMA_N
                 and all(k % MMA_K_ALIGN == 0 for k in ks))
 
     @property
@@ -465,6 +472,12 @@ class KernelSpec:
         if replay_ops and self.replay_window < 1:
             raise SpecError(f"{', '.join(replay_ops)} fold their rings every replay_window "
                             "tokens: a ReplaySSM build needs replay_window >= 1")
+        if self.drafts or self.ngram:
+            from megakernel.kernel.speculative_index import check_speculative
+
+            why = check_speculative(self)
+            if why:
+                raise SpecError(why)
         if self.paged:
             from megakernel.kernel.paged_index import PAGED_FIELDS, check_paged
 

@@ -15,8 +15,8 @@ rows past V never store a logit and never take part in the argmax. Ties: the low
 from __future__ import annotations
 
 from megakernel.isa.records import FLAG_ADVANCE, FLAG_FEEDBACK, ROW_ALIGN
-from megakernel.layers import speculative
 from megakernel.isa.registry import MATVEC, OpSpec, register
+from megakernel.layers import speculative
 from megakernel.layers.base import OUTPUT, STREAM, Need, StepShape
 from megakernel.program.stages import Instr, Stage
 
@@ -166,7 +166,7 @@ def head_stages(ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
 
     lm = Stage("lmhead", LMHEAD, -1, vpad // ROW_ALIGN, True, mk_lm, ROW_ALIGN)
     if ctx.drafts:
-        tail, c_end = speculative.accept_stages(ctx, c_lm)
+        tail, c_end = speculative.accept_stages(ctx, c_lm, vpad // ROW_ALIGN)
         return [lm, *tail], c_end
     # a paged program's caller owns lengths and input ids (program/paged.py)
     flags = 0 if ctx.buf.paged else FLAG_ADVANCE | (FLAG_FEEDBACK if ctx.tokens == 1 else 0)

@@ -70,7 +70,8 @@ GDN_CORE, GDN_REPLAY = register_core_ops(
      "n + T."), handler=("gdn.GatedDeltaRule",) * 2)
 
 
-GDN_COMMIT = register_commit_op(32, "GDN", "gdn", _UNIT)
+GDN_COMMIT = register_commit_op(32, "GDN", "gdn", _UNIT,
+                                handler="commit.GatedDeltaCommit")
 
 
 @register_kind

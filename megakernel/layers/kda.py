@@ -55,7 +55,8 @@ KDA_CORE, KDA_REPLAY = register_core_ops(
     handler=("kda.KimiDeltaAttention",) * 2)
 
 
-KDA_COMMIT = register_commit_op(34, "KDA", "kda", _UNIT)
+KDA_COMMIT = register_commit_op(34, "KDA", "kda", _UNIT,
+                                handler="commit.KimiDeltaCommit")
 
 
 @register_kind

@@ -75,7 +75,8 @@ MAMBA_CORE, MAMBA_REPLAY = register_core_ops(
                                                         "mamba_replay.Mamba2Replay"))
 
 
-MAMBA_COMMIT = register_commit_op(33, "MAMBA", "mamba2", _UNIT)
+MAMBA_COMMIT = register_commit_op(33, "MAMBA", "mamba2", _UNIT,
+                                  handler="commit.Mamba2Commit")
 
 
 @register_kind

@@ -178,7 +178,7 @@ class RecurrentKind(LayerKind):
 
     @classmethod
     def check_kernel_record(cls, d: dict, spec) -> str:  # noqa: ANN001 (KernelSpec)
-        if d["OPCODE"] not in (cls.core_op, cls.replay_op):
+        if d["OPCODE"] not in (cls.core_op, cls.replay_op, cls.commit_op):
             return ""
         units = cls.units(cls.config(*spec.constants(cls.name)))
         unit, (what, sym) = d[cls.unit_name], cls.unit_label

@@ -25,7 +25,7 @@ from megakernel.layers.base import STREAM, Need, StepShape
 from megakernel.program.stages import Instr, Stage
 
 ACCEPT = register(OpSpec(
-    10, "ACCEPT", "frame", "merge partial argmaxes -> greedy tokens; accept the drafts, emit the "
+    35, "ACCEPT", "frame", "merge partial argmaxes -> greedy tokens; accept the drafts, emit the "
     "accepted tokens and the bonus, advance lengths, feed the bonus back",
     (
         ("N_TILES", "partial-argmax slots"),
@@ -40,10 +40,10 @@ ACCEPT = register(OpSpec(
     "a = leading t < k with tokens_in[n + 1 + t] == g[t]; e = min(a + 1, max(0, S_max - T - "
     "lengths[b])); history[b, lengths[b] + t] = tokens_in[n + t] for t < e; when e > 0: "
     "history[b, lengths[b] + e] = tokens_in[n] = g[e - 1]; emitted[b] = e; lengths[b] += e.",
-    device=True))
+    device=True))  # the persistent loop's (kernel/megakernel.py)
 
 NGRAM = register(OpSpec(
-    11, "NGRAM", "frame", "propose the next step's drafts of sequences [B0, B1) by prompt lookup "
+    36, "NGRAM", "frame", "propose the next step's drafts of sequences [B0, B1) by prompt lookup "
     "in their history",
     (
         ("B0", "first sequence"),
@@ -56,7 +56,7 @@ NGRAM = register(OpSpec(
     notes="h = history[b, 0 .. lengths[b]] (the bonus last, m = lengths[b] + 1 tokens): for n = "
     "min(N_MAX, m - 1) down to 1, the largest p < m with h[p - n : p] == h[m - n : m] gives draft "
     "i = h[p + i % (m - p)]; no match: h[m - 1] k times (reference/speculative.ngram_propose).",
-    device=True))
+    device=True, handler="speculative.NgramDrafter"))
 
 
 def needs(model, shape: StepShape) -> list[Need]:  # noqa: ANN001
@@ -67,19 +67,17 @@ def needs(model, shape: StepShape) -> list[Need]:  # noqa: ANN001
             Need("i32", "history", (shape.batch, shape.max_seq_len), STREAM, persistent=True)]
 
 
-def accept_stages(ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
-    """ACCEPT (one record, waiting on the LM head) and, with the device drafter, NGRAM (one record
-    per sequence, waiting on ACCEPT); returns the stages and ACCEPT's counter, which the recurrent
-    layers' COMMIT records wait on."""
-    from megakernel.layers.frame import padded_vocab
-
+def accept_stages(ctx, wait: int, lm_tiles: int) -> tuple[list[Stage], int]:  # noqa: ANN001
+    """ACCEPT (one record, waiting on the LM head's `lm_tiles` slabs at most) and, with the
+    device drafter, NGRAM (one record per sequence, waiting on ACCEPT); returns the stages and
+    ACCEPT's counter, which the recurrent layers' COMMIT records wait on."""
     n, b, t = ctx.rows, ctx.batch, ctx.tokens
     f32, i32 = ctx.buf.f32, ctx.buf.i32
     c_acc = ctx.ctr("accept")
     hist, lens, toks = i32["history"].offset, i32["lengths"].offset, i32["tokens_in"].offset
 
     def mk_accept(u0: int, u1: int) -> Instr:
-        nt = padded_vocab(ctx.model.vocab_size) // 16  # set by number_lm_tiles
+        nt = lm_tiles  # an upper bound for the cost model; set by number_lm_tiles
         return Instr(ACCEPT, -1, dict(
             N_TILES=nt, PARG_OFF=f32["part_argmax"].offset, OUT_OFF=i32["tokens_out"].offset,
             TOK_OFF=toks, LEN_OFF=lens, EMIT_OFF=i32["emitted"].offset, HIST_OFF=hist),

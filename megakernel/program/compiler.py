@@ -293,7 +293,9 @@ def compile_program(
     buf = plan_buffers(cfg, StepShape(batch, tokens, max_seq_len, n_splits, gpu.num_sms,
                                       ring_cap, paged, drafts))
     check_memory(cfg, buf, lay, gpu)
-    spec = default_build(cfg, batch, tokens, gpu.arch)  # the kernel build the program runs on
+    # the kernel build the program runs on (a speculative build's GEMV form: KernelSpec.mma)
+    spec = default_build(cfg, batch, tokens, gpu.arch, drafts=drafts, ngram=ngram,
+                         replay_window=(replay_window or 0) if drafts else 0)
     mma = spec.mma if spec else batch * tokens >= MMA_MIN_ROWS
     ctr = Counters()
     ctx = BuildContext(cfg, batch, tokens, context, n_splits, replay_window, lay, buf, ctr, mma,

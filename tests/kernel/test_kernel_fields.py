@@ -150,9 +150,11 @@ def test_op_table_is_the_registry_restricted_to_the_build():
     specs = isa.specs()
     # the opcodes of its program, from the registry's layer kinds: no relu^2 (Nemotron-H) handler
     assert t.handled == tuple(sorted(model_spec.program_ops(preset("llama-tiny"))))
-    # every device opcode of a kind llama has not (relu^2, the recurrent cores) and PROJ
+    # every device opcode of a kind llama has not (relu^2, the recurrent cores), PROJ, and the
+    # speculative step's end (ACCEPT, NGRAM: a plain step ends in ARGMAX)
     hybrid = {x.code for x in specs if x.device and x.kind not in ("frame", "attention",
-                                                                    "swiglu")} | {isa.Op.PROJ}
+                                                                    "swiglu")} | {
+        isa.Op.PROJ, isa.Op.ACCEPT, isa.Op.NGRAM}
     assert {isa.Op.UP_RELU2, isa.Op.GDN_CORE, isa.Op.MAMBA_CORE} <= hybrid
     assert set(t.handled) == {x.code for x in specs if x.device} - hybrid
     assert set(t.epilogue("qkv.QKV")) == {isa.Op.QKV}

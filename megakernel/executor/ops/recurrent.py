@@ -145,7 +145,7 @@ def _gdn_inputs(ex: Executor, d: dict):  # noqa: ANN202
     blk = ex.block(d, "gdn")
     c = blk.cfg
     hv, dk, dv = c.num_v_heads, c.k_head_dim, c.v_head_dim
-    kh, rep, kd = d["K_HEAD"], hv // c.num_k_heads, c.key_dim
+    kh, rep = d["K_HEAD"], hv // c.num_k_heads
     h0 = kh * rep
     taps = ex.weights[d["CONV_W"] : d["CONV_W"] + c.conv_dim * c.conv_kernel].view(
         c.conv_dim, c.conv_kernel).float()
@@ -265,7 +265,7 @@ def kda_replay(ex: Executor, d: dict, epoch: int) -> None:
 def _mamba_inputs(ex: Executor, d: dict):  # noqa: ANN202
     blk = ex.block(d, "mamba2")
     m = blk.cfg
-    hh, hp, ns, ng, kw = m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel
+    hh, hp, ng, kw = m.num_heads, m.head_dim, m.n_groups, m.conv_kernel
     rep, di, cd, j = hh // ng, m.d_inner, m.conv_dim, d["GROUP"]
     h0 = j * rep
     taps = ex.weights[d["CONV_W"] : d["CONV_W"] + cd * kw].view(cd, kw).float()
@@ -320,8 +320,9 @@ def mamba_replay(ex: Executor, d: dict, epoch: int) -> None:
     _mamba_output(ex, d, blk, inp, y)
 
 
-# ---- GDN_COMMIT, KDA_COMMIT, MAMBA_COMMIT (layers/recurrent.py): after ACCEPT ----------------------
-def _unit_ring(ex: Executor, d: dict, blk) -> tuple[Ring, Callable[[dict], torch.Tensor]]:  # noqa: ANN001
+# ---- GDN_COMMIT, KDA_COMMIT, MAMBA_COMMIT (layers/recurrent.py): after ACCEPT -------------------
+def _unit_ring(ex: Executor, d: dict, blk  # noqa: ANN001
+               ) -> tuple[Ring, Callable[[dict], torch.Tensor]]:
     """The ring of the record's (sequence, unit) and the kind's fold of entries [0, m) read as
     {name: [m, ...]} into its committed state."""
     c, name = blk.cfg, blk.kind
