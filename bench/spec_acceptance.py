@@ -91,6 +91,10 @@ def measure(path: Path, steps: int, ks: list[int], backend: str) -> list[dict]:
             spec = speculative_stepper(single, packed, compile_fn, k, 3)
             g = program_generate(single, prompts, steps, chunk=chunk, spec=spec)
             toks, acc = g.tokens, g.accepted
+        for i, (a, b) in enumerate(zip(plain, toks, strict=True)):
+            if a != b:  # T = 1 + k and T = 1 round differently: show it is a near-tie
+                rows_note = near_tie(cfg, w, prompts[i], a, b)
+                print(f"k={k}: sequence {i} {rows_note}", flush=True)
         flat = [a for step in acc for a in step]
         mean = sum(flat) / len(flat)
         rows.append({"k": k, "backend": backend, "steps": len(acc), "sequences": len(prompts),
@@ -101,6 +105,21 @@ def measure(path: Path, steps: int, ks: list[int], backend: str) -> list[dict]:
               f"(per-draft A = {rows[-1]['per_draft_acceptance']:.2f}) over {len(acc)} steps of "
               f"{len(prompts)} sequences; tokens equal plain greedy: {toks == plain}", flush=True)
     return rows
+
+
+def near_tie(cfg, w, prompt: list[int], plain: list[int], spec: list[int]) -> str:  # noqa: ANN001
+    """Where two greedy runs first differ: the fp32 model's top-2 margin there, in bf16 units of
+    the largest logit (a near-tie when well under one)."""
+    from megakernel.reference.model import ReferenceModel
+
+    j = next(t for t in range(min(len(plain), len(spec))) if plain[t] != spec[t])
+    ctx = prompt + plain[:j]
+    f32 = ReferenceModel(cfg, w, mode="fp32")
+    logits = f32.prefill(f32.new_cache(1, len(ctx) + 1), [ctx])[0]
+    top = logits.topk(2)
+    u = float((top.values[0] - top.values[1]) / logits.abs().max()) / 2**-8
+    return (f"differs from plain at new token {j} ({plain[j]} vs {spec[j]}): fp32 top-2 "
+            f"{top.indices.tolist()}, margin {u:.3f} bf16 units of the largest logit")
 
 
 def speedups(rows: list[dict], models: list[str], gpu_name: str, window: int) -> list[dict]:

@@ -318,8 +318,11 @@ def load(model: str | Path, backend: str = "auto", max_batch: int = 8, max_seq_l
         from megakernel.errors import ConfigError
 
         raise ConfigError("fp8_granularity and fp8_lm_head apply with weights='fp8'")
+    from megakernel.speculative import parse
+
+    mtp = (parse(speculative) or parse("ngram:1")).method == "mtp"  # loads the MTP modules
     cfg, weights = load_model(str(model), seed=seed, dtype=torch.bfloat16, weights=weights,
-                              granularity=fp8_granularity, lm_head=fp8_lm_head)
+                              granularity=fp8_granularity, lm_head=fp8_lm_head, mtp=mtp)
     tokenizer = None
     if Path(model).is_dir() or is_gguf(model):
         from megakernel.cli import CliError

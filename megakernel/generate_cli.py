@@ -137,7 +137,8 @@ def run_generation(
     # Random weights are drawn in bf16 for both dtypes, so bf16 and fp32 runs share one model;
     # a checkpoint keeps its own dtype in fp32 mode (the reference upcasts).
     load_dtype = torch.bfloat16 if dtype == "bf16" or model in presets() else None
-    cfg, tensors = load_model(model, seed=seed, dtype=load_dtype, **(weights or {}))
+    cfg, tensors = load_model(model, seed=seed, dtype=load_dtype,
+                              mtp=spec is not None and spec.method == "mtp", **(weights or {}))
     load_s = time.perf_counter() - t0
     if replay_window is not None and not cfg.recurrent_layers():
         raise CliError(f"--replay-window applies to models with recurrent layers; {model!r} "

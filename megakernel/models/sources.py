@@ -60,8 +60,8 @@ def resolve(spec: str, weights: str = "bf16", granularity: str = "channel",
 
 
 def load_model(spec: str, seed: int = 0, dtype: torch.dtype | None = torch.bfloat16,
-               weights: str = "bf16", granularity: str = "channel", lm_head: bool = False
-               ) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+               weights: str = "bf16", granularity: str = "channel", lm_head: bool = False,
+               mtp: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
     """A preset name -> random weights from `seed`; a directory or a .gguf file -> its checkpoint
     in `dtype` (None: as stored).
 
@@ -69,7 +69,8 @@ def load_model(spec: str, seed: int = 0, dtype: torch.dtype | None = torch.bfloa
     `fp8.quantized_names`, `dtype` for the rest) with `cfg.quant = Fp8Format(granularity,
     lm_head=lm_head)`, each matrix quantized as it is loaded; a preset's weights then come as
     a lazy mapping that draws and quantizes a matrix when it is read. An FP8 checkpoint loads
-    in its own format for either value (no requantization).
+    in its own format for either value (no requantization). `mtp`: a checkpoint directory's
+    multi-token-prediction modules are loaded too (the `mtp:K` drafter; weights.load_checkpoint).
     """
     fmt = _format(weights, granularity, lm_head)
     if spec in presets():
@@ -81,7 +82,7 @@ def load_model(spec: str, seed: int = 0, dtype: torch.dtype | None = torch.bfloa
                 else random_weights(cfg, seed, dtype))
         return cfg, fp8.QuantizedWeights(cfg, base)
     if Path(spec).is_dir():
-        return load_checkpoint(spec, dtype=dtype, quant=fmt)
+        return load_checkpoint(spec, dtype=dtype, quant=fmt, mtp=mtp)
     if is_gguf(spec):
         cfg, w = load_gguf(spec, dtype=dtype)
         if fmt is None:

@@ -173,3 +173,24 @@ def test_plan_speculative_errors(capsys, argv, needle):
     rc = cli.main(["plan", "--model", "llama-tiny", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and needle in err, err
+
+
+def test_mtp_checkpoint_drafts_on_the_reference_backend(capsys, tmp_path) -> None:
+    """A checkpoint that carries an MTP module: `--speculative mtp:2` loads the module with the
+    model and the reference backend decodes the plain greedy tokens (random weights: the drafts
+    are seldom right, so acceptance is not the point)."""
+    from megakernel.models.weights import random_weights, save_checkpoint
+    from tests.reference.test_mtp import tiny
+
+    cfg = tiny(1)
+    save_checkpoint(cfg, random_weights(cfg, seed=0), tmp_path)
+    args = ["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3,1,2", "--steps", "6",
+            "--backend", "reference", "--replay-window", "4", "--json"]
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    plain = last_json(out)["tokens"]
+    rc, out, err = run_cli(capsys, *args, "--speculative", "mtp:2")
+    assert rc == 0, err
+    got = last_json(out)
+    assert got["tokens"] == plain
+    assert got["speculative"]["method"] == "mtp" and got["speculative"]["steps"] >= 1
