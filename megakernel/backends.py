@@ -125,4 +125,5 @@ def executor_speculative_generate(
     ngram = speculative.ngram if drafts_fn is None else 0
     spec = speculative_stepper(single, packed, compile_fn, speculative.k, ngram, check, seed)
     return program_generate(single, prompts, steps, chunk=chunk_st, spec=spec,
-                            drafts_fn=drafts_fn)
+                            drafts_fn=drafts_fn,
+                            hidden_log=getattr(drafts_fn, "hidden_log", None))  # mtp:K

@@ -6,8 +6,8 @@ drafts do not come from the device (megakernel/speculative.py):
                  `ReferenceDrafter` (its ReferenceModel): K greedy tokens of a smaller model with
                  the same vocabulary;
   mtp:K          `MtpDrafts`: reference/mtp.MtpDrafter behind the same interface; it needs the
-                 target's hidden states, which it takes from a `hidden` hook (the engine does not
-                 pass them: see MtpDrafts).
+                 target's hidden states, which it takes from a `hidden` hook: on the CPU
+                 executor the program's own (engine.HiddenLog), on the reference recomputed.
 
 `make(spec, cfg, weights, batch, max_seq_len, backend)` builds the drafter a method string asks
 for (None for ngram: the device drafts). `draft_step_cost` is the cost model's view of a
@@ -288,6 +288,7 @@ class MtpDrafts:
         self.seen: list[list[int] | None] = [None] * batch  # the history of the last call
         self.last: list[list[int]] = [[] for _ in range(batch)]
         self.calls = 0
+        self.hidden_log = None  # an engine.HiddenLog behind `hidden` (make: the cpu-executor)
 
     def __call__(self, histories: list[list[int]], k: int) -> list[list[int]]:
         if k != self.k:
@@ -361,14 +362,17 @@ def make(spec: str | Speculative | None, cfg, weights: Mapping[str, torch.Tensor
 
     model = kw.get("model") or ReferenceModel(cfg, dict(weights), mode=kw.get("mode", "bf16"),
                                               device=kw.get("device", "cpu"))
-    hidden = kw.get("hidden")
-    if hidden is None:
-        if backend != "reference":
-            raise SpeculativeError(
-                "mtp on the cpu-executor needs the target's hidden states, which the engine "
-                "does not pass yet (megakernel/drafters.py MtpDrafts: the `hidden` hook)")
+    hidden, log = kw.get("hidden"), None
+    if hidden is None and backend == "reference":
         hidden = reference_hidden(model)
-    return MtpDrafts(model, batch, max_seq_len, sp.k, hidden)
+    elif hidden is None:  # the program's own hidden states, kept by the engine
+        from megakernel.engine import HiddenLog
+
+        log = HiddenLog(batch)
+        hidden = log.hook
+    drafts = MtpDrafts(model, batch, max_seq_len, sp.k, hidden)
+    drafts.hidden_log = log  # engine.program_generate(hidden_log=...) fills it
+    return drafts
 
 
 # ---- the cost model's view ---------------------------------------------------------------------

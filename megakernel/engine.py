@@ -100,6 +100,33 @@ def _check_prompts(prompts: list[list[int]], batch: int) -> None:
                          f"{[len(p) for p in prompts]} tokens")
 
 
+class HiddenLog:
+    """The target's residual stream after its last block (before the final norm), fp32, at every
+    position each row has consumed, copied from a stepper's f32 "h" after each step: what the
+    MTP drafter reads (megakernel/drafters.py MtpDrafts). A later step that consumes a position
+    again (a rejected draft's) overwrites it."""
+
+    def __init__(self, batch: int) -> None:
+        self.rows: list[dict[int, torch.Tensor]] = [{} for _ in range(batch)]
+
+    def lengths(self, stepper: Stepper) -> list[int]:
+        return region(stepper, "i32", "lengths").tolist()
+
+    def record(self, stepper: Stepper, before: list[int]) -> None:
+        """Keep rows b*T + t of the step just run at positions before[b] + t."""
+        hidden = getattr(stepper, "hidden", None)
+        if hidden is None:
+            raise TypeError(f"{type(stepper).__name__} does not expose its hidden states")
+        h, t = hidden().float().cpu(), stepper.tokens
+        for b, n in enumerate(before):
+            for i in range(t):
+                self.rows[b][n + i] = h[b * t + i].clone()
+
+    def hook(self, row: int, tokens: list[int], start: int) -> torch.Tensor:
+        """The `hidden` hook of MtpDrafts: h at positions start .. len(tokens) - 1 of `row`."""
+        return torch.stack([self.rows[row][p] for p in range(start, len(tokens))])
+
+
 def spec_max_seq_len(longest_prompt: int, steps: int, drafts: int = 0) -> int:
     """The cache length generation needs: the longest prompt + steps - 1, and with k drafts a
     step k + 1 more (a live row's last step still verifies 1 + k tokens)."""
@@ -115,13 +142,15 @@ def region(stepper: Stepper, arena: str, name: str) -> torch.Tensor:
 def program_generate(single: Stepper, prompts: list[list[int]], steps: int,
                      eos_token_id: int | None = None, chunk: Stepper | None = None,
                      live: list[bool] | None = None, spec: Stepper | None = None,
-                     drafts_fn: Callable | None = None) -> Generated:
+                     drafts_fn: Callable | None = None, hidden_log: HiddenLog | None = None
+                     ) -> Generated:
     """Greedy generation of up to `steps` new tokens per prompt, prefill included, on the
     program (module docstring). The program needs max_seq_len >= longest prompt + steps - 1
     (+ k with a speculative program `spec`). A row stops at `eos_token_id` (kept); the loop ends
     when every row has stopped. Rows whose `live` is False (batch padding) are stepped but never
     hold the loop; their tokens stay []. `drafts_fn(histories, k)`: the drafts of a speculative
-    program without the device drafter (histories: each row's tokens, the next input last)."""
+    program without the device drafter (histories: each row's tokens, the next input last).
+    `hidden_log` keeps every step's hidden states (HiddenLog: the MTP drafter's input)."""
     b = len(prompts)
     _check_prompts(prompts, b)
     t0 = time.perf_counter()
@@ -133,7 +162,10 @@ def program_generate(single: Stepper, prompts: list[list[int]], steps: int,
         t = chunk.tokens
         n_chunks = (min(len(p) for p in prompts) - 1) // t
         for c in range(n_chunks):
+            before = hidden_log.lengths(chunk) if hidden_log else []
             chunk.step(torch.tensor([p[c * t: (c + 1) * t] for p in prompts]))
+            if hidden_log:
+                hidden_log.record(chunk, before)
         done.steps[t] = n_chunks
         if n_chunks:
             copy_state(chunk, single)
@@ -146,7 +178,10 @@ def program_generate(single: Stepper, prompts: list[list[int]], steps: int,
         feed = (torch.tensor([[p[pos] if pos < len(p) else last[i]]
                               for i, p in enumerate(prompts)]) if prompt_left or n1 == 0
                 else None)
+        before = hidden_log.lengths(single) if hidden_log else []
         out = single.step(feed)[:, 0].tolist()
+        if hidden_log:
+            hidden_log.record(single, before)
         n1 += 1
         for i, p in enumerate(prompts):
             if pos >= len(p) - 1 and not stopped[i]:
@@ -164,14 +199,15 @@ def program_generate(single: Stepper, prompts: list[list[int]], steps: int,
     done.steps[1] = n1
     if spec is not None and not all(stopped):
         copy_state(single, spec)
-        speculate(spec, prompts, done, stopped, steps, eos_token_id, drafts_fn)
+        speculate(spec, prompts, done, stopped, steps, eos_token_id, drafts_fn, hidden_log)
         spec.sync()
     done.total_s = time.perf_counter() - t0
     return done
 
 
 def speculate(spec: Stepper, prompts: list[list[int]], done: Generated, stopped: list[bool],
-              steps: int, eos_token_id: int | None, drafts_fn: Callable | None) -> None:
+              steps: int, eos_token_id: int | None, drafts_fn: Callable | None,
+              hidden_log: HiddenLog | None = None) -> None:
     """The speculative phase (module docstring, 3.), from every row's first new token on:
     appends each live row's emitted tokens to `done.tokens` until every row has stopped."""
     from megakernel.reference.speculative import ngram_propose
@@ -188,7 +224,10 @@ def speculate(spec: Stepper, prompts: list[list[int]], done: Generated, stopped:
          torch.tensor(propose(hist, k), dtype=torch.int64)), dim=1)
     n = 0
     while not all(stopped):
+        before = hidden_log.lengths(spec) if hidden_log else []
         out = spec.step(feed).tolist()
+        if hidden_log:
+            hidden_log.record(spec, before)
         emitted = region(spec, "i32", "emitted").tolist()
         n += 1
         if not any(emitted[i] for i in range(b) if not stopped[i]):

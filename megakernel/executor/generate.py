@@ -86,6 +86,10 @@ class ExecutorStepper:
     def arenas(self) -> dict[str, torch.Tensor]:
         return {n: self.ex.arena_tensor(n) for n in STATE_ARENAS}
 
+    def hidden(self) -> torch.Tensor:
+        """f32 h [N, H] of the last step: the residual stream before the final norm."""
+        return self.ex.region("f32", "h")
+
     def sync(self) -> None:
         pass
 

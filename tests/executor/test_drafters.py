@@ -249,8 +249,32 @@ def test_mtp_adapter_errors(mtp_model, target) -> None:  # noqa: ANN001
     a([[1, 2, 3]], 2)
     with pytest.raises(SpeculativeError, match="does not extend the previous one"):
         a([[1, 4, 3, 5]], 2)
-    with pytest.raises(SpeculativeError, match="engine does not pass yet"):
-        make("mtp:2", mtp_model.cfg, {}, 1, 64, model=mtp_model)
+
+
+def test_mtp_on_the_executor_reads_the_programs_hidden_states(mtp_model) -> None:  # noqa: ANN001
+    """mtp:K on the CPU executor: the drafter's hidden states are the program's own (the
+    engine's HiddenLog of f32 h after every step), equal to the reference's recomputed ones up
+    to the bf16 mirror's rounding; the tokens are plain greedy's."""
+    from megakernel.backends import executor_speculative_generate
+    from megakernel.speculative import parse
+
+    cfg = mtp_model.cfg
+    w = {n: t.to(torch.bfloat16) for n, t in mtp_model.w.items()}
+    prompts, steps, k = [[5, 9, 200, 3, 77], [31, 8, 31]], 8, 2
+    s_max = spec_max_seq_len(5, steps, k)
+    plain = generate(cfg, w, prompts, steps)
+    d = make("mtp:2", cfg, w, 2, s_max, backend="cpu-executor")
+    assert d.hidden_log is not None
+    g = executor_speculative_generate(cfg, w, prompts, steps, s_max, 0, speculative=parse("mtp:2"),
+                                      drafts_fn=d)
+    assert g.tokens == plain and len(g.accepted) >= 1
+    ref = reference_hidden(ReferenceModel(cfg, w, mode="bf16"))
+    for b, p in enumerate(prompts):
+        n = len(p) + 3  # positions every run consumed
+        mine = d.hidden_log.hook(b, (p + plain[b])[:n], 0)
+        want = ref(b, (p + plain[b])[:n], 0)
+        err = float((mine - want).abs().max() / want.abs().max())
+        assert err < 2**-6, err
 
 
 # ---- cost ----------------------------------------------------------------------------------------
