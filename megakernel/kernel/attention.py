@@ -5,12 +5,20 @@ ATTN_PARTIAL serves the T * G queries that read kv head g of sequence b. Query q
 [s * ctx / S, (s + 1) * ctx / S), ctx = lengths[b] + T. With fewer queries than warps, WQ warps
 share a query's keys and their (m, l, o) are merged in shared memory in a fixed order.
 
+A warp takes the queries it owns (T * G / NW of them with a speculative step's T = 1 + k) QB
+at a time (dense_index.attn_query_batch): one walk of the split's keys serves the pass's QB
+queries, each chunk of keys and values loaded once for all of them, each query with its own
+(m, l, o) and its own causal limit inside a chunk (attn_chunk_keys); QB = all the warp owns up
+to a register cap. Their q rows [NW][QB][D] sit at the start of the consumers' shared-memory
+span (free during the record) when QB > 1, in sQ otherwise.
+
 Inside a warp, keys go 32 at a time: lane = key for the scores (q from shared memory, 16-byte
-loads of the key row), a warp max/sum for the online softmax, then lane = E head dims for the
-weighted sum of the value rows (the probability of key j broadcast with a shuffle), their loads
-issued a batch at a time (dense_index.attn_value_batch) so that a chunk costs one or two memory
-round trips, not one per key. D = 64, 128 or 256: E = D / 32 = 2, 4 or 8 contiguous dims per
-lane; sQ / sO hold one D-row per warp. The cached keys/values reach L2 through a prefetch that
+loads of the key row, each 8 dims dotted with every query of the pass), a warp max/sum per query
+for the online softmax, then lane = E head dims for the weighted sum of the value rows (each
+query's probability of key j broadcast with a shuffle), their loads issued a batch at a time
+(dense_index.attn_value_batch) so that a chunk costs one or two memory round trips, not one per
+key. D = 64, 128 or 256: E = D / 32 = 2, 4 or 8 contiguous dims per lane; sO holds one D-row
+per warp. The cached keys/values reach L2 through a prefetch that
 runs a bounded lead ahead of each warp (dense_index.attn_kv_lead), not the whole split at once:
 at 32K keys a layer's splits would be ~64 MiB, more than L2, and evict the weights' lookahead.
 
@@ -29,11 +37,15 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel.dense_index import (
+    attn_chunk_keys,
+    attn_group_queries,
     attn_keys,
     attn_kv_lead,
     attn_merge_batch,
     attn_merge_split,
+    attn_q_rows,
     attn_query,
+    attn_query_batch,
     attn_scale,
     attn_value_batch,
     attn_warp,
@@ -77,6 +89,18 @@ class Attention(Handler):
         self.pg = spec.paged_shape  # None: the contiguous cache
         # fewer value rows in flight where registers are scarce (attn_value_batch)
         self.VB = attn_value_batch(self.D, tight=self.pg is not None or not spec.pipelined)
+        # a warp's queries QB at a time, each chunk of keys loaded once for all QB; their q rows
+        # [NW][QB][D] fp32 from the start of the consumers' span (free during the record, as for
+        # the recurrent handlers) when QB > 1, else sQ
+        self.q_base = spec.smem_regions()["q"][0] // 4
+        self.QB = attn_query_batch(self.D, self.G, self.T, self.NW,
+                                   smem_queries=self.query_rows(spec))
+        assert self.WQ == 1 or self.QB == 1  # WQ > 1: a warp owns one query
+
+    @staticmethod
+    def query_rows(spec: KernelSpec) -> int:
+        """q rows [D] fp32 per warp that fit the consumers' span below the flag word."""
+        return attn_q_rows(spec.smem_regions()["flag"][0], spec.head_dim, spec.num_warps)
 
     @cute.jit
     def prefetch(self, op: Int32, s: Step):
@@ -106,29 +130,61 @@ class Attention(Handler):
             if ld(pI, self.pg.slot_off + b * self.T) < 0:
                 live = Int32(0)
         WQ = self.WQ
-        q0, part = attn_warp(warp, WQ)
-        for qi in cutlass.range(q0, self.QG, self.NW // WQ):
-            t, head, n = attn_query(qi, g, b, self.G, self.T)
-            # this query's keys in the split, then this warp's share of them
-            kb, ke = attn_keys(s, n_splits, length, t, part, WQ, self.T, cutlass.min,
-                               cutlass.max)
-            if cutlass.const_expr(self.pg is not None):
-                ke = kb + (ke - kb) * live
-            # q -> shared (fp32), one warp-private row
-            for d in cutlass.range(lane, self.D, LANES):
-                sQ[warp * self.D + d] = ld(pB, q_off + (n * self.Hq + head) * self.D + d).to(
-                    Float32)
-            cute.arch.sync_warp()
-            m, lsum, o = self.attend(kv_row0, b, cslot, g, kb, ke, pI, pK, pV, sQ, warp, lane)
-            if cutlass.const_expr(WQ == 1):
-                self.store_partial(m, lsum, o, s, n, head, po_off, pml_off, pF, lane)
-            else:
-                for e in cutlass.range_constexpr(self.E):
-                    sO[warp * self.D + lane * self.E + e] = o[e]
-                if lane == 0:
-                    sML[2 * warp] = m
-                    sML[2 * warp + 1] = lsum
-            cute.arch.sync_warp()
+        if cutlass.const_expr(self.QB == 1):  # a query at a time (the plain step's path)
+            q0, part = attn_warp(warp, WQ)
+            for qi in cutlass.range(q0, self.QG, self.NW // WQ):
+                t, head, n = attn_query(qi, g, b, self.G, self.T)
+                # this query's keys in the split, then this warp's share of them
+                kb, ke = attn_keys(s, n_splits, length, t, part, WQ, self.T, cutlass.min,
+                                   cutlass.max)
+                if cutlass.const_expr(self.pg is not None):
+                    ke = kb + (ke - kb) * live
+                # q -> shared (fp32), one warp-private row
+                for d in cutlass.range(lane, self.D, LANES):
+                    sQ[warp * self.D + d] = ld(
+                        pB, q_off + (n * self.Hq + head) * self.D + d).to(Float32)
+                cute.arch.sync_warp()
+                m, lsum, o = self.attend_one(kv_row0, b, cslot, g, kb, ke, pI, pK, pV, sQ,
+                                             warp, lane)
+                if cutlass.const_expr(WQ == 1):
+                    self.store_partial(m, lsum, o, s, n, head, po_off, pml_off, pF, lane)
+                else:
+                    for e in cutlass.range_constexpr(self.E):
+                        sO[warp * self.D + lane * self.E + e] = o[e]
+                    if lane == 0:
+                        sML[2 * warp] = m
+                        sML[2 * warp + 1] = lsum
+                cute.arch.sync_warp()
+        else:  # passes of QB queries (WQ = 1), one walk of the split's keys each
+            QB, D = self.QB, self.D
+            # [NW][QB][D] fp32 q rows from the start of the consumers' span
+            sq = cute.make_tensor(sQ.iterator + (-self.q_base),
+                                  cute.make_layout(self.NW * QB * D))
+            step = self.NW
+            for g0 in cutlass.range(warp, self.QG, step * QB, unroll=1):
+                keq = cute.make_rmem_tensor((QB,), Int32)  # each query's end of keys
+                kb = Int32(0)
+                for j in cutlass.range_constexpr(QB):
+                    qi, ql = attn_group_queries(g0, j, step, self.QG, cutlass.min, cutlass.max)
+                    t, head, n = attn_query(qi, g, b, self.G, self.T)
+                    # the split's keys below this query's causal limit: [kb, keq[j]), the
+                    # same kb for every query of the pass (WQ = 1: one share)
+                    kb, ke = attn_keys(s, n_splits, length, t, 0, 1, self.T, cutlass.min,
+                                       cutlass.max)
+                    keq[j] = kb + (ke - kb) * (ql * live)
+                    for d in cutlass.range(lane, D, LANES):  # q -> shared (fp32), row j
+                        sq[(warp * QB + j) * D + d] = ld(
+                            pB, q_off + (n * self.Hq + head) * D + d).to(Float32)
+                cute.arch.sync_warp()
+                m, lsum, o = self.attend(kv_row0, b, cslot, g, kb, keq, pI, pK, pV, sq, warp,
+                                         lane)
+                for j in cutlass.range_constexpr(QB):
+                    qi, ql = attn_group_queries(g0, j, step, self.QG, cutlass.min, cutlass.max)
+                    _, head, n = attn_query(qi, g, b, self.G, self.T)
+                    if ql > 0:
+                        self.store_partial(m[j], lsum[j], o[None, j], s, n, head, po_off,
+                                           pml_off, pF, lane)
+                cute.arch.sync_warp()  # the pass's q rows read before the next pass's
         if cutlass.const_expr(WQ > 1):
             cta_sync(self.named)
             for qi in cutlass.range(warp, self.QG, self.NW):
@@ -148,11 +204,35 @@ class Attention(Handler):
                 self.store_partial(mm, lsum, o, s, n, head, po_off, pml_off, pF, lane)
 
     @cute.jit
-    def attend(self, kv_row0: Int64, b: Int32, cslot: Int32, g: Int32, kb: Int32, ke: Int32,
+    def chunk_start(self, kv_row0: Int64, b: Int32, k0: Int32, ke: Int32, pI: cute.Pointer,
+                    pK: cute.Pointer, pV: cute.Pointer, lane: Int32):
+        """A chunk of 32 keys from k0 (of keys < ke) begins: (paged) this lane's key slot
+        (block * block_size + offset), block and offset, from b's block table; (contiguous) lane
+        0 requests the chunk attn_kv_lead keys on into L2 and (0, 0, 0) is returned."""
+        D, pg = self.D, self.pg
+        key = k0 + lane
+        kslot, blk, ko = Int32(0), Int32(0), Int32(0)
+        if cutlass.const_expr(pg is not None):
+            if key < ke:
+                col, ko = table_entry(b, key, pg.block_size, pg.max_blocks)
+                blk = ld(pI, pg.table_off + col)
+                kslot = blk * pg.block_size + ko
+        else:
+            if lane == 0:  # the sliding L2 prefetch, `lead` keys ahead of this chunk
+                ahead = k0 + attn_kv_lead(D)
+                if ahead < ke:
+                    n = cutlass.min(ke - ahead, Int32(LANES)) * (D * 2)
+                    off = (kv_row0 + ahead) * Int64(D * 2)
+                    prefetch_l2(pK.toint() + off, n)
+                    prefetch_l2(pV.toint() + off, n)
+        return kslot, blk, ko
+
+    @cute.jit
+    def attend_one(self, kv_row0: Int64, b: Int32, cslot: Int32, g: Int32, kb: Int32, ke: Int32,
                pI: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, sQ: cute.Tensor,
                warp: Int32, lane: Int32):
-        """Online softmax over keys [kb, ke) of one query: (m, l, o[E] of this lane). Keys of
-        (sequence b, kv head g) at rows kv_row0 + key of the contiguous cache, or (paged) in
+        """Online softmax over keys [kb, ke) of one query (QB = 1): (m, l, o[E] of this lane).
+        Keys of (sequence b, kv head g) at rows kv_row0 + key of the contiguous cache, or (paged) in
         the pages of b's block table in cache slot `cslot`.
 
         Per chunk of 32 keys the value rows are loaded VB at a time (attn_value_batch), all VB
@@ -161,7 +241,7 @@ class Attention(Handler):
         build's lane 0 requests the chunk attn_kv_lead keys on into L2 (prefetch_kv requested
         the first ones before the wait)."""
         D, E, pg = self.D, self.E, self.pg
-        VB, lead = self.VB, attn_kv_lead(D)
+        VB = self.VB
         m = Float32(NEG_INF)
         lsum = Float32(0.0)
         o = cute.make_rmem_tensor((E,), Float32)
@@ -171,21 +251,7 @@ class Attention(Handler):
             key = k0 + lane
             nvalid = cutlass.min(ke - k0, Int32(LANES))
             score = Float32(NEG_INF)
-            kslot = Int32(0)  # paged: the key's block * block_size + offset
-            blk, ko = Int32(0), Int32(0)
-            if cutlass.const_expr(pg is not None):
-                if key < ke:
-                    col, ko = table_entry(b, key, pg.block_size, pg.max_blocks)
-                    blk = ld(pI, pg.table_off + col)
-                    kslot = blk * pg.block_size + ko
-            else:
-                if lane == 0:  # the sliding L2 prefetch, `lead` keys ahead of this chunk
-                    ahead = k0 + lead
-                    if ahead < ke:
-                        n = cutlass.min(ke - ahead, Int32(LANES)) * (D * 2)
-                        off = (kv_row0 + ahead) * Int64(D * 2)
-                        prefetch_l2(pK.toint() + off, n)
-                        prefetch_l2(pV.toint() + off, n)
+            kslot, blk, ko = self.chunk_start(kv_row0, b, k0, ke, pI, pK, pV, lane)
             self.load_values(vb, kv_row0, cslot, g, k0, Int32(0), nvalid, kslot, pV, lane)
             if key < ke:
                 dot = Float32(0.0)
@@ -210,12 +276,93 @@ class Attention(Handler):
             lsum = lsum * alpha + cute.arch.warp_reduction_sum(p)
             for e in cutlass.range_constexpr(E):
                 o[e] = o[e] * alpha
-            self.add_values(o, vb, p, Int32(0), nvalid)
+            self.add_values_one(o, vb, p, Int32(0), nvalid)
             if cutlass.const_expr(VB < LANES):
                 for j0 in cutlass.range(VB, nvalid, VB, unroll=1):
                     self.load_values(vb, kv_row0, cslot, g, k0, j0, nvalid, kslot, pV, lane)
-                    self.add_values(o, vb, p, j0, nvalid)
+                    self.add_values_one(o, vb, p, j0, nvalid)
             m = m_new
+        return m, lsum, o
+
+    @cute.jit
+    def attend(self, kv_row0: Int64, b: Int32, cslot: Int32, g: Int32, kb: Int32,
+               keq: cute.Tensor, pI: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer,
+               sq: cute.Tensor, warp: Int32, lane: Int32):
+        """Online softmax of a pass's QB queries (q rows warp * QB + j of sq): query j over keys
+        [kb, keq[j]). Returns (m [QB], l [QB], o [E, QB] of this lane). Keys of (sequence b, kv
+        head g) at rows kv_row0 + key of the contiguous cache, or (paged) in the pages of b's
+        block table in cache slot `cslot`.
+
+        The chunks of 32 keys run from kb to the pass's largest keq, each loaded once for all
+        QB queries: a lane's key row is read 8 dims at a time and dotted with each query's q
+        (per query the same order as alone); a query sees the chunk's first attn_chunk_keys
+        keys (its causal limit within the chunk) and sits out a chunk past its keys. Per chunk
+        the value rows are loaded VB at a time (attn_value_batch), all VB loads issued before
+        the first is used, the first batch with the keys' loads; they are summed key by key in
+        order, so each query's (m, l, o) is bit-identical to attending it alone with one load
+        per key. The contiguous build's lane 0 requests the chunk attn_kv_lead keys on into L2
+        (prefetch_kv requested the first ones before the wait)."""
+        D, E, pg, QB = self.D, self.E, self.pg, self.QB
+        VB = self.VB
+        m = cute.make_rmem_tensor((QB,), Float32)
+        m.fill(NEG_INF)
+        lsum = cute.make_rmem_tensor((QB,), Float32)
+        lsum.fill(0.0)
+        o = cute.make_rmem_tensor((E, QB), Float32)
+        o.fill(0.0)
+        score = cute.make_rmem_tensor((QB,), Float32)
+        p = cute.make_rmem_tensor((QB,), Float32)  # this lane's key's probability, per query
+        nq = cute.make_rmem_tensor((QB,), Int32)  # keys of the chunk each query sees
+        dot = cute.make_rmem_tensor((QB,), Float32)
+        ke = keq[0]
+        for j in cutlass.range_constexpr(1, QB):
+            ke = cutlass.max(ke, keq[j])
+        vb = cute.make_rmem_tensor((E, VB), BFloat16)  # a batch of value rows, this lane's dims
+        for k0 in cutlass.range(kb, ke, LANES):
+            key = k0 + lane
+            nvalid = cutlass.min(ke - k0, Int32(LANES))
+            kslot, blk, ko = self.chunk_start(kv_row0, b, k0, ke, pI, pK, pV, lane)
+            self.load_values(vb, kv_row0, cslot, g, k0, Int32(0), nvalid, kslot, pV, lane)
+            for j in cutlass.range_constexpr(QB):
+                nq[j] = attn_chunk_keys(k0, keq[j], cutlass.min, cutlass.max)
+                score[j] = Float32(NEG_INF)
+                p[j] = Float32(0.0)
+            if key < ke:
+                dot.fill(0.0)
+                if cutlass.const_expr(pg is not None):
+                    kbase = page_base(Int64(cslot), Int64(blk), Int64(g), pg.num_blocks,
+                                      self.Hkv, pg.page_elems)
+                    for c in cutlass.range_constexpr(D // VEC):  # the contiguous path's order
+                        kv8 = self.load_key8(pK, kbase, c * VEC, ko)
+                        for j in cutlass.range_constexpr(QB):
+                            q8 = load_smem_bf16x8_f32(sq, (warp * QB + j) * D + c * VEC)
+                            dot[j] = (kv8 * q8).reduce(cute.ReductionOp.ADD, dot[j], 0)
+                else:
+                    krow = (kv_row0 + key) * D
+                    for c in cutlass.range_constexpr(D // VEC):
+                        kv8 = load_bf16x8(pK, krow + c * VEC)
+                        for j in cutlass.range_constexpr(QB):
+                            q8 = load_smem_bf16x8_f32(sq, (warp * QB + j) * D + c * VEC)
+                            dot[j] = (kv8 * q8).reduce(cute.ReductionOp.ADD, dot[j], 0)
+                for j in cutlass.range_constexpr(QB):
+                    if lane < nq[j]:  # within query j's causal limit
+                        score[j] = dot[j] * Float32(self.scale)
+            for j in cutlass.range_constexpr(QB):
+                if nq[j] > 0:  # warp-uniform: query j has keys in this chunk
+                    m_blk = cute.arch.warp_reduction_max(score[j])
+                    m_new = cute.arch.fmax(m[j], m_blk)
+                    alpha = cute.math.exp(m[j] - m_new)
+                    pj = cute.math.exp(score[j] - m_new)
+                    lsum[j] = lsum[j] * alpha + cute.arch.warp_reduction_sum(pj)
+                    for e in cutlass.range_constexpr(E):
+                        o[e, j] = o[e, j] * alpha
+                    m[j] = m_new
+                    p[j] = pj
+            self.add_values(o, vb, p, nq, Int32(0))
+            if cutlass.const_expr(VB < LANES):
+                for j0 in cutlass.range(VB, nvalid, VB, unroll=1):
+                    self.load_values(vb, kv_row0, cslot, g, k0, j0, nvalid, kslot, pV, lane)
+                    self.add_values(o, vb, p, nq, j0)
         return m, lsum, o
 
     @cute.jit
@@ -235,7 +382,19 @@ class Attention(Handler):
             load_bf16_into(vb[None, j], pV, vrow + lane * E, E)
 
     @cute.jit
-    def add_values(self, o: cute.Tensor, vb: cute.Tensor, p: Float32, j0: Int32,
+    def add_values(self, o: cute.Tensor, vb: cute.Tensor, p: cute.Tensor, nq: cute.Tensor,
+                   j0: Int32):
+        """o[:, q] += p_j v_j for keys j0 .. j0 + VB - 1 of the chunk that query q sees (below
+        nq[q]), in key order (the probability of key j broadcast from its lane)."""
+        for j in cutlass.range_constexpr(self.VB):
+            for q in cutlass.range_constexpr(self.QB):
+                pj = cute.arch.shuffle_sync(p[q], j0 + j)
+                if nq[q] > j0 + j:
+                    for e in cutlass.range_constexpr(self.E):
+                        o[e, q] = o[e, q] + pj * vb[e, j].to(Float32)
+
+    @cute.jit
+    def add_values_one(self, o: cute.Tensor, vb: cute.Tensor, p: Float32, j0: Int32,
                    nvalid: Int32):
         """o += p_j v_j for keys j0 .. j0 + VB - 1 of the chunk below nvalid, in key order (the
         probability of key j broadcast from its lane)."""

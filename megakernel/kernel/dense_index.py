@@ -166,20 +166,81 @@ def attn_kv_lead(head_dim: int) -> int:
     return max(LANES, ATTN_KV_LEAD_BYTES // (head_dim * 2) // LANES * LANES)
 
 
+# fp32 registers a lane gives the queries a warp attends together (Attention.attend): per
+# query its E dims of o, its m, l, probability and score
+ATTN_QUERY_REGS = 64
+# the largest head dim whose builds take several queries a pass: at D = 128 and 256 ptxas
+# spilled (nemotron-h-8b T = 8, QB = 2 or 4: 48-68 B of spill stores on sm_90a) or went past
+# the register budget (qwen3.5-0.8b T = 4 global-memory build, QB = 2: 220 registers), so
+# those builds keep QB = 1 (a query at a time) until their key loop is slimmed
+ATTN_QUERY_BATCH_MAX_DIM = 64
+
+
+def attn_warp_queries(group: int, tokens: int, num_warps: int = NUM_THREADS // LANES) -> int:
+    """Queries the busiest warp of an ATTN_PARTIAL owns (attn_warp: WQ warps share a query's
+    keys when there are fewer queries than warps; then a warp owns one)."""
+    queries = group * tokens
+    wq = max(1, num_warps // queries)
+    return -(-queries // (num_warps // wq))
+
+
+def attn_q_rows(span_bytes: int, head_dim: int, num_warps: int = NUM_THREADS // LANES) -> int:
+    """fp32 q rows [D] per warp that fit `span_bytes` of shared memory: the consumers' span
+    below the flag word (KernelSpec.smem_regions), which Attention.partial borrows for its
+    passes' q rows when QB > 1 (none of its regions is live across records)."""
+    return span_bytes // (4 * num_warps * head_dim)
+
+
+def attn_query_batch(head_dim: int, group: int, tokens: int,
+                     num_warps: int = NUM_THREADS // LANES, smem_queries: int = 0) -> int:
+    """QB: the queries a warp attends together over one pass of the split's keys (Attention.
+    partial / attend): all it owns (attn_warp_queries) when their state fits ATTN_QUERY_REGS
+    registers a lane (E + 4 per query: 10 at D = 64), else that many at a time, the passes
+    balanced (8 queries, 5 at most: two passes of 4); 1 past ATTN_QUERY_BATCH_MAX_DIM.
+    `smem_queries` > 0 caps QB at the q rows per warp the shared memory holds
+    (Attention.query_rows)."""
+    per_warp = attn_warp_queries(group, tokens, num_warps)
+    cap = max(1, ATTN_QUERY_REGS // (head_dim // LANES + 4))
+    if head_dim > ATTN_QUERY_BATCH_MAX_DIM:
+        cap = 1
+    if smem_queries > 0:
+        cap = max(1, min(cap, smem_queries))
+    passes = -(-per_warp // cap)
+    return -(-per_warp // passes)
+
+
+def attn_group_queries(g0, j: int, step: int, queries: int, minimum=min, maximum=max):
+    """(query, live) of entry j of the warp's pass starting at query g0 (the warp's queries are
+    g0, g0 + step, ...: attn_warp): past the last query (live 0) the last query again (in range;
+    it sees no keys and stores nothing). Plain arithmetic: Int32 in the kernel, int in tests."""
+    qi = g0 + j * step
+    return minimum(qi, queries - 1), minimum(maximum(queries - qi, 0), 1)
+
+
+def attn_chunk_keys(k0, ke, minimum=min, maximum=max):
+    """Keys of the chunk of 32 starting at k0 that a query whose keys end at ke sees: k0 ..
+    k0 + n - 1 (lane < n of the scores, value j < n of the sums); 0: it sits the chunk out (its
+    (m, l, o) untouched). The chunks of a pass run to the largest ke of its queries. Plain
+    arithmetic: Int32 in the kernel, int in the tests."""
+    return minimum(maximum(ke - k0, 0), LANES)
+
+
 def attn_round_trips(keys: int, head_dim: int, group: int, tokens: int,
                      num_warps: int = NUM_THREADS // LANES) -> int:
     """Dependent global round trips on the longest warp of one ATTN_PARTIAL of `keys` keys
-    (Attention.partial / attend, counted from the loop nest): per query the warp takes, one for
-    q (into shared memory), then per chunk of 32 keys one for the keys with the first value
-    batch, one per further value batch, and one for the partial's store. The cost model charges
-    each one L2 round trip (cost.Rates.work)."""
+    (Attention.partial / attend, counted from the loop nest): the warp takes its queries QB at a
+    time (attn_query_batch), and per pass one round trip loads their q (into shared memory),
+    then per chunk of 32 keys one for the keys with the first value batch, one per further value
+    batch (each chunk loaded once for the pass's QB queries), and one for the partials' stores.
+    The cost model charges each one L2 round trip (cost.Rates.work)."""
     queries = group * tokens
     wq = max(1, num_warps // queries)
-    per_warp = -(-queries // (num_warps // wq))  # queries a warp walks in turn
+    passes = -(-attn_warp_queries(group, tokens, num_warps)
+               // attn_query_batch(head_dim, group, tokens, num_warps))
     share = -(-keys // wq)
     chunks = -(-share // LANES)
     vb = attn_value_batch(head_dim)
-    return per_warp * (2 + chunks * (1 + (LANES - 1) // vb))
+    return passes * (2 + chunks * (1 + (LANES - 1) // vb))
 
 
 # splits whose m Attention.merge loads before using any, for the maximum: the most a kind

@@ -213,7 +213,7 @@ def test_ngram_drafter_emits_the_plain_tokens(models: dict) -> None:
     ngram_run(models, "llama-tiny", None, 3)
 
 
-@pytest.mark.parametrize("k", [1, 7])
+@pytest.mark.parametrize("k", [7])  # k = 1: the scripted runs at B = 8
 @pytest.mark.parametrize("name,window", FAMILIES)
 def test_ngram_drafter_every_family(models: dict, name: str, window: int | None, k: int) -> None:
     long_speculative_ngram(models, name, window, k)

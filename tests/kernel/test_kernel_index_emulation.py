@@ -22,11 +22,18 @@ import pytest
 
 from megakernel.kernel.dense_index import (
     acc_index,
+    attn_chunk_keys,
+    attn_group_queries,
     attn_keys,
     attn_merge_batch,
     attn_merge_split,
+    attn_q_rows,
     attn_query,
+    attn_query_batch,
+    attn_round_trips,
+    attn_value_batch,
     attn_warp,
+    attn_warp_queries,
     chunk_ksplit,
     k_slice,
     kv_row,
@@ -212,6 +219,11 @@ def _merge_batches(size: int, n_splits: int, stride: int,
             for s0 in range(0, n_splits, size) for j in range(size)]
 
 
+def _q_rows(spec: KernelSpec) -> int:
+    """q rows per warp the consumers' span holds (Attention.query_rows)."""
+    return attn_q_rows(spec.smem_regions()["flag"][0], spec.head_dim, spec.num_warps)
+
+
 def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.ndarray,
                        vc: np.ndarray, lengths: list[int], layer: int, n_splits: int,
                        fetch=None, live=None) -> np.ndarray:  # noqa: ANN001
@@ -223,6 +235,8 @@ def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.nda
                           spec.num_warps)
     s_max = kc.size // (spec.layers * spec.batch * spec.kv_heads * D) if fetch is None else 0
     WQ = max(1, NW // spec.attn_queries)
+    QB = attn_query_batch(D, G, T, NW, smem_queries=_q_rows(spec))
+    QG, step = spec.attn_queries, NW // WQ
     po = np.full((n_splits * N * Hq, D), np.nan)
     pml = np.full((n_splits * N * Hq, 2), np.nan)
     for b in range(spec.batch):
@@ -232,31 +246,41 @@ def _emulate_attention(spec: KernelSpec, scale: float, q: np.ndarray, kc: np.nda
                 shares = {}
                 for warp in range(NW):
                     q0, part = attn_warp(warp, WQ)
-                    for qi in range(q0, spec.attn_queries, NW // WQ):
-                        t, head, n = attn_query(qi, g, b, G, T)
-                        kb, ke = attn_keys(s, n_splits, lengths[b], t, part, WQ, T)
-                        if live is not None:
-                            ke = kb + (ke - kb) * live[b]
-                        qa = row_major(row_major(n, head, Hq), 0, D)
-                        qv = q[qa:qa + D]
-                        m, lsum, o = -np.inf, 0.0, np.zeros(D)
-                        for k0 in range(kb, ke, LANES):  # online softmax, 32 keys at a time
-                            keys = range(k0, min(ke, k0 + LANES))
+                    for g0 in range(q0, QG, step * QB):  # a pass: QB queries, one key walk
+                        qs, keq, kbs = [], [], set()
+                        for j in range(QB):
+                            qi, ql = attn_group_queries(g0, j, step, QG)
+                            t, head, n = attn_query(qi, g, b, G, T)
+                            kb, ke = attn_keys(s, n_splits, lengths[b], t, part, WQ, T)
+                            live_b = 1 if live is None else live[b]
+                            qa = row_major(row_major(n, head, Hq), 0, D)
+                            qs.append((ql, n, head, q[qa:qa + D]))
+                            keq.append(kb + (ke - kb) * ql * live_b)
+                            kbs.add(kb)
+                        assert len(kbs) == 1  # the pass's queries start at the same key
+                        st = [(-np.inf, 0.0, np.zeros(D)) for _ in range(QB)]
+                        for k0 in range(kb, max(keq), LANES):  # 32 keys at a time, loaded once
+                            keys = range(k0, min(max(keq), k0 + LANES))
                             if fetch is None:
                                 kr = np.stack([kc[(row0 + key) * D:][:D] for key in keys])
                                 vr = np.stack([vc[(row0 + key) * D:][:D] for key in keys])
                             else:
                                 kr, vr = (np.stack(x) for x in zip(
                                     *(fetch(b, g, key) for key in keys), strict=True))
-                            sc = kr @ qv * scale
-                            m_new = max(m, sc.max())
-                            p = np.exp(sc - m_new)
-                            alpha = np.exp(m - m_new)
-                            lsum = lsum * alpha + p.sum()
-                            o = o * alpha + p @ vr
-                            m = m_new
-                        assert (n, head, part) not in shares  # each share once
-                        shares[(n, head, part)] = (m, lsum, o)
+                            for j, (_, _, _, qv) in enumerate(qs):
+                                nq = attn_chunk_keys(k0, keq[j])  # its causal limit
+                                if nq == 0:
+                                    continue
+                                m, lsum, o = st[j]
+                                sc = kr[:nq] @ qv * scale
+                                m_new = max(m, sc.max())
+                                p = np.exp(sc - m_new)
+                                alpha = np.exp(m - m_new)
+                                st[j] = (m_new, lsum * alpha + p.sum(), o * alpha + p @ vr[:nq])
+                        for (ql, n, head, _), res in zip(qs, st, strict=True):
+                            if ql:
+                                assert (n, head, part) not in shares  # each share once
+                                shares[(n, head, part)] = res
                 for (n, head, part) in shares:  # the WQ shares merged in order
                     if part:
                         continue
@@ -307,7 +331,7 @@ def _reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: l
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("batch,tokens,n_splits", [(1, 1, 3), (16, 1, 2), (2, 3, 2),
-                                                    (2, 1, 21)])
+                                                    (2, 1, 21), (1, 8, 3), (2, 4, 2)])
 def test_attention_indexing_computes_gqa_attention(model, batch, tokens, n_splits):
     pytest.importorskip("cutlass", reason="the kernel's Attention holds the softmax scale")
     from megakernel.kernel.attention import Attention
@@ -325,6 +349,101 @@ def test_attention_indexing_computes_gqa_attention(model, batch, tokens, n_split
                              vc.reshape(-1), lengths, layer, n_splits)
     want = _reference_attention(q, kc[layer], vc[layer], lengths, tokens)
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-9, atol=1e-12)
+
+
+def _attention_walk(group: int, tokens: int, head_dim: int, length: int, n_splits: int,
+                    smem_queries: int, num_warps: int = 8):
+    """Attention.partial / attend's loop nest, indices only, for one (sequence, kv head): per
+    split and warp its passes of QB queries, per pass the chunks of 32 keys it loads (once)
+    and the (query, key) pairs each chunk's queries see. Returns (visits: (split, query, key)
+    -> count, stores: (split, query, share) -> count, round trips of the busiest warp)."""
+    qg = group * tokens
+    wq = max(1, num_warps // qg)
+    qb = attn_query_batch(head_dim, group, tokens, num_warps, smem_queries)
+    step, vb = num_warps // wq, attn_value_batch(head_dim)
+    visits, stores, trips = {}, {}, [0] * num_warps
+    for s in range(n_splits):
+        for warp in range(num_warps):
+            q0, part = attn_warp(warp, wq)
+            warp_trips = 0
+            for g0 in range(q0, qg, step * qb):
+                pas = [attn_group_queries(g0, j, step, qg) for j in range(qb)]
+                bounds = [attn_keys(s, n_splits, length, qi // group, part, wq, tokens)
+                          for qi, _ in pas]
+                kb = bounds[0][0]
+                keq = [k0 + (k1 - k0) * ql for (k0, k1), (_, ql) in zip(bounds, pas, strict=True)]
+                assert all(k0 == kb for k0, _ in bounds)
+                warp_trips += 2  # the pass's q rows, its stores
+                loaded = []
+                for k0 in range(kb, max(keq), LANES):
+                    nvalid = min(max(keq) - k0, LANES)
+                    loaded.append(k0)
+                    warp_trips += 1 + len(range(vb, nvalid, vb))
+                    for (qi, _), ke in zip(pas, keq, strict=True):
+                        nq = attn_chunk_keys(k0, ke)
+                        for lane in range(LANES):  # the scores: lane = key
+                            if lane < nq:
+                                v = (s, qi, k0 + lane)
+                                visits[v] = visits.get(v, 0) + 1
+                assert len(set(loaded)) == len(loaded)  # each chunk loaded once a pass
+                for qi, ql in pas:
+                    if ql:
+                        stores[(s, qi, part)] = stores.get((s, qi, part), 0) + 1
+            trips[warp] = warp_trips
+    return visits, stores, max(trips)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_attention_passes_visit_each_query_key_once(group, head_dim):
+    """The new loop nest against a plain enumeration: every (split, query, key) with key in the
+    split's range [s ctx / S, (s + 1) ctx / S) and below the query's causal limit length + t + 1
+    is scored exactly once, nothing else; every (split, query, share) is stored once; the
+    busiest warp's round trips are at most attn_round_trips (equal for full chunks)."""
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    for tokens in range(1, 9):
+        for smem_queries in (0, 1, 3):
+            for length, n_splits in [(0, 1), (1, 3), (37, 2), (63, 5), (200, 7),
+                                     (int(rng.integers(1, 400)), int(rng.integers(1, 9)))]:
+                visits, stores, trips = _attention_walk(group, tokens, head_dim, length,
+                                                        n_splits, smem_queries)
+                ctx, qg = length + tokens, group * tokens
+                wq = max(1, 8 // qg)
+                want = {(s, qi, key): 1 for s in range(n_splits) for qi in range(qg)
+                        for key in range(s * ctx // n_splits, min((s + 1) * ctx // n_splits,
+                                                                  length + qi // group + 1))}
+                assert visits == want, (group, tokens, length, n_splits, smem_queries)
+                assert stores == {(s, qi, p): 1 for s in range(n_splits) for qi in range(qg)
+                                  for p in range(wq)}
+                if not smem_queries:
+                    keys = -(-ctx // n_splits)
+                    assert trips <= attn_round_trips(keys, head_dim, group, tokens)
+    for tokens in range(1, 9):  # one split of whole chunks: the count is exact
+        length = 64 * 4 - tokens
+        _, _, trips = _attention_walk(group, tokens, head_dim, length, 1, 0)
+        assert trips == attn_round_trips(length + tokens, head_dim, group, tokens)
+
+
+def test_attention_passes_share_the_key_walk():
+    """A warp's queries go QB at a time (attn_query_batch): all it owns when they fit the
+    register cap (one pass: one walk of the keys), balanced passes otherwise; the shared memory
+    the builds' consumer span gives q rows never caps QB below the registers' cap."""
+    assert attn_query_batch(64, 4, 4) == 2 and attn_query_batch(64, 4, 8) == 4
+    assert attn_query_batch(64, 8, 8) == 8 and attn_query_batch(64, 8, 12) == 6  # 12: 2 x 6
+    assert attn_query_batch(128, 8, 8) == attn_query_batch(256, 4, 8) == 1  # D > 64: 1
+    assert attn_query_batch(64, 4, 1) == 1 and attn_warp_queries(4, 1) == 1  # WQ = 2
+    assert attn_query_batch(64, 4, 8, smem_queries=3) == 2  # cap 3: two passes of 2
+    # round trips per warp: passes x (2 + chunks x (1 + value batches)), not queries x ...
+    one = attn_round_trips(1024, 64, 4, 2)  # 8 queries: one a warp, all keys
+    assert attn_round_trips(1024, 64, 4, 4) == attn_round_trips(1024, 64, 4, 8) == one
+    assert attn_round_trips(1024, 64, 8, 12) == 2 * attn_round_trips(1024, 64, 8, 1)
+    for model in ("llama-3.2-1b", "qwen3-0.6b", "llama-tiny"):
+        for tokens in (2, 4, 8):
+            for stages in (None, 0):
+                spec = make_spec(preset(model), 1, tokens, "sm_90a", smem_stages=stages)
+                d, g = spec.head_dim, spec.group
+                assert attn_query_batch(d, g, tokens, smem_queries=_q_rows(spec)) == \
+                    attn_query_batch(d, g, tokens), (model, tokens, stages)
 
 
 # ---- Nemotron-H: the relu^2 epilogue and the KV cache slots --------------------------------------
