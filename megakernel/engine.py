@@ -210,18 +210,24 @@ def speculate(spec: Stepper, prompts: list[list[int]], done: Generated, stopped:
               hidden_log: HiddenLog | None = None) -> None:
     """The speculative phase (module docstring, 3.), from every row's first new token on:
     appends each live row's emitted tokens to `done.tokens` until every row has stopped."""
-    from megakernel.reference.speculative import ngram_propose
+    from megakernel.reference.speculative import NGRAM_MAX, ngram_propose
 
     prog = spec.prog  # type: ignore[attr-defined]
     k, b = prog.drafts, len(prompts)
     hist = [list(p) + done.tokens[i] for i, p in enumerate(prompts)]  # the next input last
-    region(spec, "i32", "history")[:] = 0
+    history = region(spec, "i32", "history")
+    history[:] = 0
     for i, h in enumerate(hist):
-        region(spec, "i32", "history")[i, : len(h)] = torch.tensor(h, dtype=torch.int32)
-    propose = drafts_fn or (lambda hs, kk: [ngram_propose(x, kk, prog.ngram or 3) for x in hs])
-    feed: torch.Tensor | None = torch.cat(
-        (torch.tensor([h[-1] for h in hist])[:, None],
-         torch.tensor(propose(hist, k), dtype=torch.int64)), dim=1)
+        history[i, : len(h)] = torch.tensor(h, dtype=torch.int32)
+    propose = drafts_fn or (lambda hs, kk: [ngram_propose(x, kk, prog.ngram or NGRAM_MAX)
+                                            for x in hs])
+
+    def host_feed() -> torch.Tensor:
+        """tokens [B, 1 + k]: each row's next input, then the host's drafts."""
+        return torch.cat((torch.tensor([h[-1] for h in hist])[:, None],
+                          torch.tensor(propose(hist, k), dtype=torch.int64)), dim=1)
+
+    feed: torch.Tensor | None = host_feed()  # the first drafts come from the host either way
     n = 0
     while not all(stopped):
         before = hidden_log.lengths(spec) if hidden_log else []
@@ -247,8 +253,5 @@ def speculate(spec: Stepper, prompts: list[list[int]], done: Generated, stopped:
                 if len(done.tokens[i]) >= steps or tok == eos_token_id:
                     stopped[i] = True
                     break
-        feed = None
-        if not prog.ngram:
-            feed = torch.cat((torch.tensor([h[-1] for h in hist])[:, None],
-                              torch.tensor(propose(hist, k), dtype=torch.int64)), dim=1)
+        feed = None if prog.ngram else host_feed()
     done.steps[prog.tokens] = n
