@@ -38,6 +38,7 @@ SLOW: dict[str, frozenset[str]] = {
                                   "hindcast"}),
     "gpu-check runs": frozenset({"gpu-check"}),
     "real models": frozenset({"SMOLLM2"}),  # fetched with pip, then 30 layers on the CPU
+    "emulated runs": frozenset({"emulated_run"}),  # the PTX emulator's matrix (minutes)
 }
 # a real-size program: one of these with the name of a preset that is not a tiny one
 PROGRAMS = frozenset({"compile_program"})
