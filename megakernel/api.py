@@ -6,8 +6,10 @@
     out.tokens  # new tokens per prompt, each ending at its EOS
 
 Backends: "kernel" (the fused kernel on an sm_90a/sm_100a GPU), "cpu-executor" (the same program
-on the CPU executor), "reference" (the torch reference, bf16 mode); "auto" takes the kernel where a
-GPU and a build are available, else the CPU executor, and says which on stderr. Prefill and decode
+on the CPU executor), "emulator" (the kernel's own build, made here through the DSL, its PTX run by
+the CPU emulator: slow, for checking the kernel), "reference" (the torch reference, bf16 mode);
+"auto" takes the kernel where a GPU and a build are available, else the CPU executor (never the
+emulator), and says which on stderr. Prefill and decode
 both run on the program (megakernel.engine). Programs (and the kernel's builds) are made per batch
 bucket 1, 2, 4, ... up to max_batch, as CUDA-graph engines do; a call's batch is padded to its
 bucket with copies of its first prompt whose outputs are dropped (copies, so that the chunked
@@ -38,6 +40,7 @@ from megakernel.launch_checks import ArgumentError
 from megakernel.runtime import KernelUnavailable
 
 BACKENDS = (AUTO, *_GENERATORS)  # "auto", then megakernel.backends' table
+KERNEL_BACKENDS = ("kernel", "emulator")  # the kernel's build: on the GPU, or emulated
 
 
 class GenerationError(ArgumentError):
@@ -114,7 +117,7 @@ class LLM:
             backend = "kernel" if why is None else "cpu-executor"
             print(f"megakernel: backend {backend}" + (f" ({why})" if why else ""),
                   file=sys.stderr)
-        elif backend == "kernel":
+        elif backend in KERNEL_BACKENDS:
             from megakernel.kernel.model_spec import check_kernel_support
             from megakernel.kernel_backend import require_gpu
 
@@ -127,7 +130,8 @@ class LLM:
             # SpecError names the layer kinds it cannot run
             check_kernel_support(cfg, bool(replay_window), drafts=spec.k if spec else 0,
                                  ngram=spec.ngram if spec else 0)
-            require_gpu()  # KernelUnavailable
+            if backend == "kernel":
+                require_gpu()  # KernelUnavailable
         self.cfg, self.weights, self.backend = cfg, weights, backend
         self.max_batch, self.max_seq_len, self.replay_window = max_batch, max_seq_len, replay_window
         self.tokenizer, self.build_dir = tokenizer, build_dir
@@ -249,7 +253,7 @@ class LLM:
         live = [True] * n + [False] * (b - n)
         sp = self.speculative
         drafts_fn = self._drafts_fn(b) if sp is not None else None
-        if self.backend == "kernel":
+        if self.backend in KERNEL_BACKENDS:
             g = self._kernel(b).generate_program(padded, steps, eos, live=live,
                                                  chunk_tokens=PREFILL_CHUNK, speculative=sp,
                                                  drafts_fn=drafts_fn)
@@ -292,10 +296,11 @@ class LLM:
         from megakernel.kernel_backend import Megakernel
 
         if batch not in self._kernels:
+            where = (dict(device="cpu", emulate=True) if self.backend == "emulator" else {})
             self._kernels[batch] = Megakernel(self.cfg, self.weights, batch=batch,
                                               max_seq_len=self.max_seq_len,
                                               build_dir=self.build_dir,
-                                              replay_window=self.replay_window)
+                                              replay_window=self.replay_window, **where)
         return self._kernels[batch]
 
 

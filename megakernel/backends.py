@@ -13,10 +13,14 @@ from typing import Any
 BACKENDS: dict[str, tuple[str, str]] = {
     "kernel": ("megakernel.kernel_backend", "generate"),  # the fused kernel, sm_90a/sm_100a GPU
     "cpu-executor": ("megakernel.executor", "generate"),  # the same program on the CPU executor
+    # the kernel's own build (JIT through the DSL here), its PTX run by the CPU emulator
+    "emulator": ("megakernel.kernel_backend", "emulated_generate"),
     "reference": (__name__, "reference_generate"),  # the torch reference
 }
-BF16_ONLY = ("kernel", "cpu-executor")
-AUTO = "auto"  # the API's choice: the kernel where it can run here, else the CPU executor
+BF16_ONLY = ("kernel", "cpu-executor", "emulator")
+# the API's choice: the kernel where it can run here, else the CPU executor (never the emulator:
+# it checks the kernel, it is not a way to serve)
+AUTO = "auto"
 
 
 def reference_generate(
@@ -36,6 +40,7 @@ def reference_generate(
 # engine.Generated (tokens per prompt, accepted drafts per step and live row)
 SPECULATIVE: dict[str, tuple[str, str]] = {
     "kernel": ("megakernel.kernel_backend", "speculative_generate"),
+    "emulator": ("megakernel.kernel_backend", "emulated_speculative_generate"),
     "cpu-executor": (__name__, "executor_speculative_generate"),
     "reference": (__name__, "reference_speculative_generate"),
 }

@@ -4,7 +4,10 @@ a GPU and steps it through the op (torch_op.decode_step); `generate` is `--backe
 Generation runs prefill and decode on the program (megakernel.engine). `prefill` + `step` load a
 prefill by the torch reference instead, which the GPU checks compare decode steps from. On
 `device="cpu"` the same object runs through the op's CPU implementation, the CPU executor: no GPU
-and no build are needed (`gpu-check --simulate`).
+and no build are needed (`gpu-check --simulate`). With `emulate=True` (on the CPU) it runs the
+kernel's own build instead, its PTX on the emulator (`--backend emulator`, `gpu-check
+--emulate`): the program compiled for an emulated GPU of EMULATED_SMS SMs, the build found in
+`build_dir` or made on this machine through the DSL (the JIT cache).
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from megakernel.launch_checks import ArgumentError, check_header, check_lengths,
 from megakernel.models import ModelConfig
 from megakernel.runtime import KernelUnavailable, Manifest, device_info
 from megakernel.torch_op import register_build, register_program
+
+
+def _emulated_target(gpu: str | None):  # noqa: ANN202 (program.gpus.GPU)
+    """The GPU an emulated program is compiled for: `gpu` (default h200) with EMULATED_SMS SMs."""
+    import dataclasses
+
+    from megakernel.emulator.driver import EMULATED_SMS
+    from megakernel.program.gpus import gpu as named_gpu
+
+    return dataclasses.replace(named_gpu(gpu or "h200"), num_sms=EMULATED_SMS)
 
 
 def require_gpu() -> None:
@@ -36,15 +49,17 @@ class Megakernel:
 
     On `device="cpu"` the same object runs the program compiled for `gpu` (a name of
     program/gpus.py, default h200) through the op's CPU implementation, the CPU executor: no GPU
-    and no build are needed (`gpu-check --simulate`). `n_splits` forces the attention split count
-    (default: the compiler's choice)."""
+    and no build are needed (`gpu-check --simulate`). `emulate=True` (CPU only) runs the
+    kernel's build for that GPU's arch on the emulator instead (module docstring). `n_splits`
+    forces the attention split count (default: the compiler's choice)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], batch: int,
                  tokens: int = 1, max_seq_len: int | None = None,
                  build_dir: str | Path | None = None, device: str | torch.device = "cuda",
                  replay_window: int | None = None, gpu: str | None = None,
                  n_splits: int | None = None, drafts: int = 0, ngram: int = 0,
-                 caches: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 caches: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 emulate: bool = False):
         from megakernel.program.compiler import compile_program
         from megakernel.program.gpus import from_device
         from megakernel.program.gpus import gpu as named_gpu
@@ -53,23 +68,31 @@ class Megakernel:
             tokens = 1 + drafts
         self.cfg, self.batch, self.tokens = cfg, batch, tokens
         self.device = torch.device(device)
+        self.emulated = emulate
         self.manifest: Manifest | None = None
-        if self.device.type == "cpu":
+        arch = None
+        if emulate:
+            if self.device.type != "cpu":
+                raise ArgumentError(f"the emulator runs on CPU tensors; got device {device}")
+            target = _emulated_target(gpu)
+            arch = target.arch
+        elif self.device.type == "cpu":
             target = named_gpu(gpu or "h200")
         else:
             require_gpu()
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            dev = device_info(self.device)
+            arch = device_info(self.device).arch
+            target = from_device(self.device.index)
+        if arch is not None:
             spec_kw = {}
             if drafts:  # refused before any build is looked for or made
-                spec_kw = _speculative_build(cfg, batch, tokens, dev.arch, replay_window or 0,
+                spec_kw = _speculative_build(cfg, batch, tokens, arch, replay_window or 0,
                                              drafts, ngram)
-            self.manifest = find_build(cfg, batch, tokens, dev.arch, build_dir,
+            self.manifest = find_build(cfg, batch, tokens, arch, build_dir,
                                        replay_window=replay_window or 0, **spec_kw)
             if drafts:
                 _check_speculative_manifest(self.manifest, ngram)
-            target = from_device(self.device.index)
         self.prog = compile_program(cfg, batch, target, tokens=tokens, max_seq_len=max_seq_len,
                                     replay_window=replay_window, n_splits=n_splits,
                                     drafts=drafts, ngram=ngram)
@@ -86,15 +109,16 @@ class Megakernel:
             from megakernel.timeline import attach_records
 
             self.timeline = attach_records(self.args)  # it writes past the program records
-        self.kernel_id = (register_build(self.manifest) if self.manifest is not None
+        self.kernel_id = (register_build(self.manifest, emulate) if self.manifest is not None
                           else register_program(self.prog, self.args.packed))
         for name in TENSORS:
             setattr(self, name, getattr(self.args, name))
         self.offsets = self.args.offsets
         self.lengths: list[int] = [0] * batch  # host mirror of lengths (the op advances them)
         self._weights_hf = weights
+        # what a sibling program for T tokens needs
         self._how = dict(build_dir=build_dir, device=self.device, replay_window=replay_window,
-                         gpu=gpu, n_splits=n_splits)  # what a sibling program for T tokens needs
+                         gpu=gpu, n_splits=n_splits, emulate=emulate)
         self._chunks: dict[int, Megakernel | None] = {}  # T -> the prefill program (None: no build)
         self._specs: dict[tuple[int, int], Megakernel] = {}  # (k, ngram) -> speculative program
 
@@ -353,45 +377,65 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def generate(cfg: ModelConfig, weights: dict[str, torch.Tensor], prompts: list[list[int]],
              steps: int, max_seq_len: int | None = None, seed: int = 0,
-             build_dir: str | Path | None = None, replay_window: int | None = None
-             ) -> list[list[int]]:
-    """Greedy generation for `--backend kernel`: new tokens per prompt (prompt excluded).
+             build_dir: str | Path | None = None, replay_window: int | None = None,
+             emulate: bool = False) -> list[list[int]]:
+    """Greedy generation for `--backend kernel` (`emulate`: `--backend emulator`, the same
+    build's PTX on the emulator, on the CPU): new tokens per prompt (prompt excluded).
 
-    What the kernel cannot run (opcodes without a device handler, e.g. every recurrent kind) is
-    refused first, by name, on any machine; then the GPU is required."""
+    What the kernel cannot run (opcodes without a device handler) is refused first, by name, on
+    any machine; then the GPU is required (not by the emulator)."""
     from megakernel.kernel.model_spec import check_kernel_support
 
     del seed  # the kernel is deterministic; kept for the backend signature
     check_kernel_support(cfg, bool(replay_window))  # SpecError: before asking for a GPU
-    require_gpu()
+    if not emulate:
+        require_gpu()
     if not prompts:
         raise ArgumentError("no prompts given")
     if max_seq_len is None:
         max_seq_len = max(len(p) for p in prompts) + max(steps, 1)
     mk = Megakernel(cfg, weights, batch=len(prompts), tokens=1, max_seq_len=max_seq_len,
-                    build_dir=build_dir, replay_window=replay_window)
+                    build_dir=build_dir, replay_window=replay_window, **_where(emulate))
     return mk.generate(prompts, steps)
+
+
+def emulated_generate(*args, **kwargs) -> list[list[int]]:  # noqa: ANN002, ANN003
+    """`--backend emulator`: `generate` on the emulator."""
+    return generate(*args, **kwargs, emulate=True)
+
+
+def _where(emulate: bool) -> dict:
+    """Megakernel's keywords of the kernel's place: the GPU, or the emulator on the CPU."""
+    return dict(device="cpu", emulate=True) if emulate else {}
 
 
 def speculative_generate(cfg: ModelConfig, weights: dict[str, torch.Tensor],
                          prompts: list[list[int]], steps: int, max_seq_len: int | None = None,
                          seed: int = 0, replay_window: int | None = None, speculative=None,  # noqa: ANN001
-                         drafts_fn=None, build_dir: str | Path | None = None):  # noqa: ANN001, ANN201
+                         drafts_fn=None, build_dir: str | Path | None = None,  # noqa: ANN001
+                         emulate: bool = False):  # noqa: ANN201
     """`--backend kernel --speculative METHOD`: greedy speculative generation on the kernel
-    (Megakernel.generate_program with `speculative`); returns engine.Generated. Refused by name,
-    before a GPU is asked for, where the kernel cannot run the model."""
+    (Megakernel.generate_program with `speculative`; `emulate`: on the emulator); returns
+    engine.Generated. Refused by name, before a GPU is asked for, where the kernel cannot run
+    the model."""
     from megakernel.engine import PREFILL_CHUNK, spec_max_seq_len
     from megakernel.kernel.model_spec import check_kernel_support
 
     del seed
     check_kernel_support(cfg, bool(replay_window), drafts=speculative.k,
                          ngram=speculative.ngram if drafts_fn is None else 0)
-    require_gpu()
+    if not emulate:
+        require_gpu()
     if not prompts:
         raise ArgumentError("no prompts given")
     if max_seq_len is None:
         max_seq_len = spec_max_seq_len(max(len(p) for p in prompts), steps, speculative.k)
     mk = Megakernel(cfg, weights, batch=len(prompts), tokens=1, max_seq_len=max_seq_len,
-                    build_dir=build_dir, replay_window=replay_window)
+                    build_dir=build_dir, replay_window=replay_window, **_where(emulate))
     return mk.generate_program(prompts, steps, chunk_tokens=PREFILL_CHUNK,
                                speculative=speculative, drafts_fn=drafts_fn)
+
+
+def emulated_speculative_generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    """`--backend emulator --speculative METHOD`: `speculative_generate` on the emulator."""
+    return speculative_generate(*args, **kwargs, emulate=True)

@@ -1,9 +1,11 @@
-"""Load a prebuilt megakernel cubin and launch it with the CUDA driver API (cuda-python).
+"""Load a prebuilt megakernel and launch it: with the CUDA driver API (cuda-python), or its PTX on
+the emulator (megakernel.emulator.driver), through one driver interface (`KernelDriver`).
 
 Needs torch and cuda-python only, never the DSL: this is what runs on a GPU machine that cannot
-install the compiler. A build directory (megakernel.kernel.build) holds DIR/<arch>/manifest.json
-next to the cubin. Before anything touches CUDA the runtime checks, with errors that name the
-problem:
+install the compiler. Both drivers share the manifest checks, the device checks (the emulator
+describes an emulated device, `emulated_device`) and the argument marshalling (`launch_params`).
+A build directory (megakernel.kernel.build) holds DIR/<arch>/manifest.json next to the cubin.
+Before anything touches CUDA the runtime checks, with errors that name the problem:
 - the manifest: schema, program FORMAT_VERSION (a stale build is refused), arch;
 - the device: compute capability -> arch (9.0 -> sm_90a, 10.0 -> sm_100a), SM count >= CTAs of
   the program (all CTAs must be co-resident: they spin on each other), shared-memory opt-in limit,
@@ -21,7 +23,7 @@ import ctypes
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -185,6 +187,41 @@ def check_device(m: Manifest, dev: DeviceInfo, num_ctas: int,
             f"{blocks_per_sm * dev.sm_count} < {num_ctas}")
 
 
+# ---- the driver interface ------------------------------------------------------------------------
+class KernelDriver(Protocol):
+    """A build loaded for launching: the CUDA driver's (`LoadedKernel`) or the emulator's
+    (`megakernel.emulator.driver.EmulatedKernel`). The op validates the arguments first
+    (launch_checks.validate_args); `launch` checks the device and runs one step."""
+
+    manifest: Manifest
+
+    def launch(self, num_ctas: int, tensors: dict[str, torch.Tensor], ints: dict[str, int],
+               stream: int | None = None) -> None: ...
+
+
+def launch_params(m: Manifest, tensors: dict[str, torch.Tensor], ints: dict[str, int]
+                  ) -> list[tuple[str, str, torch.Tensor | int]]:
+    """The kernel's parameters in the manifest's (the ABI's, kernel/spec.PARAMS) order:
+    (name, kind "ptr" | "i32", tensor or int). Both drivers marshal from this."""
+    out: list[tuple[str, str, torch.Tensor | int]] = []
+    for p in m.params:
+        name, kind = p["name"], p["kind"]
+        src = tensors if kind == "ptr" else ints
+        if name not in src:
+            raise ArgumentError(f"missing kernel parameter {name!r} ({kind})")
+        out.append((name, kind, src[name] if kind == "ptr" else int(src[name])))
+    return out
+
+
+def load_kernel(m: Manifest, device: int | None = None, emulate: bool = False) -> KernelDriver:
+    """The build `m` loaded by the CUDA driver on `device`, or by the emulator (`emulate`)."""
+    if emulate:
+        from megakernel.emulator.driver import EmulatedKernel
+
+        return EmulatedKernel(m)
+    return LoadedKernel(m, device)
+
+
 # ---- the driver-API launcher --------------------------------------------------------------------
 def _driver():
     try:
@@ -245,11 +282,8 @@ class LoadedKernel:
         drv = self.drv
         check_device(self.manifest, self.dev, num_ctas)
         vals, keep = [], []
-        for p in self.manifest.params:
-            if p["kind"] == "ptr":
-                v = ctypes.c_uint64(tensors[p["name"]].data_ptr())
-            else:
-                v = ctypes.c_int32(int(ints[p["name"]]))
+        for _, kind, x in launch_params(self.manifest, tensors, ints):
+            v = ctypes.c_uint64(x.data_ptr()) if kind == "ptr" else ctypes.c_int32(x)
             keep.append(v)
             vals.append(ctypes.addressof(v))
         argv = (ctypes.c_void_p * len(vals))(*vals)

@@ -1,5 +1,6 @@
 """The megakernel as a torch op: `torch.ops.megakernel.decode_step(...)` runs one decode step of a
-registered build (`register_build`) or, on CPU tensors, of a registered program served by the CPU
+registered build (`register_build`: launched by the CUDA driver, or with `emulate=True` its PTX on
+the emulator, on CPU tensors) or, on CPU tensors, of a registered program served by the CPU
 executor (`register_program`).
 
 The op mutates the counters, the scratch arenas and the KV cache in place and returns the next
@@ -25,17 +26,19 @@ from dataclasses import dataclass
 import torch
 
 from megakernel.launch_checks import ArgumentError, validate_args
-from megakernel.runtime import LoadedKernel, Manifest
+from megakernel.runtime import KernelDriver, Manifest, load_kernel
 
 
 # ---- registry of builds the op may launch -------------------------------------------------------
 @dataclass
 class _Entry:
-    """What a `kernel` id launches: a GPU build (`manifest`), or a program that the CPU executor
-    serves when the op gets CPU tensors (`prog`, `packed`)."""
+    """What a `kernel` id launches: a build (`manifest`; on the GPU, or `emulated` on CPU
+    tensors), or a program that the CPU executor serves when the op gets CPU tensors (`prog`,
+    `packed`)."""
 
     manifest: Manifest | None = None
-    loaded: LoadedKernel | None = None
+    emulated: bool = False
+    loaded: KernelDriver | None = None
     prog: object | None = None  # megakernel.program.compiler.Program
     packed: object | None = None  # megakernel.program.pack.PackedWeights
     executor: object | None = None  # megakernel.executor.Executor over the last arenas
@@ -53,13 +56,14 @@ class _Entry:
 _REGISTRY: dict[int, _Entry] = {}
 
 
-def register_build(manifest: Manifest) -> int:
-    """Make a build launchable by the op; returns the `kernel` id to pass to decode_step."""
+def register_build(manifest: Manifest, emulate: bool = False) -> int:
+    """Make a build launchable by the op (`emulate`: its PTX on the emulator, on CPU tensors);
+    returns the `kernel` id to pass to decode_step."""
     for k, e in _REGISTRY.items():
         if (e.manifest is not None and e.manifest.path == manifest.path
-                and e.manifest.data == manifest.data):
+                and e.manifest.data == manifest.data and e.emulated == emulate):
             return k
-    return _add(_Entry(manifest))
+    return _add(_Entry(manifest, emulated=emulate))
 
 
 def register_program(prog, packed) -> int:  # noqa: ANN001
@@ -101,19 +105,24 @@ def decode_step(program: torch.Tensor, counters: torch.Tensor, weights: torch.Te
 
 def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state, kernel,  # noqa: ANN001, ANN202
             offsets, return_logits):
-    """The GPU launch of a registered build: every argument checked first, then one driver
-    call (ArgumentError "the kernel needs CUDA tensors" for CPU tensors after the checks)."""
+    """The launch of a registered build: every argument checked first, then one launch by its
+    driver (ArgumentError "the kernel needs CUDA tensors" for CPU tensors after the checks; an
+    emulated build needs CPU tensors)."""
     e = _entry(kernel)
     if e.manifest is None:
         raise ArgumentError(f"kernel id {kernel} is a program for the CPU executor; it runs on "
                             f"CPU tensors, got {program.device}")
+    if e.emulated and program.device.type != "cpu":
+        raise ArgumentError(f"kernel id {kernel} is an emulated build; it runs on CPU tensors, "
+                            f"got {program.device}")
     lengths_off, tok_off, logits_off, s_max = _offsets(offsets)
     tensors = dict(program=program, counters=counters, weights=weights, f32=f32, bf16=bf16,
                    i32=i32, k_cache=k_cache, v_cache=v_cache, state=state)
-    validate_args(e.manifest.spec, tensors, lengths_off=lengths_off, max_seq_len=s_max)
-    _check_outputs(e, f32, i32, tok_off, logits_off, return_logits)  # before CUDA
+    validate_args(e.manifest.spec, tensors, lengths_off=lengths_off, max_seq_len=s_max,
+                  require_cuda=not e.emulated)
+    _check_outputs(e, f32, i32, tok_off, logits_off, return_logits)  # before any launch
     if e.loaded is None:
-        e.loaded = LoadedKernel(e.manifest, program.device.index)
+        e.loaded = load_kernel(e.manifest, program.device.index, emulate=e.emulated)
     e.loaded.launch(program.shape[0], tensors,
                     dict(queue_len=program.shape[1], s_max=s_max,  # = the cache's (checked)
                          lengths_off=lengths_off))
@@ -124,11 +133,12 @@ def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
 def _decode_step_cpu(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
                      kernel, offsets, return_logits=False):
     """The same step on CPU tensors, served by the CPU executor over these very arenas (its
-    checks on): what `gpu-check --simulate` and a machine without a GPU run."""
+    checks on): what `gpu-check --simulate` and a machine without a GPU run; an emulated build's
+    by the emulator."""
     from megakernel.executor import Executor
 
     e = _entry(kernel)
-    if e.prog is None:  # a GPU build: its checks name what is wrong (CUDA tensors first)
+    if e.prog is None:  # a build: emulated, or its checks name what is wrong (CUDA tensors)
         return _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
                        kernel, offsets, return_logits)
     _, tok_off, logits_off, _ = _offsets(offsets)

@@ -130,7 +130,9 @@ def _to_cpu(obj):  # noqa: ANN001, ANN202
 
 
 def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool = False,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, emulate: bool = False) -> dict[str, Any]:
+    """One case: `simulate` runs on the CPU (the CPU executor serves the launches, or with
+    `emulate` the case's build on the PTX emulator)."""
     from megakernel.kernel_backend import Megakernel
     from megakernel.reference.model import ReferenceModel
 
@@ -148,7 +150,8 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     s_max = max(lens) + steps * c.tokens + 8
     window = c.replay_window or None
     mk = Megakernel(cfg, w, batch=c.batch, tokens=c.tokens, max_seq_len=s_max,
-                    build_dir=build_dir, device=dev, n_splits=c.n_splits, replay_window=window)
+                    build_dir=build_dir, device=dev, n_splits=c.n_splits, replay_window=window,
+                    emulate=emulate)
     ref16 = ReferenceModel(cfg, w, mode="bf16", device=dev, replay_window=window)
     ref32 = ReferenceModel(cfg, w, mode="fp32", device=dev, replay_window=window)
     cache16, cache32 = ref16.new_cache(c.batch, s_max), ref32.new_cache(c.batch, s_max)
@@ -156,7 +159,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
     ref16.prefill(cache16, prompts)
     ref32.prefill(cache32, prompts)
     ex = _executor(mk, cache16) if c.executor_steps else None
-    paged = PagedRun(c, mk, _to_cpu(cache16), build_dir, simulate) if c.paged else None
+    paged = PagedRun(c, mk, _to_cpu(cache16), build_dir, simulate, emulate) if c.paged else None
     mk.prog.buffers.poison_scratch(mk.f32, mk.bf16)  # before the first kernel step
     res: dict[str, Any] = dict(
         case=c.name, model=c.model, layers=cfg.num_layers, batch=c.batch, tokens=c.tokens,
@@ -164,7 +167,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
         prompt_lengths=lens, steps=0, band_failures=0, max_err_kernel=0.0, max_allowed=0.0,
         token_mismatches=0, near_tie_mismatches=0, ref_near_ties=0, not_own_argmax=0,
         unwritten=0,
-        first_failure_step=None, simulated=simulate)
+        first_failure_step=None, simulated=simulate, emulated=emulate)
     if mk.manifest is not None:
         from megakernel.kernel.spec import KernelSpec
 

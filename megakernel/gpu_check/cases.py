@@ -229,8 +229,11 @@ STAGES = (
 BENCH_CASES = tuple(c for c in REAL + SYNTHETIC if c.bench)
 
 
-def stage_cases() -> list[tuple[Case, str]]:
-    """Every (case, variant) of every stage: what --prepare builds (plus the benchmark's)."""
-    out = [(c, g.variant) for s in STAGES for g in s.groups for c in g.cases]
-    out.append((BENCH_CASES[0], "timeline"))
+def stage_cases(stages: list[int] | None = None) -> list[tuple[Case, str]]:
+    """Every (case, variant) of every stage (or of `stages`): what --prepare builds (plus the
+    benchmark's timeline build, with stage 2)."""
+    out = [(c, g.variant) for s in STAGES if stages is None or s.number in stages
+           for g in s.groups for c in g.cases]
+    if stages is None or 2 in stages:
+        out.append((BENCH_CASES[0], "timeline"))
     return out

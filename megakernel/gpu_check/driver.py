@@ -31,10 +31,15 @@ from megakernel.gpu_check.cases import BENCH_CASES, STAGES, Case, Stage, variant
 
 BUDGET_S = 8.5 * 60
 SIMULATE_BUDGET_S = 3 * BUDGET_S  # the CPU executor serves the launches: slower, same deadlines
+EMULATE_BUDGET_S = 6 * 3600.0  # the PTX emulator: every stage-1 case is minutes of CPU
 PARENT_START_S = 10.0  # the parent's own imports and setup, counted against the budget
 STARTUP_S = 60.0  # a child's imports and CUDA context before its first item
 REPORT_S = 5.0  # kept for writing the last report
 SIMULATE_CAP = 4.0  # the CPU executor is slower than a GPU: caps scale by this when simulated
+EMULATE_CAP = 20.0  # and the emulator slower again: a tiny step is seconds of CPU
+# the largest preset an emulated case runs (the tiny and mid presets; a cut real preset's
+# vocabulary alone is minutes a step)
+EMULATE_MAX_PARAMS = 3.0e7
 MIN_ITEM_S = 5.0  # an item is not started with less time than this left
 # the largest (cut) preset a simulated case builds random weights and references for on the CPU
 SIMULATE_MAX_PARAMS = 1.0e9
@@ -89,11 +94,13 @@ def have_build(build_dir: Path, it: dict[str, Any], arch: str | None) -> bool:
 # ---- parent --------------------------------------------------------------------------------------
 def run(out: Path, build_dir: Path, stages: list[int], simulate: bool = False,
         budget_s: float = BUDGET_S, arch: str | None = None,
-        stage_table: tuple[Stage, ...] = STAGES) -> dict[str, Any]:
-    """Run the stages; returns the report (also in `out`, rewritten after every item)."""
+        stage_table: tuple[Stage, ...] = STAGES, emulate: bool = False) -> dict[str, Any]:
+    """Run the stages; returns the report (also in `out`, rewritten after every item).
+    `simulate`: on the CPU, the CPU executor serving every launch; with `emulate` too, each
+    variant's own `arch` build on the PTX emulator (every variant runs: each is its own code)."""
     t0 = time.time()
     deadline = t0 + budget_s - PARENT_START_S - REPORT_S
-    r = rep.Report(out, build_dir, simulate, budget_s)
+    r = rep.Report(out, build_dir, simulate, budget_s, emulate)
     hung: set[str] = set()  # variants that hung: later stages do not wait for them again
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         work_dir = Path(work)
@@ -108,19 +115,23 @@ def run(out: Path, build_dir: Path, stages: list[int], simulate: bool = False,
                     for it in items:
                         r.skip(st.number, it["name"], f"the {g.variant} variant hung earlier")
                     continue
-                if simulate and st.number > 0 and g.variant != "default":
+                if simulate and not emulate and st.number > 0 and g.variant != "default":
                     for it in items:
                         r.skip(st.number, it["name"], SAME_EXECUTOR)
                     continue
                 if simulate:
-                    items = _simulable(items, r, st.number)
+                    items = _simulable(items, r, st.number, emulate)
                 missing = [it for it in items if not have_build(build_dir, it, arch)]
                 for it in missing:
                     r.skip(st.number, it["name"], f"no {arch} build in {build_dir}")
                 items = [it for it in items if it not in missing]
-                if _run_group(st.number, items, r, work_dir, build_dir, simulate, deadline):
+                if _run_group(st.number, items, r, work_dir, build_dir, simulate, deadline,
+                              emulate=emulate):
                     hung.add(g.variant)
-        if 2 in stages and any(s.number == 2 for s in stage_table):
+        if 2 in stages and any(s.number == 2 for s in stage_table) and emulate:
+            for it in bench_items(build_dir, None):
+                r.skip(2, it["name"], "emulated: the emulator measures no time")
+        elif 2 in stages and any(s.number == 2 for s in stage_table):
             items = bench_items(build_dir, arch)
             if simulate:
                 for it in [it for it in items if it["variant"] not in ("default", "timeline")]:
@@ -133,7 +144,8 @@ def run(out: Path, build_dir: Path, stages: list[int], simulate: bool = False,
 
 
 def _run_group(stage: int, items: list[dict[str, Any]], r: rep.Report, work: Path,
-               build_dir: Path, simulate: bool, deadline: float, task: str = "check") -> bool:
+               build_dir: Path, simulate: bool, deadline: float, task: str = "check",
+               emulate: bool = False) -> bool:
     """Run `items` in as many children as crashes need; returns whether one hung."""
     pending, hung, n = list(items), False, 0
     while pending:
@@ -145,10 +157,10 @@ def _run_group(stage: int, items: list[dict[str, Any]], r: rep.Report, work: Pat
         n += 1
         events = work / f"events-{stage}-{task}-{id(items)}-{n}.jsonl"
         job = work / f"job-{stage}-{id(items)}-{n}.json"
-        scale = SIMULATE_CAP if simulate else 1.0
+        scale = EMULATE_CAP if emulate else SIMULATE_CAP if simulate else 1.0
         job.write_text(json.dumps({"items": pending, "build_dir": str(build_dir),
                                    "events": str(events), "deadline": deadline,
-                                   "simulate": simulate, "cap_scale": scale,
+                                   "simulate": simulate, "emulate": emulate, "cap_scale": scale,
                                    "weights_dir": str(work / "weights")}))
         done, running, how, tail = _child(job, events, pending, r, stage, deadline, scale)
         finished = {name for name in done}
@@ -255,6 +267,7 @@ def child(job_file: Path) -> int:
     job = json.loads(Path(job_file).read_text())
     events = open(job["events"], "a", buffering=1)  # noqa: SIM115 (line-buffered for the parent)
     simulate, build_dir = job["simulate"], Path(job["build_dir"])
+    emulate = job.get("emulate", False)
 
     def emit(**ev: Any) -> None:
         events.write(json.dumps(ev, default=str) + "\n")
@@ -266,7 +279,7 @@ def child(job_file: Path) -> int:
     from megakernel.gpu_check.case import Weights, run_case
     from megakernel.gpu_check.spec_case import run_speculative_case
 
-    emit(event="device", info=_device_info(simulate))
+    emit(event="device", info=_device_info(simulate, emulate))
     weights = Weights(Path(job["weights_dir"]), "cpu" if simulate else "cuda")
     measured: dict[str, Any] = {}
     for it in job["items"]:
@@ -280,7 +293,7 @@ def child(job_file: Path) -> int:
             kind, v = it["kind"], it["variant"]
             if kind == "check":
                 run = run_speculative_case if c.drafts else run_case  # spec_case.py
-                res = run(c, variant_dir(build_dir, v), weights, simulate)
+                res = run(c, variant_dir(build_dir, v), weights, simulate, emulate=emulate)
             elif kind == "measure":
                 res = measured = bench.measure_bandwidth(build_dir, simulate)
             elif kind == "bench":
@@ -311,14 +324,17 @@ def _context_alive(torch) -> bool:  # noqa: ANN001
         return False
 
 
-def _simulable(items: list[dict], r, stage: int) -> list[dict]:  # noqa: ANN001 (Report)
-    """The items a simulated run can afford; the rest are skipped with the reason (a cut preset
-    still too big for the CPU machine's memory and minutes)."""
+def _simulable(items: list[dict], r, stage: int, emulate: bool = False  # noqa: ANN001 (Report)
+               ) -> list[dict]:
+    """The items a simulated (or emulated) run can afford; the rest are skipped with the reason
+    (a cut preset still too big for the CPU machine's memory and minutes)."""
+    cap, who = ((EMULATE_MAX_PARAMS, "the PTX emulator") if emulate
+                else (SIMULATE_MAX_PARAMS, "the CPU executor"))
     out = []
     for it in items:
-        if "case" in it and _simulated_params(Case.from_dict(it["case"])) > SIMULATE_MAX_PARAMS:
-            r.skip(stage, it["name"], f"simulated: more than {SIMULATE_MAX_PARAMS / 1e9:g}B "
-                   "parameters for the CPU executor")
+        if "case" in it and _simulated_params(Case.from_dict(it["case"])) > cap:
+            r.skip(stage, it["name"], f"{'emulated' if emulate else 'simulated'}: more than "
+                   f"{cap / 1e6:g}M parameters for {who}")
         else:
             out.append(it)
     return out
@@ -340,9 +356,14 @@ def _simulated_params(case: Case) -> int:
     return sum(math.prod(s) for s in expected_shapes(cfg).values())
 
 
-def _device_info(simulate: bool) -> dict[str, Any]:
+def _device_info(simulate: bool, emulate: bool = False) -> dict[str, Any]:
     import torch
 
+    if emulate:
+        from megakernel.emulator.driver import EMULATED_ARCH, EMULATED_SMS
+
+        return {"device": "PTX emulator",
+                "arch": EMULATED_ARCH, "sms": EMULATED_SMS, "torch": torch.__version__}
     if simulate:
         return {"device": "CPU executor (simulated)", "arch": "simulated", "sms": 0,
                 "torch": torch.__version__}

@@ -22,7 +22,8 @@ from megakernel.gpu_check import compare
 
 
 class PagedRun:
-    def __init__(self, c, mk, cache16_cpu, build_dir, simulate: bool) -> None:  # noqa: ANN001
+    def __init__(self, c, mk, cache16_cpu, build_dir, simulate: bool,  # noqa: ANN001
+                 emulate: bool = False) -> None:
         from megakernel.device_state import allocate_state
         from megakernel.program.compiler import compile_program
         from megakernel.program.paged import load_pages
@@ -33,10 +34,10 @@ class PagedRun:
         self.prog = compile_program(mk.cfg, c.batch, mk.prog.gpu, tokens=c.tokens,
                                     n_splits=mk.prog.n_splits, paged=self.pool)
         self.st = allocate_state(mk.cfg, None, self.prog, mk.device, packed=mk.args.packed)
-        if simulate:
+        if simulate and not emulate:
             self.kernel = register_program(self.prog, mk.args.packed)
         else:
-            self.kernel = _register_build(mk, self.prog, c, build_dir, self.pool)
+            self.kernel = _register_build(mk, self.prog, c, build_dir, self.pool, emulate)
         g = torch.Generator().manual_seed(c.batch * 131 + c.tokens)
         nb, mb = self.pool.num_blocks, self.pool.max_blocks
         self.table = torch.randperm(nb, generator=g)[: c.batch * mb].view(c.batch, mb)
@@ -91,16 +92,14 @@ class PagedRun:
         return r
 
 
-def _register_build(mk, prog, c, build_dir, pool) -> int:  # noqa: ANN001
-    """The paged build of the case (prepared next to the contiguous one), checked against the
-    paged program."""
+def _register_build(mk, prog, c, build_dir, pool, emulate: bool = False) -> int:  # noqa: ANN001
+    """The paged build of the case (prepared next to the contiguous one, of the contiguous
+    kernel's arch), checked against the paged program; `emulate`: on the emulator."""
     from megakernel.device_state import find_build
     from megakernel.launch_checks import check_header, check_records
-    from megakernel.runtime import device_info
     from megakernel.torch_op import register_build
 
-    m = find_build(mk.cfg, c.batch, c.tokens, device_info(mk.device).arch, build_dir,
-                   paged=pool)
+    m = find_build(mk.cfg, c.batch, c.tokens, mk.manifest.arch, build_dir, paged=pool)
     check_records(prog.records(), m.spec)
     check_header(prog.header, m.spec)
-    return register_build(m)
+    return register_build(m, emulate)

@@ -11,26 +11,28 @@ from megakernel.gpu_check.cases import Case, stage_cases, variant_dir
 from megakernel.kernel.variants import VARIANTS
 
 
-def wanted() -> list[tuple[Case, str]]:
-    """(case, variant) of every build: the stages' cases and the benchmark's variants."""
+def wanted(stages: list[int] | None = None) -> list[tuple[Case, str]]:
+    """(case, variant) of every build (or of `stages`'): the stages' cases and, with stage 2,
+    the benchmark's variants."""
     from megakernel.gpu_check.driver import bench_items
 
-    out = stage_cases()
-    out += [(Case.from_dict(it["case"]), it["variant"]) for it in bench_items(Path("."), None)
-            if it["kind"] in ("bench", "timeline")]
+    out = stage_cases(stages)
+    if stages is None or 2 in stages:
+        out += [(Case.from_dict(it["case"]), it["variant"])
+                for it in bench_items(Path("."), None) if it["kind"] in ("bench", "timeline")]
     return out
 
 
-def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str]] | None = None
-            ) -> tuple[list[dict], list[str]]:
-    """Build every (case, variant) for every arch, and the HBM stream kernel; a build that fails
-    (or a variant that cannot serve a case) is reported and skipped. Returns the manifests and the
-    failures ('variant case arch: error')."""
+def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str]] | None = None,
+            stages: list[int] | None = None) -> tuple[list[dict], list[str]]:
+    """Build every (case, variant) for every arch (or `cases`, or those of `stages`), and the HBM
+    stream kernel (all stages); a build that fails (or a variant that cannot serve a case) is
+    reported and skipped. Returns the manifests and the failures ('variant case arch: error')."""
     from megakernel.kernel.build import build_arch
     from megakernel.kernel.model_spec import make_spec
 
     out, failed, done = [], [], set()
-    for c, v in wanted() if cases is None else cases:
+    for c, v in wanted(stages) if cases is None else cases:
         cfg = c.config()  # in the case's weight format: an FP8 case gets its FP8 build
         fmt = f" {c.weights}" if c.fp8 else ""
         for arch in archs:
@@ -57,7 +59,7 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
                       f"{r['spill_loads']}, smem {m['dynamic_smem_bytes']} B, "
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
                 out.append(m)
-    if cases is None:
+    if cases is None and stages is None:
         out += _stream(build_dir, archs, failed)
     return out, failed
 

@@ -17,7 +17,8 @@ assert len(FILES) <= MAX_FILES
 
 
 class Report:
-    def __init__(self, out: Path, build_dir: Path, simulate: bool, budget_s: float):
+    def __init__(self, out: Path, build_dir: Path, simulate: bool, budget_s: float,
+                 emulate: bool = False):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         for f in FILES:  # a rerun into the same directory starts clean
@@ -25,11 +26,15 @@ class Report:
         self._lock = threading.Lock()
         self._log = open(self.out / "gpu_check.log", "a", buffering=1)  # noqa: SIM115
         self.data: dict[str, Any] = {
-            "simulated": simulate, "budget_s": budget_s, "build_dir": str(build_dir),
+            "simulated": simulate, "emulated": emulate, "budget_s": budget_s,
+            "build_dir": str(build_dir),
             "device": "?", "arch": "?", "sms": 0, "stages": [], "cases": [], "bench": [],
             "measure": {}, "compile": [], "timeline": None, "skipped": [], "notes": [],
             "files": ["gpu_check.json", "gpu_check.md", "gpu_check.log"]}
-        if simulate:
+        if emulate:
+            self.data["notes"].append("emulated: each variant's build ran on the PTX emulator "
+                                      "(the CPU); no number in this report is a GPU measurement")
+        elif simulate:
             self.data["notes"].append("simulated: the CPU executor served every launch; no "
                                       "number in this report is a GPU measurement")
         self.write()
@@ -187,7 +192,8 @@ def _f(x: Any, fmt: str = ".3g") -> str:
 
 
 def markdown(d: dict[str, Any]) -> str:
-    sim = " (SIMULATED on the CPU executor)" if d.get("simulated") else ""
+    sim = (" (EMULATED: the builds' PTX on the CPU)" if d.get("emulated")
+           else " (SIMULATED on the CPU executor)" if d.get("simulated") else "")
     lines = [f"# gpu-check on {d.get('device', '?')} ({d.get('arch', '?')}, {d.get('sms', 0)} "
              f"SMs){sim}", ""]
     for st in d["stages"]:

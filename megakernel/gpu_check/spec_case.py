@@ -42,7 +42,7 @@ def scripted_drafts(plain: list[list[int]], done: list[int], step: int, k: int,
 
 
 def run_speculative_case(c: Case, build_dir: Path | None, weights, simulate: bool = False,  # noqa: ANN001
-                         seed: int = 0) -> dict[str, Any]:
+                         seed: int = 0, emulate: bool = False) -> dict[str, Any]:
     from megakernel.executor import Executor
     from megakernel.gpu_check.case import SIMULATED_STEPS, _to_cpu, config
     from megakernel.kernel_backend import Megakernel
@@ -59,7 +59,8 @@ def run_speculative_case(c: Case, build_dir: Path | None, weights, simulate: boo
     vocab = cfg.vocab_size if not c.ngram else min(cfg.vocab_size, 5)  # repetitive for NGRAM
     prompts = [[int(t) for t in torch.randint(0, vocab, (n,), generator=g)] for n in lens]
     s_max = max(lens) + steps * (k + 1) + 2 * (k + 1) + 8
-    how = dict(build_dir=build_dir, device=dev, max_seq_len=s_max, replay_window=window)
+    how = dict(build_dir=build_dir, device=dev, max_seq_len=s_max, replay_window=window,
+               emulate=emulate)
     # the truth: the plain kernel's greedy tokens, enough for every speculative step
     plain_mk = Megakernel(cfg, w, batch=c.batch, tokens=1, **how)
     first = plain_mk.prefill(prompts)
@@ -92,7 +93,7 @@ def run_speculative_case(c: Case, build_dir: Path | None, weights, simulate: boo
         drafts=k, ngram=c.ngram, prompt_lengths=lens, steps=0, token_mismatches=0,
         accept_mismatches=0, accepted_seen=[], executor_token_mismatches=0,
         executor_state_max_diff=0.0, executor_state_ok=True, first_failure_step=None,
-        simulated=simulate)
+        simulated=simulate, emulated=emulate)
     done = [1] * c.batch  # plain tokens emitted so far per sequence (the first by the prefill)
     seen: set[int] = set()
     for step in range(steps):

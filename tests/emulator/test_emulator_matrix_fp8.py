@@ -8,7 +8,8 @@ import pytest
 from megakernel.emulator.check import Case
 from tests.emulator.helpers import emulated_run
 
-CASES = [Case("llama-tiny", fp8="channel"), Case("qwen3.5-tiny", fp8="channel")]
+CASES = [Case("llama-tiny", fp8="channel"), Case("llama-tiny", fp8="channel", batch=16, seed=9),
+         Case("llama-tiny", fp8="block", batch=4, seed=2), Case("qwen3.5-tiny", fp8="channel")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label)

@@ -38,3 +38,57 @@ def test_an_unsupported_form_names_its_line(lane_build) -> None:  # noqa: ANN001
     lines.insert(at + 1, f"\tbrev.b32 \t{reg}, {reg};")
     with pytest.raises(UnsupportedForm, match=rf"PTX line {at + 2}: .*'brev\.b32'"):
         Emulator("\n".join(lines), manifest["dynamic_smem_bytes"], tuple(manifest["block"]))
+
+
+def test_the_op_launches_an_emulated_build_like_the_executor(lane_build) -> None:  # noqa: ANN001
+    """Megakernel(emulate=True): the runtime's emulator driver behind the op, on CPU tensors,
+    stepping from a reference prefill; tokens and logits as the CPU executor's program."""
+    import torch
+
+    from megakernel import torch_op
+    from megakernel.emulator.driver import EMULATED_SMS, EmulatedKernel
+    from megakernel.gpu_check.compare import same_program
+    from megakernel.kernel_backend import Megakernel
+    from megakernel.models import preset
+    from megakernel.models.weights import random_weights
+
+    out, _ = lane_build("sm_90a")
+    cfg = preset("llama-tiny")
+    w = random_weights(cfg, seed=3)
+    emu = Megakernel(cfg, w, batch=1, max_seq_len=16, build_dir=out.parent, device="cpu",
+                     emulate=True)
+    ex = Megakernel(cfg, w, batch=1, max_seq_len=16, device="cpu")
+    assert emu.prog.num_sms == EMULATED_SMS and emu.manifest is not None
+    tok = [m.prefill([[5, 17, 3, 9]]) for m in (emu, ex)]
+    assert torch.equal(tok[0], tok[1])
+    for _ in range(2):
+        got, want = (m.step(t[:, None], return_logits=True) for m, t in zip((emu, ex), tok,
+                                                                           strict=True))
+        assert torch.equal(got[0], want[0])
+        assert same_program(got[1], want[1])["ok"]
+        tok = [got[0].long(), want[0].long()]
+    driver = torch_op._entry(emu.kernel_id).loaded
+    assert isinstance(driver, EmulatedKernel) and driver.launches == 2
+    assert driver.last.warp_instructions > 100_000
+
+
+def test_an_emulated_build_refuses_cuda_and_names_why(lane_build) -> None:  # noqa: ANN001
+    from megakernel.kernel_backend import Megakernel
+    from megakernel.launch_checks import ArgumentError
+    from megakernel.models import preset
+    from megakernel.models.weights import random_weights
+
+    out, _ = lane_build("sm_90a")
+    cfg = preset("llama-tiny")
+    with pytest.raises(ArgumentError, match="emulator runs on CPU tensors"):
+        Megakernel(cfg, random_weights(cfg), batch=1, max_seq_len=16, build_dir=out.parent,
+                   device="cuda", emulate=True)
+
+
+def test_the_emulator_is_a_backend_auto_never_picks() -> None:
+    from megakernel import api, backends
+
+    assert "emulator" in backends.BACKENDS and "emulator" in backends.SPECULATIVE
+    assert "emulator" in api.BACKENDS and "emulator" in backends.BF16_ONLY
+    llm = api.load("llama-tiny", backend="auto", max_batch=1, max_seq_len=16)
+    assert llm.backend in ("kernel", "cpu-executor")
