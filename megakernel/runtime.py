@@ -213,15 +213,6 @@ def launch_params(m: Manifest, tensors: dict[str, torch.Tensor], ints: dict[str,
     return out
 
 
-def load_kernel(m: Manifest, device: int | None = None, emulate: bool = False) -> KernelDriver:
-    """The build `m` loaded by the CUDA driver on `device`, or by the emulator (`emulate`)."""
-    if emulate:
-        from megakernel.emulator.driver import EmulatedKernel
-
-        return EmulatedKernel(m)
-    return LoadedKernel(m, device)
-
-
 # ---- the driver-API launcher --------------------------------------------------------------------
 def _driver():
     try:

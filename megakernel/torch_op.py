@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from megakernel.launch_checks import ArgumentError, validate_args
-from megakernel.runtime import KernelDriver, Manifest, load_kernel
+from megakernel.runtime import KernelDriver, LoadedKernel, Manifest
 
 
 # ---- registry of builds the op may launch -------------------------------------------------------
@@ -122,7 +122,7 @@ def _launch(program, counters, weights, f32, bf16, i32, k_cache, v_cache, state,
                   require_cuda=not e.emulated)
     _check_outputs(e, f32, i32, tok_off, logits_off, return_logits)  # before any launch
     if e.loaded is None:
-        e.loaded = load_kernel(e.manifest, program.device.index, emulate=e.emulated)
+        e.loaded = _load(e, program.device.index)
     e.loaded.launch(program.shape[0], tensors,
                     dict(queue_len=program.shape[1], s_max=s_max,  # = the cache's (checked)
                          lengths_off=lengths_off))
@@ -164,6 +164,15 @@ def _decode_step_cpu(program, counters, weights, f32, bf16, i32, k_cache, v_cach
     ex.step()
     counters.copy_(torch.tensor(ex.counters, dtype=torch.int32))
     return _outputs(e, f32, i32, tok_off, logits_off, return_logits)
+
+
+def _load(e: _Entry, device: int | None) -> KernelDriver:
+    """The entry's build loaded by its driver: the CUDA driver on `device`, or the emulator."""
+    if e.emulated:
+        from megakernel.emulator.driver import EmulatedKernel
+
+        return EmulatedKernel(e.manifest)
+    return LoadedKernel(e.manifest, device)
 
 
 def _check_outputs(e: _Entry, f32: torch.Tensor, i32: torch.Tensor, tok_off: int,

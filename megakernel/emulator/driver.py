@@ -1,7 +1,7 @@
 """The emulator behind the runtime's driver interface: a build's PTX launched on the CPU.
 
-`EmulatedKernel(manifest)` is what `runtime.load_kernel(manifest, emulate=True)` returns; the op
-(torch_op) launches it exactly as it launches the CUDA driver's `LoadedKernel`: the same argument
+`EmulatedKernel(manifest)` is what the op (torch_op) loads for a build registered with
+`emulate=True` and launches exactly as the CUDA driver's `LoadedKernel`: the same argument
 validation before, the same device checks (against `emulated_device`) and the same marshalling
 (runtime.launch_params). The tensors are CPU tensors and the kernel mutates them in place. Each
 launch takes the next scheduler seed, so a run's steps interleave differently and its results
