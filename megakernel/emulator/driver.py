@@ -5,7 +5,8 @@
 validation before, the same device checks (against `emulated_device`) and the same marshalling
 (runtime.launch_params). The tensors are CPU tensors and the kernel mutates them in place. Each
 launch takes the next scheduler seed, so a run's steps interleave differently and its results
-must not depend on that.
+must not depend on that. With MEGAKERNEL_COVERAGE set, each launch records the PTX lines it
+executed (coverage.py: `record`).
 
 The emulated device is an H200 with EMULATED_SMS SMs (one CTA each): the programs the emulator
 backend compiles have that many queues. The same PTX serves any CTA count; fewer keep a tiny
@@ -13,6 +14,10 @@ step within seconds.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import torch
 
@@ -25,6 +30,7 @@ EMULATED_ARCH = "sm_90a"  # the arch gpu-check --emulate runs (the emulator take
 MAX_EMULATED_CTAS = 32
 SMEM_OPTIN = 232448  # H100/H200 and B200: 227 KiB of dynamic shared memory per block
 READ_ONLY = frozenset({"program", "weights"})  # what a step must never write
+ENV_COVERAGE = "MEGAKERNEL_COVERAGE"  # a file: each launch appends what it executed (record)
 
 
 def emulated_device(arch: str) -> DeviceInfo:
@@ -47,6 +53,7 @@ class EmulatedKernel:
         if path is None or not path.is_file():
             raise ManifestError(f"the build in {manifest.path} has no PTX "
                                 f"({path or 'the manifest names none'}) for the emulator")
+        self.ptx_path = path
         self.emulator = Emulator(path.read_text(), manifest.smem, manifest.block)
         self.seed = seed
         self.launches = 0
@@ -61,3 +68,14 @@ class EmulatedKernel:
         self.last = self.emulator.launch(num_ctas, params, seed=self.seed + self.launches,
                                          readonly=READ_ONLY)
         self.launches += 1
+        record(self.ptx_path, self.last.hits)
+
+
+def record(ptx_path: Path, hits: dict[int, int]) -> None:
+    """Append one launch's executed PTX lines to $MEGAKERNEL_COVERAGE, if set (coverage.py
+    folds them)."""
+    dest = os.environ.get(ENV_COVERAGE)
+    if not dest:
+        return
+    with open(dest, "a") as f:
+        f.write(json.dumps({"ptx": str(ptx_path), "hits": sorted(hits)}) + "\n")

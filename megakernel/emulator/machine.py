@@ -11,8 +11,12 @@ group that executes them, as independent thread scheduling allows.
 Scheduling. Every CTA of the cooperative launch and each of its warps is one schedulable unit; a
 seeded generator picks the next warp and the length of its quantum. A failed mbarrier wait or a
 nanosleep (the kernel's spin loops) ends the quantum. Bulk copies complete at randomly chosen
-later points. A state in which no warp can make progress (all blocked or spinning without any
-store, arrival or copy landing) is a deadlock, reported with every warp's line and wait.
+later points. Warps stall: now and then one is descheduled for a while, and after a warp
+publishes to other CTAs (a release wider than the CTA) its siblings often are, so a consumer
+elsewhere runs while they lag (`stall`): a signal that does not wait for every thread's stores
+shows as the poison its consumer reads. A state in which no warp can make progress (all blocked
+or spinning without any store, arrival or copy landing) is a deadlock, reported with every warp's
+line and wait.
 
 Memory is sequentially consistent: acquire/release and fences order nothing further here, so
 weak-memory bugs are out of reach (docs/TESTING.md).
@@ -35,6 +39,11 @@ from megakernel.emulator.ptx import Kernel, parse
 SHARED_BASE = 0x400  # the dynamic shared window starts here: lower addresses are unmapped
 POISON = 0xFF  # shared memory and in-flight copy destinations: NaN as fp32 and as bf16
 CLOCK_NS_PER_INSTR = 4  # %globaltimer advances with the instructions executed
+# stalls: after a quantum, with probability STALL_P one warp is descheduled for a number of quanta
+# in STALL_QUANTA (as a warp on a GPU sits behind a long memory access while the others go on)
+STALL_P = 0.02
+RELEASE_STALL_P = 0.5
+STALL_QUANTA = (50, 1500)
 
 
 @dataclass
@@ -44,6 +53,7 @@ class LaunchStats:
     warp_instructions: int = 0
     seconds: float = 0.0
     executed: set[int] = field(default_factory=set)  # PTX line numbers
+    hits: dict[int, int] = field(default_factory=dict)  # PTX line -> warp-instructions
     quanta: int = 0
     copies: int = 0
 
@@ -331,6 +341,7 @@ class Emulator:
         self.num_ctas = 0
         self.count = 0
         self.progress = 0
+        self.releaser: Warp | None = None  # the warp that published in this quantum (stall)
         self.stats = LaunchStats()
 
     def clock_ns(self) -> int:
@@ -462,6 +473,9 @@ class Emulator:
             warps += c.warps
         hits = [0] * len(self.fns)
         idle = 0
+        stalled: dict[Warp, int] = {}  # warp -> quanta it stays descheduled (`stall`)
+        spinners: set[Warp] = set()  # warps that spun since the last progress
+        calm = False  # no new stalls: every stall was lifted to tell a deadlock from a wait
         start = self.count
         while True:
             for c in ctas:
@@ -477,21 +491,39 @@ class Emulator:
                 if not self._land_one(ctas, rng):
                     raise EmulatorError(self._deadlock(warps, "every live warp is blocked"))
                 continue
-            w = rng.choice(runnable)
+            awake = [w for w in runnable if w not in stalled] or runnable
+            w = rng.choice(awake)
             before = self.progress
             spun = self._run(w, rng.randint(8, 400), hits)
             stats.quanta += 1
-            if spun and self.progress == before:
+            if not calm:
+                stall(stalled, warps, rng, self.releaser)
+            self.releaser = None
+            # no progress (a store, an arrival, a copy landing) since every runnable warp last
+            # spun: a deadlock. A quantum that ends inside a spin loop without reaching its wait
+            # neither counts nor resets; a warp computing without storing is not a spinner.
+            if self.progress != before:
+                idle = 0
+                spinners.clear()
+                calm = False
+            elif spun:
                 idle += 1
-                if idle > 24 * len(runnable) + 64:
+                spinners.add(w)
+            if idle > 24 * len(runnable) + 64:
+                if stalled:  # the spinners may wait on a stalled warp: wake every warp, and
+                    stalled.clear()  # stall none until something progresses
+                    calm = True
+                    idle = 0
+                elif all(x in spinners for x in runnable):
                     if not self._land_one(ctas, rng):
                         raise EmulatorError(self._deadlock(
                             warps, "every running warp spins without progress"))
                     idle = 0
-            else:
-                idle = 0
+                    spinners.clear()
             if self.count - start > max_instructions:
-                raise EmulatorError(f"the launch ran past {max_instructions} warp-instructions")
+                raise EmulatorError(self._deadlock(
+                    warps, f"the launch ran past {max_instructions} warp-instructions (a "
+                    f"livelock: warps make progress that never lets the launch finish)"))
         for c in ctas:
             for bid, st in c.bars.items():
                 raise EmulatorError(f"CTA {c.id} finished with {st[0]} threads waiting at "
@@ -576,3 +608,22 @@ class Emulator:
         if not w.done:
             w.pc = pc
         return spun
+
+
+def stall(stalled: dict[Warp, int], warps: list[Warp], rng: random.Random,
+          releaser: Warp | None) -> None:
+    """Age the stalls by one quantum; with probability STALL_P stall a random warp, and after a
+    quantum in which a warp published (a GPU-scope release: `releaser`), with probability
+    RELEASE_STALL_P stall every other warp of its CTA. A stalled warp runs only when no other
+    can. So a signal that does not wait for every thread's stores is seen: the sibling warp
+    that has not stored yet stays behind while the consumers read."""
+    for w in list(stalled):
+        stalled[w] -= 1
+        if stalled[w] <= 0 or w.done:
+            del stalled[w]
+    if rng.random() < STALL_P:
+        stalled[rng.choice(warps)] = rng.randint(*STALL_QUANTA)
+    if releaser is not None and rng.random() < RELEASE_STALL_P:
+        for w in releaser.cta.warps:
+            if w is not releaser and not w.done:
+                stalled[w] = rng.randint(*STALL_QUANTA)

@@ -102,10 +102,14 @@ def op_st(dec: Decoder, ins: Instr, index: int) -> Fn:
     addr = address(dec, a, ins)
     u = UINT[esize]
 
+    publishes = _publishes(p)
+
     def st(w):  # noqa: ANN001, ANN202
         act = _active(w)
         vals = np.stack([np.asarray(r(w)).view(u) for r in rs], axis=1)[act]
         w.emu.store(w, ins, space, addr(w)[act], esize, vals)
+        if publishes and act.any():
+            w.emu.releaser = w
         return None
 
     return st
@@ -113,6 +117,13 @@ def op_st(dec: Decoder, ins: Instr, index: int) -> Fn:
 
 _ATOM = {"add": np.add, "max": np.maximum, "min": np.minimum, "and": np.bitwise_and,
          "or": np.bitwise_or, "xor": np.bitwise_xor}
+
+
+def _publishes(parts: tuple[str, ...]) -> bool:
+    """A release wider than the CTA (st.release, red.release, atom.acq_rel; .gpu is the default
+    scope): another CTA may act on it,
+    so the scheduler may stall the releasing warp's siblings right after (machine.stall)."""
+    return ("release" in parts or "acq_rel" in parts) and "cta" not in parts  # default: .gpu
 
 
 def _atomic(dec: Decoder, ins: Instr, returns: bool) -> Fn:
@@ -129,9 +140,12 @@ def _atomic(dec: Decoder, ins: Instr, returns: bool) -> Fn:
     rc = dec.reader(ops[3], ty, ins) if op == "cas" else None
     esize = np.dtype(NP[ty]).itemsize
     dt = np.dtype(NP[ty])
+    publishes = _publishes(p)
 
     def atom(w):  # noqa: ANN001, ANN202
         act = _active(w)
+        if publishes and act.any():
+            w.emu.releaser = w
         ad, b = addr(w), rb(w)
         c = rc(w) if rc is not None else None
         old = np.zeros(LANES, dt)

@@ -99,8 +99,11 @@ def check_resources(res: dict, spec: KernelSpec) -> None:
 
 
 # ---- compile ------------------------------------------------------------------------------------
-def compile_to(spec: KernelSpec, dump_dir: str) -> tuple[str, str, float]:
-    """cute.compile for `spec.arch` with PTX + cubin kept in `dump_dir`; (ptx, cubin, seconds)."""
+def compile_to(spec: KernelSpec, dump_dir: str, line_info: bool = False,
+               ) -> tuple[str, str, float]:
+    """cute.compile for `spec.arch` with PTX + cubin kept in `dump_dir`; (ptx, cubin, seconds).
+    `line_info`: the PTX carries `.loc` directives naming the device code's Python lines (the
+    emulator's coverage report reads them)."""
     import cutlass.cute as cute
     import torch  # noqa: F401  (the DSL imports it lazily on first compile; pay it up front)
     from cutlass import BFloat16, Float32, Int32
@@ -117,18 +120,21 @@ def compile_to(spec: KernelSpec, dump_dir: str) -> tuple[str, str, float]:
         else:
             args.append(Int32(1))
     args += [Int32(1), make_fake_stream()]  # num_ctas (host-side grid), stream
-    return compile_kernel(DecodeMegakernel(spec), args, spec.arch, dump_dir)
+    return compile_kernel(DecodeMegakernel(spec), args, spec.arch, dump_dir, line_info)
 
 
-def compile_kernel(kernel, args: list, arch: str, dump_dir: str) -> tuple[str, str, float]:  # noqa: ANN001
+def compile_kernel(kernel, args: list, arch: str, dump_dir: str,  # noqa: ANN001
+                   line_info: bool = False) -> tuple[str, str, float]:
     """cute.compile(kernel, *args) for `arch`, PTX + cubin kept in `dump_dir` (which exists);
     (ptx, cubin, seconds). Shared by every AOT-built kernel (the megakernel, the HBM stream)."""
     import cutlass.cute as cute
 
+    options = f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    if line_info:
+        options += " --generate-line-info"
     t0 = time.perf_counter()
     try:
-        cute.compile(kernel, *args,
-                     options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump_dir}")
+        cute.compile(kernel, *args, options=options)
     except Exception as e:  # the DSL's own errors are long; keep the head
         raise BuildError(f"cute.compile failed for {arch}: {str(e)[:2000]}") from e
     dt = time.perf_counter() - t0
@@ -159,15 +165,19 @@ def build_arch(cfg: ModelConfig, arch: str, out_dir: str | Path, batch: int = 1,
     return build_spec(spec, cfg, out_dir)
 
 
-def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path) -> dict:
+def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path,
+               line_info: bool | None = None) -> dict:
     """Compile `spec` (for model `cfg`) into out_dir/<spec.arch>/, check its resources, write and
     return its manifest (build_arch's second half; a handler under development builds a
-    make_spec(..., unhandled="trap") spec with it)."""
+    make_spec(..., unhandled="trap") spec with it). `line_info`: compile_to's (None:
+    fingerprint.ENV_LINE_INFO decides)."""
+    if line_info is None:
+        line_info = fingerprint.line_info_requested()
     arch, batch, tokens = spec.arch, spec.batch, spec.tokens
     dest = Path(out_dir) / arch
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mk-dump-") as dump:
-        ptx_src, cubin_src, seconds = compile_to(spec, dump)
+        ptx_src, cubin_src, seconds = compile_to(spec, dump, line_info)
         shutil.copyfile(ptx_src, dest / PTX_NAME)
         shutil.copyfile(cubin_src, dest / CUBIN_NAME)
     ptx = (dest / PTX_NAME).read_text()
@@ -192,7 +202,7 @@ def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path) -> dict:
         "params": [{"name": p.name, "kind": p.kind, "dtype": p.dtype, "size": p.size,
                     "doc": p.doc} for p in PARAMS],
         "program_format_version": isa.FORMAT_VERSION,
-        "fingerprint": fingerprint.fingerprint(spec, dsl),
+        "fingerprint": fingerprint.fingerprint(spec, dsl, line_info),
         "dsl_version": dsl,
         "spec": spec.to_dict(),
         "model": cfg.name,
@@ -202,6 +212,7 @@ def build_spec(spec: KernelSpec, cfg: ModelConfig, out_dir: str | Path) -> dict:
         "resources": res,
         "budgets": {"registers": limits.REGISTER_BUDGET, "smem_bytes": limits.SMEM_BUDGET},
         "compile_seconds": round(seconds, 3),
+        "line_info": line_info,
     }
     (dest / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from megakernel import isa
@@ -34,9 +35,20 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def fingerprint(spec: KernelSpec, dsl_version: str) -> str:
-    """Key of a compiled kernel: sources + DSL version + arch + static config + ISA version."""
-    blob = json.dumps({"sources": source_digest(), "dsl": dsl_version, "spec": spec.to_dict(),
-                       "format_version": isa.FORMAT_VERSION}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+# set (to anything but 0): builds carry line info (build.compile_to), keyed apart from plain ones
+ENV_LINE_INFO = "MEGAKERNEL_LINE_INFO"
+
+
+def line_info_requested() -> bool:
+    return os.environ.get(ENV_LINE_INFO, "") not in ("", "0")
+
+
+def fingerprint(spec: KernelSpec, dsl_version: str, line_info: bool | None = None) -> str:
+    """Key of a compiled kernel: sources + DSL version + arch + static config + ISA version (+
+    line info, when the build carries it: `line_info`, default ENV_LINE_INFO)."""
+    d = {"sources": source_digest(), "dsl": dsl_version, "spec": spec.to_dict(),
+         "format_version": isa.FORMAT_VERSION}
+    if line_info_requested() if line_info is None else line_info:
+        d["line_info"] = True
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
