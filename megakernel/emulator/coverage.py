@@ -43,8 +43,6 @@ def loc_map(ptx: str) -> dict[int, tuple[str, int]]:
     out: dict[int, tuple[str, int]] = {}
     cur: tuple[str, int] | None = None
     for n, text in enumerate(lines, 1):
-        if _FILE.match(text):
-            continue
         m = _LOC.match(text)
         if m:
             name = files.get(m.group(1))

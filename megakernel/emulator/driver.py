@@ -6,7 +6,7 @@ validation before, the same device checks (against `emulated_device`) and the sa
 (runtime.launch_params). The tensors are CPU tensors and the kernel mutates them in place. Each
 launch takes the next scheduler seed, so a run's steps interleave differently and its results
 must not depend on that. With MEGAKERNEL_COVERAGE set, each launch records the PTX lines it
-executed (coverage.py: `record`).
+executed (`record`; coverage.py folds the records).
 
 The emulated device is an H200 with EMULATED_SMS SMs (one CTA each): the programs the emulator
 backend compiles have that many queues. The same PTX serves any CTA count; fewer keep a tiny

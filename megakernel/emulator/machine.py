@@ -52,10 +52,14 @@ class LaunchStats:
 
     warp_instructions: int = 0
     seconds: float = 0.0
-    executed: set[int] = field(default_factory=set)  # PTX line numbers
     hits: dict[int, int] = field(default_factory=dict)  # PTX line -> warp-instructions
     quanta: int = 0
     copies: int = 0
+
+    @property
+    def executed(self) -> set[int]:
+        """The PTX lines reached."""
+        return set(self.hits)
 
     @property
     def rate(self) -> float:
@@ -532,7 +536,6 @@ class Emulator:
                 raise EmulatorError(f"CTA {c.id} finished with {len(c.pending)} bulk copies "
                                     f"in flight (first from PTX line {c.pending[0][5].line})")
         code = self.kernel.code
-        stats.executed = {code[i].line for i, h in enumerate(hits) if h}
         stats.hits = {code[i].line: h for i, h in enumerate(hits) if h}
         stats.warp_instructions = self.count - start
         stats.seconds = time.perf_counter() - t0

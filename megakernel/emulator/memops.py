@@ -121,8 +121,8 @@ _ATOM = {"add": np.add, "max": np.maximum, "min": np.minimum, "and": np.bitwise_
 
 def _publishes(parts: tuple[str, ...]) -> bool:
     """A release wider than the CTA (st.release, red.release, atom.acq_rel; .gpu is the default
-    scope): another CTA may act on it,
-    so the scheduler may stall the releasing warp's siblings right after (machine.stall)."""
+    scope): another CTA may act on it, so the scheduler may stall the releasing warp's siblings
+    right after (machine.stall)."""
     return ("release" in parts or "acq_rel" in parts) and "cta" not in parts  # default: .gpu
 
 
