@@ -15,7 +15,7 @@ the GPU; the FP8 Llama-3.2-1B next to its bf16 model, for the FP8 targets).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,13 @@ class Case:
 
         max_blocks = -(-(24 + self.steps * self.tokens + 8) // self.paged)
         return PagedKV(self.batch * max_blocks + 3, self.paged, max_blocks)
+
+    def builds(self) -> tuple[Case, ...]:
+        """The cases whose builds this one launches: itself, and a speculative case's plain
+        kernel too (one token a step, no drafter: its greedy tokens are the case's truth)."""
+        if not self.drafts:
+            return (self,)
+        return (self, replace(self, tokens=1, drafts=0, ngram=0))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -32,7 +32,8 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
     from megakernel.kernel.model_spec import make_spec
 
     out, failed, done = [], [], set()
-    for c, v in wanted(stages) if cases is None else cases:
+    todo = wanted(stages) if cases is None else cases
+    for c, v in [(b, variant) for case, variant in todo for b in case.builds()]:
         cfg = c.config()  # in the case's weight format: an FP8 case gets its FP8 build
         fmt = f" {c.weights}" if c.fp8 else ""
         for arch in archs:

@@ -322,6 +322,28 @@ def test_prepare_reports_a_variant_that_cannot_serve_the_case(tmp_path, monkeypa
     assert "FAILED huge" in capsys.readouterr().out
 
 
+def test_prepare_builds_a_speculative_cases_plain_kernel_too(tmp_path, monkeypatch):
+    """A speculative case launches two builds (its truth is the plain kernel's greedy tokens):
+    prepare makes both, or the case cannot find its plain kernel on a machine without the DSL."""
+    from megakernel.gpu_check import prepare
+    from megakernel.gpu_check.cases import SPECULATIVE
+    from megakernel.kernel import build
+
+    made = []
+
+    def fake_build(cfg, arch, out, batch, tokens, **kw):  # noqa: ANN001, ANN202
+        made.append((cfg.name, batch, tokens, kw.get("replay_window"), kw.get("drafts")))
+        return {"resources": {"registers": 0, "spill_stores": 0, "spill_loads": 0},
+                "dynamic_smem_bytes": 0}
+
+    monkeypatch.setattr(build, "build_arch", fake_build)
+    _, failed = prepare(tmp_path, ["sm_90a"], [(c, "default") for c in SPECULATIVE])
+    assert not failed
+    for c in SPECULATIVE:
+        assert (c.model, c.batch, c.tokens, c.replay_window, c.drafts) in made
+        assert (c.model, c.batch, 1, c.replay_window, 0) in made, c.name
+
+
 def test_stage_tables_cover_what_the_issue_asks():
     from megakernel.gpu_check.cases import STAGES
     from megakernel.kernel.limits import tile_rows
