@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megakernel.arch import ARCHS  # noqa: E402
-from megakernel.cli import check_names  # noqa: E402
+from megakernel.cli.main import check_names  # noqa: E402
+from megakernel.common.arch import ARCHS  # noqa: E402
+from megakernel.common.progress import stage  # noqa: E402
 from megakernel.models import presets  # noqa: E402
-from megakernel.progress import stage  # noqa: E402
 
 
 def time_build(model: str, arch: str, batch: int, out: Path) -> dict:
@@ -72,6 +72,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from megakernel.cli import run_main
+    from megakernel.cli.main import run_main
 
     sys.exit(run_main(main))

@@ -7,8 +7,8 @@ achievable bandwidth, and the targets of the first measurements judged in the sa
 
 Hybrid models: the recurrent update against ReplaySSM (one row per fold window L) per batch.
 
-Measured in one run (CUDA events; random bf16 weights):
-- read: the HBM read-stream kernel on every SM (megakernel.measure.read_bandwidth; its build in
+Measured in one run (CUDA events; random bf16 weights): - read: the HBM read-stream kernel on every
+SM (megakernel.measure.bandwidth.read_bandwidth; its build in
   measure.stream_build_dir(--build-dir)); copy: device-to-device copy (bytes read + written);
   the yardstick is the larger of the two ("achievable");
 - kernel: `decode_step` captured in a CUDA graph, replayed (the program feeds its own tokens back);
@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-from megakernel.cli import check_names  # noqa: E402  (after the sys.path insert)
-from megakernel.measure import (  # noqa: E402  (after the sys.path insert)
+from megakernel.cli.main import check_names  # noqa: E402  (after the sys.path insert)
+from megakernel.launch.torch_decode import TorchDecode  # noqa: E402
+from megakernel.measure.bandwidth import (  # noqa: E402  (after the sys.path insert)
     ClockSampler,
     clocks,
     compile_timing,
@@ -45,7 +46,7 @@ from megakernel.measure import (  # noqa: E402  (after the sys.path insert)
     read_bandwidth,
     timed,
 )
-from megakernel.targets import (  # noqa: E402
+from megakernel.measure.targets import (  # noqa: E402
     HAZY_H200_S,
     TARGETS,
     Target,
@@ -53,7 +54,6 @@ from megakernel.targets import (  # noqa: E402
     metric,
     targets_text,
 )
-from megakernel.torch_decode import TorchDecode  # noqa: E402
 
 __all__ = ["HAZY_H200_S", "TARGETS", "Target", "evaluate_targets", "metric", "targets_text"]
 
@@ -65,8 +65,8 @@ def bench_batch(cfg, w: dict[str, torch.Tensor], batch: int, args: argparse.Name
     """One batch size: the kernel (CUDA-graph replays) and the torch baselines, same bytes;
     `window` > 0: the recurrent layers by ReplaySSM with that fold window (no torch baselines:
     they implement the dense families' recurrent-free step only)."""
-    from megakernel.kernel_backend import Megakernel
-    from megakernel.torch_decode import serves
+    from megakernel.launch.torch_decode import serves
+    from megakernel.serve.kernel_backend import Megakernel
 
     s_max = args.context + args.iters * 8 + 64
     res: dict = {"batch": batch, "replay_window": window}
@@ -225,6 +225,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from megakernel.cli import run_main
+    from megakernel.cli.main import run_main
 
     sys.exit(run_main(main))

@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.cli import check_names  # noqa: E402
+from megakernel.cli.main import check_names  # noqa: E402
+from megakernel.common.progress import stage  # noqa: E402
 from megakernel.models import fp8, preset, presets  # noqa: E402
 from megakernel.program.compiler import compile_program  # noqa: E402
 from megakernel.program.gpus import GPUS, gpu  # noqa: E402
 from megakernel.program.verify import check_program  # noqa: E402
-from megakernel.progress import stage  # noqa: E402
 
 MODELS = ("llama-3.2-1b", "llama-3.1-8b", "qwen3.5-0.8b", "nemotron-h-8b", "kimi-linear-48b-a3b")
 TARGETS = {"llama-3.2-1b": 0.65, "llama-3.1-8b": 0.56}  # FP8 / bf16 step, H200, B = 1
@@ -74,6 +74,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from megakernel.cli import run_main
+    from megakernel.cli.main import run_main
 
     raise SystemExit(run_main(main))

@@ -45,7 +45,7 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):",
 
 
 def tokenize(path: str) -> list[list[int]]:
-    from megakernel.generate_cli import load_tokenizer
+    from megakernel.cli.generate import load_tokenizer
 
     tok = load_tokenizer(path)
     return [list(tok(p)["input_ids"]) for p in PROMPTS]
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.model is None:
-        from megakernel.real_models import fetch
+        from megakernel.serve.real_models import fetch
 
         args.model = str(fetch())
     prompts = tokenize(args.model)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def executor_check(cfg, w8, prompts: list[list[int]], steps: int) -> dict:  # noqa: ANN001
     """The FP8 program on the CPU executor against the FP8 reference's bf16 mirror."""
-    from megakernel.executor.generate import generate as ex_generate
+    from megakernel.serve.executor_backend import generate as ex_generate
 
     mirror = ReferenceModel(cfg, w8, mode="bf16")
     want = ref_generate(mirror, prompts, steps)

@@ -36,12 +36,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel import isa  # noqa: E402
+from megakernel.isa.stages import Instr  # noqa: E402
 from megakernel.models import preset  # noqa: E402
 from megakernel.program.compiler import Program, compile_program, count_signals  # noqa: E402
 from megakernel.program.cost import CostParams, CostReport  # noqa: E402
 from megakernel.program.gpus import gpu  # noqa: E402
 from megakernel.program.replay import replay  # noqa: E402
-from megakernel.program.stages import Instr  # noqa: E402
 
 MODEL = "llama-3.2-1b"
 HAZY_PAGES, HAZY_PAGE_BYTES = 13, 16 * 1024  # static_assert(NUM_PAGES == 13), 16 KiB pages
@@ -229,6 +229,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from megakernel.cli import run_main
+    from megakernel.cli.main import run_main
 
     raise SystemExit(run_main(main))

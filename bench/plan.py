@@ -17,12 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.cli import check_names  # noqa: E402
+from megakernel.cli.main import check_names  # noqa: E402
+from megakernel.common.progress import stage  # noqa: E402
 from megakernel.models import preset, presets, real_presets  # noqa: E402
 from megakernel.program.compiler import compile_program  # noqa: E402
 from megakernel.program.gpus import GPUS, gpu  # noqa: E402
 from megakernel.program.verify import check_program  # noqa: E402
-from megakernel.progress import stage  # noqa: E402
 
 
 def dense_presets() -> list[str]:
@@ -75,6 +75,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from megakernel.cli import run_main
+    from megakernel.cli.main import run_main
 
     raise SystemExit(run_main(main))

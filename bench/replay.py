@@ -36,7 +36,8 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel import isa  # noqa: E402
-from megakernel.cli import check_names  # noqa: E402
+from megakernel.cli.main import check_names  # noqa: E402
+from megakernel.isa.stages import PlanError  # noqa: E402
 from megakernel.layers import kind  # noqa: E402
 from megakernel.layers.base import StepShape  # noqa: E402
 from megakernel.layers.moe import SHARED  # noqa: E402
@@ -52,7 +53,6 @@ from megakernel.program.compiler import (  # noqa: E402
 )
 from megakernel.program.gpus import GPU, GPUS, gpu  # noqa: E402
 from megakernel.program.pack import weight_layout  # noqa: E402
-from megakernel.program.stages import PlanError  # noqa: E402
 
 # a cost-model compile places every instruction on a simulated timeline. Programs of more than
 # SLOW_INSTRUCTIONS instructions at batch 1 are compiled at batch 1 only (the dense-MLP hybrids
@@ -298,6 +298,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from megakernel.cli import run_main
+    from megakernel.cli.main import run_main
 
     raise SystemExit(run_main(main))

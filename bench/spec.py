@@ -29,12 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megakernel.cli import CliError, check_names  # noqa: E402
+from megakernel.cli.main import CliError, check_names  # noqa: E402
+from megakernel.cli.plan import check_acceptance, speculative_summary  # noqa: E402
+from megakernel.common.progress import stage  # noqa: E402
 from megakernel.models import preset, presets  # noqa: E402
-from megakernel.plan_cli import check_acceptance, speculative_summary  # noqa: E402
 from megakernel.program.compiler import compile_program  # noqa: E402
 from megakernel.program.gpus import GPUS, gpu  # noqa: E402
-from megakernel.progress import stage  # noqa: E402
 from megakernel.reference.speculative import NGRAM_MAX  # noqa: E402
 
 MODELS = ("llama-3.2-1b", "qwen3-0.6b", "qwen3.5-0.8b", "nemotron-h-8b")
@@ -151,6 +151,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from megakernel.cli import run_main
+    from megakernel.cli.main import run_main
 
     raise SystemExit(run_main(main))

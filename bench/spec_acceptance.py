@@ -52,12 +52,12 @@ def per_draft_acceptance(tokens_per_step: float, k: int) -> float:
 def measure(path: Path, steps: int, ks: list[int], backend: str) -> list[dict]:
     import torch
 
-    from megakernel.chat import chat_ids
-    from megakernel.engine import spec_max_seq_len
     from megakernel.models.gguf import gguf_tokenizer, load_gguf
     from megakernel.reference.model import ReferenceModel
     from megakernel.reference.model import generate as ref_plain
     from megakernel.reference.speculative import generate as ref_spec
+    from megakernel.serve.chat import chat_ids
+    from megakernel.serve.engine import spec_max_seq_len
 
     cfg, w = load_gguf(path, dtype=torch.bfloat16)
     tok = gguf_tokenizer(path)
@@ -70,14 +70,14 @@ def measure(path: Path, steps: int, ks: list[int], backend: str) -> list[dict]:
         if backend == "reference":
             toks, acc = ref_spec(model, prompts, steps, k)
         else:
-            from megakernel.engine import program_generate
-            from megakernel.executor.generate import (
+            from megakernel.program.compiler import compile_program
+            from megakernel.program.pack import pack_weights
+            from megakernel.serve.engine import program_generate
+            from megakernel.serve.executor_backend import (
                 executor_gpu,
                 executor_steppers,
                 speculative_stepper,
             )
-            from megakernel.program.compiler import compile_program
-            from megakernel.program.pack import pack_weights
 
             s_max = spec_max_seq_len(max(map(len, prompts)), steps, k)
 
@@ -144,7 +144,7 @@ def speedups(rows: list[dict], models: list[str], gpu_name: str, window: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megakernel.real_models import SMOLLM2, FetchError, fetch
+    from megakernel.serve.real_models import SMOLLM2, FetchError, fetch
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=64)

@@ -1,12 +1,12 @@
 """megakernel: one persistent fused GPU kernel per LLM decode step, its program, a CPU executor
-of that program and a torch reference. The Python API (megakernel.api):
+of that program and a torch reference. The Python API (megakernel.serve.api):
 
     import megakernel as mk
     llm = mk.load("llama-tiny", backend="auto", max_batch=8, max_seq_len=256)
     out = llm.generate([[5, 17, 3], [7, 1]], max_new_tokens=16)
 
-Importing the package registers torch.ops.megakernel.decode_step (megakernel.torch_op); it never
-imports the DSL compiler.
+Importing the package registers torch.ops.megakernel.decode_step (megakernel.launch.torch_op); it
+never imports the DSL compiler.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ def _version() -> str:
 
 __version__ = _version()
 
-from megakernel import torch_op  # noqa: E402  (registers torch.ops.megakernel.decode_step)
-from megakernel.api import (  # noqa: E402
+from megakernel.launch import torch_op  # noqa: E402  (registers torch.ops.megakernel.decode_step)
+from megakernel.serve.api import (  # noqa: E402
     BACKENDS,
     LLM,
     GenerationError,
     GenerationOutput,
     load,
 )
-from megakernel.engine import program_generate  # noqa: E402
+from megakernel.serve.engine import program_generate  # noqa: E402
 
 __all__ = ["BACKENDS", "GenerationError", "GenerationOutput", "LLM", "__version__", "load",
            "program_generate", "torch_op"]

@@ -1,5 +1,5 @@
-"""`python -m megakernel ...`: see megakernel.cli."""
+"""`python -m megakernel ...`: see megakernel.cli.main."""
 
-from megakernel.cli import main
+from megakernel.cli.main import main
 
 raise SystemExit(main())

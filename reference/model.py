@@ -400,7 +400,7 @@ def generate(model: ReferenceModel, prompts: list[list[int]], steps: int,
         return [[] for _ in prompts]
     if max_seq_len is None:
         max_seq_len = max(len(p) for p in prompts) + steps - 1
-    from megakernel.finite import check_logits
+    from megakernel.common.finite import check_logits
 
     cache = model.new_cache(len(prompts), max_seq_len)
     logits = model.prefill(cache, prompts)  # [B, V]

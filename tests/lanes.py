@@ -186,9 +186,11 @@ def package_of(module: str) -> str:
 
 
 def all_packages() -> set[str]:
-    """Every package under megakernel/ (the reference/ link excluded: tests/reference is its)."""
+    """Every package under megakernel/ that holds modules of its own (the reference/ link
+    excluded: tests/reference is its; a folder of subpackages only, like kernel/, is covered by
+    theirs)."""
     root = TESTS.parent / "megakernel"
     return {"megakernel"} | {
         "megakernel." + ".".join(p.parent.relative_to(root).parts)
         for p in root.rglob("__init__.py") if p.parent != root and "reference" not in
-        p.relative_to(root).parts}
+        p.relative_to(root).parts and any(q.name != "__init__.py" for q in p.parent.glob("*.py"))}

@@ -180,7 +180,7 @@ def test_layer_kinds_import_nothing_of_the_models() -> None:
     """The models reach every layer kind through the layers' registry (`layers.kind(name)` imports
     megakernel.layers.<name> at run time), which the graph above cannot see: a layer kind that
     imports megakernel.models (ConfigError, RopeConfig, ...) closes a cycle. Their shared pieces
-    live in megakernel.errors and megakernel.rope."""
+    live in megakernel.common.errors and megakernel.common.rope."""
     graph = import_graph()
     bad = [f"{m} -> {t} ({f}:{line})" for m, edges in graph.items()
            if m.startswith("megakernel.layers.")

@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from megakernel import isa
-from megakernel.finite import NonFiniteError
+from megakernel.common.finite import NonFiniteError
+from megakernel.common.registry import Registry
 from megakernel.layers import kind
 from megakernel.layers.base import STREAM
 from megakernel.layers.frame import needs as frame_needs
-from megakernel.registry import Registry
 
 __all__ = ["BLOCKED", "Executor", "ExecutorError", "DeadlockError", "RaceError",
            "WriteCountError", "op"]
@@ -452,7 +452,7 @@ class Executor:
     def _check_counts(self, lengths: list[int], ring_before: torch.Tensor | None) -> None:
         p, cfg, b = self.prog, self.cfg, self.prog.buffers
         shape = p.step_shape()
-        end = next(i for i in p.instrs if i.op in (isa.Op.ARGMAX, isa.Op.ACCEPT))
+        end = next(i for i in p.instrs if isa.spec(i.op).ends_step)
         flags, n_tiles = end.operands.get("FLAGS", 0), end.operands["N_TILES"]
         expect = {k: torch.zeros_like(t.count) for k, t in self.tracks.items()}
 

@@ -32,7 +32,7 @@ from megakernel.gpu_check.compare import MIN_PREFIX, common_prefix, greedy_check
 from megakernel.gpu_check.driver import BUDGET_S, EMULATE_BUDGET_S, SIMULATE_BUDGET_S
 from megakernel.gpu_check.prepare import prepare
 from megakernel.gpu_check.report import markdown, measurements
-from megakernel.kernel.variants import VARIANTS, variants
+from megakernel.kernel.host.variants import VARIANTS, variants
 
 __all__ = ["STAGES", "VARIANTS", "Case", "MIN_PREFIX", "common_prefix", "greedy_check",
            "top2_margin", "variant_dir", "variants", "prepare", "gpu_check", "add_arguments",
@@ -51,13 +51,13 @@ def gpu_check(out: Path, build_dir: Path, stages: list[int] | None = None,
                     else BUDGET_S)
     arch = None
     if emulate:
-        from megakernel.emulator.driver import EMULATED_ARCH
+        from megakernel.launch.emulated import EMULATED_ARCH
 
         arch = EMULATED_ARCH
     elif not simulate:
         import torch
 
-        from megakernel.runtime import KernelUnavailable, device_info
+        from megakernel.launch.runtime import KernelUnavailable, device_info
 
         if not torch.cuda.is_available():  # checked in the parent: no context is created
             raise KernelUnavailable("gpu-check needs a CUDA GPU and none is available here; "

@@ -22,7 +22,7 @@ def measure_bandwidth(build_dir: Path, simulate: bool) -> dict[str, Any]:
     """Read and copy bandwidth (bytes/s) and the clocks before the steps."""
     if simulate:
         return {"simulated": True, "note": "no GPU: nothing measured"}
-    from megakernel import measure
+    from megakernel.measure import bandwidth as measure
 
     read = measure.read_bandwidth(measure.stream_build_dir(build_dir))
     copy = measure.copy_bandwidth()
@@ -36,7 +36,7 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
     """Steps at `context` cached tokens, captured in a CUDA graph; time per step (median of 5
     groups of CUDA-event-timed replays) next to the cost model's prediction and the floor."""
     from megakernel.gpu_check.case import config
-    from megakernel.kernel_backend import Megakernel
+    from megakernel.serve.kernel_backend import Megakernel
 
     cfg = config(c, simulate)
     dev = "cpu" if simulate else "cuda"
@@ -85,7 +85,7 @@ def bench_case(c: Case, build_dir: Path, weights, variant: str, achievable: floa
             run_once()
         step_s = (time.perf_counter() - t0) / replays
     else:
-        from megakernel import measure
+        from megakernel.measure import bandwidth as measure
 
         with measure.ClockSampler() as sampler:  # clocks while the steps run (read only)
             step_s = measure.timed(run_once, max(1, replays // 5), warmup=2, groups=5)
@@ -106,9 +106,9 @@ def torch_compile_baseline(c: Case, weights, simulate: bool, context: int = 1024
     timed in this run (the ratio the targets quote)."""
     if simulate:
         return {"case": c.name, "simulated": True, "note": "no GPU: not timed"}
-    from megakernel import measure
+    from megakernel.launch.torch_decode import TorchDecode
+    from megakernel.measure import bandwidth as measure
     from megakernel.models import preset
-    from megakernel.torch_decode import TorchDecode
 
     if c.fp8:  # the baseline is the bf16 torch step; an FP8 row has none
         return {"case": c.name, "note": "no torch.compile baseline of FP8 weights"}
@@ -123,8 +123,8 @@ def timeline(c: Case, build_dir: Path, weights, simulate: bool) -> dict[str, Any
     """One step of the timeline variant: its per-instruction records (for `plan --timeline`)."""
     if simulate:
         return {"case": c.name, "simulated": True, "note": "no GPU: no records"}
-    from megakernel import timeline as tl
-    from megakernel.kernel_backend import Megakernel
+    from megakernel.measure import timeline as tl
+    from megakernel.serve.kernel_backend import Megakernel
 
     cfg = c.config()
     mk = Megakernel(cfg, weights.get(cfg), batch=c.batch, tokens=1, max_seq_len=1024 + 64,

@@ -133,8 +133,8 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
              seed: int = 0, emulate: bool = False) -> dict[str, Any]:
     """One case: `simulate` runs on the CPU (the CPU executor serves the launches, or with
     `emulate` the case's build on the PTX emulator)."""
-    from megakernel.kernel_backend import Megakernel
     from megakernel.reference.model import ReferenceModel
+    from megakernel.serve.kernel_backend import Megakernel
 
     t0 = time.perf_counter()
     cfg = config(c, simulate)
@@ -169,7 +169,7 @@ def run_case(c: Case, build_dir: Path | None, weights: Weights, simulate: bool =
         unwritten=0,
         first_failure_step=None, simulated=simulate, emulated=emulate)
     if mk.manifest is not None:
-        from megakernel.kernel.spec import KernelSpec
+        from megakernel.kernel.config.spec import KernelSpec
 
         built = KernelSpec.from_dict(mk.manifest.spec)
         res.update(gemv="mma" if built.mma else "fma", smem_stages=built.smem_stages)

@@ -57,8 +57,8 @@ def bench_items(build_dir: Path, arch: str | None) -> list[dict[str, Any]]:
     """The benchmark stage: bandwidths and clocks first, then the decode benchmarks (default
     variant; the global one and the one without the L2 lookahead on the first case), the
     torch.compile baselines at B = 1 (dense families) and one step's timeline."""
+    from megakernel.launch.torch_decode import serves
     from megakernel.models import preset
-    from megakernel.torch_decode import serves
 
     first = BENCH_CASES[0]
     out = [item("measure", first, "default", 60)]
@@ -77,8 +77,8 @@ def have_build(build_dir: Path, it: dict[str, Any], arch: str | None) -> bool:
     """The item's variant has a build for its case and this GPU's arch (None: simulated)."""
     if arch is None:
         return True
-    from megakernel.kernel.model_spec import make_spec
-    from megakernel.kernel.variants import VARIANTS
+    from megakernel.kernel.config.model_spec import make_spec
+    from megakernel.kernel.host.variants import VARIANTS
 
     c = Case.from_dict(it["case"])
     try:
@@ -360,14 +360,14 @@ def _device_info(simulate: bool, emulate: bool = False) -> dict[str, Any]:
     import torch
 
     if emulate:
-        from megakernel.emulator.driver import EMULATED_ARCH, EMULATED_SMS
+        from megakernel.launch.emulated import EMULATED_ARCH, EMULATED_SMS
 
         return {"device": "PTX emulator",
                 "arch": EMULATED_ARCH, "sms": EMULATED_SMS, "torch": torch.__version__}
     if simulate:
         return {"device": "CPU executor (simulated)", "arch": "simulated", "sms": 0,
                 "torch": torch.__version__}
-    from megakernel.runtime import device_info
+    from megakernel.launch.runtime import device_info
 
     d = device_info()
     return {"device": d.name, "capability": list(d.capability), "arch": d.arch,

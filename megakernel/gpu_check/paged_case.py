@@ -24,10 +24,10 @@ from megakernel.gpu_check import compare
 class PagedRun:
     def __init__(self, c, mk, cache16_cpu, build_dir, simulate: bool,  # noqa: ANN001
                  emulate: bool = False) -> None:
-        from megakernel.device_state import allocate_state
+        from megakernel.launch.device_state import allocate_state
+        from megakernel.launch.torch_op import register_program
         from megakernel.program.compiler import compile_program
         from megakernel.program.paged import load_pages
-        from megakernel.torch_op import register_program
 
         self.pool, self.mk, self.c = c.pool(), mk, c
         self.live = c.batch - 1 if c.batch > 1 else c.batch  # the last sequence: padding
@@ -95,9 +95,9 @@ class PagedRun:
 def _register_build(mk, prog, c, build_dir, pool, emulate: bool = False) -> int:  # noqa: ANN001
     """The paged build of the case (prepared next to the contiguous one, of the contiguous
     kernel's arch), checked against the paged program; `emulate`: on the emulator."""
-    from megakernel.device_state import find_build
-    from megakernel.launch_checks import check_header, check_records
-    from megakernel.torch_op import register_build
+    from megakernel.launch.checks import check_header, check_records
+    from megakernel.launch.device_state import find_build
+    from megakernel.launch.torch_op import register_build
 
     m = find_build(mk.cfg, c.batch, c.tokens, mk.manifest.arch, build_dir, paged=pool)
     check_records(prog.records(), m.spec)

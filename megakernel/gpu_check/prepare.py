@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from megakernel.gpu_check.cases import Case, stage_cases, variant_dir
-from megakernel.kernel.variants import VARIANTS
+from megakernel.kernel.host.variants import VARIANTS
 
 
 def wanted(stages: list[int] | None = None) -> list[tuple[Case, str]]:
@@ -28,8 +28,8 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
     """Build every (case, variant) for every arch (or `cases`, or those of `stages`), and the HBM
     stream kernel (all stages); a build that fails (or a variant that cannot serve a case) is
     reported and skipped. Returns the manifests and the failures ('variant case arch: error')."""
-    from megakernel.kernel.build import build_arch
-    from megakernel.kernel.model_spec import make_spec
+    from megakernel.kernel.config.model_spec import make_spec
+    from megakernel.kernel.toolchain.build import build_arch
 
     out, failed, done = [], [], set()
     todo = wanted(stages) if cases is None else cases
@@ -66,8 +66,8 @@ def prepare(build_dir: str | Path, archs: list[str], cases: list[tuple[Case, str
 
 
 def _stream(build_dir: str | Path, archs: list[str], failed: list[str]) -> list[dict]:
-    from megakernel.kernel.stream import build_stream
-    from megakernel.measure import stream_build_dir
+    from megakernel.kernel.toolchain.stream_build import build_stream
+    from megakernel.measure.bandwidth import stream_build_dir
 
     out = []
     for arch in archs:

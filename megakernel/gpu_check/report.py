@@ -159,12 +159,12 @@ def lookahead_ab(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _targets(d: dict[str, Any]) -> list[dict[str, Any]]:
-    """The first measurements' targets (megakernel.targets.TARGETS), judged on this run's
+    """The first measurements' targets (megakernel.measure.targets.TARGETS), judged on this run's
     default-variant decode steps and torch.compile baselines; none when simulated."""
     if d.get("simulated"):
         return []
     try:
-        from megakernel.targets import TARGETS, evaluate_targets
+        from megakernel.measure.targets import TARGETS, evaluate_targets
 
         bws = [d.get("read_bandwidth_GBps"), d.get("copy_bandwidth_GBps")]
         out = []

@@ -45,8 +45,8 @@ def run_speculative_case(c: Case, build_dir: Path | None, weights, simulate: boo
                          seed: int = 0, emulate: bool = False) -> dict[str, Any]:
     from megakernel.executor import Executor
     from megakernel.gpu_check.case import SIMULATED_STEPS, _to_cpu, config
-    from megakernel.kernel_backend import Megakernel
     from megakernel.reference.model import ReferenceModel
+    from megakernel.serve.kernel_backend import Megakernel
 
     t0 = time.perf_counter()
     cfg = config(c, simulate)

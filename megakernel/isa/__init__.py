@@ -1,7 +1,8 @@
-"""The megakernel instruction set: the record format (records.py) and the opcode registry
-(registry.py), which the layer kinds fill with their opcodes. This is the contract between the
-program compiler, the verifier, the cost model, the CPU executor, the runtime and the CuTe DSL
-kernel; `table_markdown()` prints it.
+"""The megakernel instruction set: the record format (records.py), the opcode registry
+(registry.py), which the layer kinds fill with their opcodes, and the instructions before they
+are encoded (stages.py: the stages of work the layer kinds emit and the compiler schedules).
+This is the contract between the program compiler, the verifier, the cost model, the CPU
+executor, the runtime and the CuTe DSL kernel; `table_markdown()` prints it.
 
 Buffers and rounding points are documented by the layer kinds that declare them
 (megakernel/layers/) and summarised in docs/ARCHITECTURE.md.
@@ -31,6 +32,7 @@ from megakernel.isa.records import (
     split64,
 )
 from megakernel.isa.registry import (
+    FRAME_STEPS,
     MATVEC,
     Op,
     OpCode,
@@ -38,17 +40,22 @@ from megakernel.isa.registry import (
     decode,
     describe,
     encode,
+    frame_ops,
     register,
     spec,
     specs,
+    step_end,
+    step_ops,
+    step_start,
 )
 
 __all__ = [
-    "COMMON_FIELDS", "COMMON_WORDS", "COUNTER_BASE", "EPOCH", "EXIT", "FLAG_ADVANCE",
+    "COMMON_FIELDS", "COMMON_WORDS", "COUNTER_BASE", "EPOCH", "EXIT", "FLAG_ADVANCE", "FRAME_STEPS",
     "FLAG_FEEDBACK", "FORMAT_VERSION", "GATEUP_BLOCK", "MATVEC", "MAX_ROWS", "NO_COUNTER",
     "OPERAND_WORDS", "RECORD_WORDS", "ROW_ALIGN", "SUPPORTED_HEAD_DIMS", "WIDE", "Op", "OpCode",
-    "OpSpec", "as_tensor", "decode", "describe", "encode", "field_index", "join64", "register",
-    "spec", "specs", "split64", "table_markdown", "slab_ops", "matvec_ops",
+    "OpSpec", "as_tensor", "decode", "describe", "encode", "field_index", "frame_ops", "join64",
+    "register", "spec", "specs", "split64", "step_end", "step_ops",
+    "step_start", "table_markdown", "slab_ops", "matvec_ops",
 ]
 
 
@@ -76,6 +83,9 @@ def table_markdown() -> str:
         props = [p for p in ("slab", "reach", "ticket", "device") if getattr(s, p)]
         if s.matvec:
             props.append(f"matvec epilogue {s.matvec}")
+        if s.step:
+            props.append(f"frame: {s.step} steps" + (", ends the step" if s.ends_step else "")
+                         + (f", waits on {s.waits_on}" if s.waits_on else ""))
         lines += ["", f"**{s.code} {s.name}** ({s.kind}; {', '.join(props) or 'no properties'}):"
                   f" {s.doc}", ""]
         lines += [f"- word {COMMON_WORDS + i} `{n}`: {doc}"

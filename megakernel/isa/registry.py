@@ -11,23 +11,37 @@ Properties:
                 element W of the weight arena, which the loader streams before the wait (a slab
                 opcode is a matvec opcode, so these are at the same words in every one)
     matvec      the epilogue class of an opcode run by the parametrised matvec handler,
-                "module.Class" in megakernel.kernel (kernel/epilogue.py; its operands start with
-                `MATVEC`, so the handler reads them at fixed words)
+                "module.Class" in megakernel.kernel.device (kernel/device/epilogue.py; its
+                operands start with `MATVEC`, so the handler reads them at fixed words)
     reach       bytes the record reads that do not depend on the step (cached keys/values, a
                 recurrent state) are fetched when the CTA reaches it, before the wait
     ticket      SIGNAL_CID is a ticket: the last of its signallers runs a merge and then signals
                 the counter in operand DONE_CID
     device      the CuTe DSL kernel implements it (a build refuses programs with other opcodes)
     handler     the device handler class of a device opcode that is not a matvec, "module.Class"
-                in megakernel.kernel (kernel/handler.py); the frame's END, EMBED and ARGMAX run in
-                the persistent loop itself
+                in megakernel.kernel.device (kernel/device/handler.py); a device opcode with
+                neither (the frame's END, EMBED, ARGMAX, ACCEPT) runs in the persistent loop itself
+
+The frame's opcodes (the embedding, the LM head, the step's end, the device drafter) declare
+their place in a step, so that no consumer names them:
+    step        the sorts of step that have it (FRAME_STEPS): every step, a plain step's end, a
+                speculative step's end, the device n-gram drafter's (frame_ops, step_ops)
+    starts_step it starts the step: the first block's first opcodes wait on it (the embedding)
+    ends_step   it ends the step: merges the LM head's partial argmaxes into the tokens (the
+                executor's exactly-once check and the compiler's LM-tile count read it)
+    waits_on    the frame opcode whose signal its records wait on (the verifier's dataflow)
+    covers      what its records of a step cover together, exactly once (the verifier's
+                coverage): (extent, lo, hi) with extent "rows" (the step's activation rows),
+                "batch" (its sequences) or "one" (one record), each record [d[lo], d[hi])
+    check       its record check against a build, (decoded record, KernelSpec) -> why not ('')
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from megakernel.isa.records import (
     COMMON_FIELDS,
@@ -79,6 +93,10 @@ class OpCode(int):
         return (_by_code, (int(self),))
 
 
+# the sorts of step a frame opcode belongs to (OpSpec.step; frame_ops)
+FRAME_STEPS = ("all", "plain", "speculative", "ngram")
+
+
 @dataclass(frozen=True)
 class OpSpec:
     code: int
@@ -88,11 +106,19 @@ class OpSpec:
     operands: tuple[tuple[str, str], ...]
     notes: str = ""  # longer semantics for the ISA table
     slab: bool = False
-    matvec: str | None = None  # the epilogue class, "module.Class" in megakernel.kernel
+    matvec: str | None = None  # the epilogue class, "module.Class" in megakernel.kernel.device
     reach: bool = False
     ticket: bool = False
     device: bool = False
-    handler: str | None = None  # the device handler class, "module.Class" in megakernel.kernel
+    handler: str | None = None  # the device handler class, "module.Class" (as matvec)
+    # the frame's opcodes (kind "frame"): the steps that have one (FRAME_STEPS), whether it ends
+    # the step, the frame opcode it waits on, and its record check against a build
+    step: str = ""
+    starts_step: bool = False
+    ends_step: bool = False
+    waits_on: str | None = None
+    covers: tuple[str, str, str] | None = None  # (extent, first operand, end operand)
+    check: Callable[[dict, Any], str] | None = None  # (decoded record, KernelSpec) -> why not
     names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +136,13 @@ class OpSpec:
                              "matvecs (those run on their epilogue)")
         if self.ticket and "DONE_CID" not in self.names:
             raise ValueError(f"{self.name}: a ticket opcode names DONE_CID")
+        if self.covers is not None and (self.covers[0] not in ("rows", "batch", "one") or any(
+                n not in self.names for n in self.covers[1:] if self.covers[0] != "one")):
+            raise ValueError(f"{self.name}: covers {self.covers} (rows/batch with two operands, "
+                             "or one)")
+        if self.step not in ("", *FRAME_STEPS) or (self.step and self.kind != "frame"):
+            raise ValueError(f"{self.name}: step {self.step!r} (a frame opcode's: one of "
+                             f"{FRAME_STEPS})")
 
     @property
     def op(self) -> OpCode:
@@ -166,6 +199,37 @@ def load_all() -> None:
 
         all_kinds()
         _LOADED = True
+
+
+def frame_ops(step: str) -> tuple[OpCode, ...]:
+    """The frame opcodes a step of this sort has, by number: "all" (every step: END, EMBED, the
+    LM head), "plain" (a plain step's end), "speculative" (a verify step's end, which accepts the
+    drafts), "ngram" (the device drafter of a speculative step)."""
+    if step not in FRAME_STEPS:
+        raise ValueError(f"no frame step {step!r}; one of {FRAME_STEPS}")
+    return tuple(s.op for s in specs() if s.step == step)
+
+
+def step_end(step: str) -> OpCode:
+    """The opcode that ends a step of this sort ("plain" or "speculative")."""
+    ends = [op for op in frame_ops(step) if spec(op).ends_step]
+    if len(ends) != 1:
+        raise ValueError(f"a {step} step has {len(ends)} ending opcodes, not one")
+    return ends[0]
+
+
+def step_start() -> OpCode:
+    """The opcode every step starts with, which the first block waits on (the embedding)."""
+    (op,) = (op for op in frame_ops("all") if spec(op).starts_step)
+    return op
+
+
+def step_ops(drafts: int = 0, ngram: int = 0) -> tuple[OpCode, ...]:
+    """The frame opcodes of a plain step, or of a speculative one (`drafts` >= 1; the device
+    drafter's with `ngram` >= 1)."""
+    steps = ("all", "speculative" if drafts else "plain") + (("ngram",) if drafts and ngram
+                                                               else ())
+    return tuple(op for s in steps for op in frame_ops(s))
 
 
 def specs() -> list[OpSpec]:

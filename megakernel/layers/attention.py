@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megakernel.errors import ConfigError, positive
+from megakernel.common.errors import ConfigError, positive
+from megakernel.common.rope import RopeConfig
 from megakernel.isa.records import SUPPORTED_HEAD_DIMS
 from megakernel.isa.registry import MATVEC, OpSpec, register
-from megakernel.kernel.dense_index import attn_merge_round_trips, attn_round_trips
+from megakernel.isa.stages import Instr, ProgramError, Stage
+from megakernel.kernel.host.dense_index import attn_merge_round_trips, attn_round_trips
 from megakernel.layers.base import (
     CONST,
     LayerKind,
@@ -30,8 +32,6 @@ from megakernel.layers.base import (
     register_kind,
 )
 from megakernel.layers.frame import OPROJ, residual_stage
-from megakernel.program.stages import Instr, Stage
-from megakernel.rope import RopeConfig
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ class Attention(LayerKind):
     def needs(cls, blk, model, shape: StepShape) -> list[Need]:  # noqa: ANN001
         c, n, s = blk.cfg, shape.rows, shape.n_splits
         # the gate first: its offset then does not depend on the split count (the kernel takes
-        # it as a compile-time constant, kernel/spec.py gate_offset)
+        # it as a compile-time constant, kernel/config/spec.py gate_offset)
         out = [Need("f32", "gate", (n, c.num_heads, c.head_dim))] if c.output_gate else []
         out += [Need("f32", "part_o", (s, n, c.num_heads, c.head_dim)),
                 Need("f32", "part_ml", (s, n, c.num_heads, 2)),
@@ -352,8 +352,6 @@ class Attention(LayerKind):
 
     @classmethod
     def check_record(cls, d: dict, blk, prog, where: str) -> None:  # noqa: ANN001
-        from megakernel.program.verify import ProgramError
-
         if d["OPCODE"].name != "QKV":
             return
         dh, slots = blk.cfg.head_dim, blk.cfg.slots

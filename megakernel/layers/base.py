@@ -20,10 +20,10 @@ program      its opcodes (isa.registry, declared in the kind's module), `stages`
              `slab_passes` (matrices whose slabs are bound at run time)
 cost         `step_bytes` (bytes by category, for the per-family byte accounting)
 kernel       `kernel_constants` (the shapes a build bakes in), `kernel_shape` (its handlers'
-             index arithmetic), `kernel_support`, `kernel_check`, `matvec_shapes`,
-             `kernel_header`, `kv_layout`, `check_kernel_record`: the kind's device
-             declaration, read generically by the build (kernel/spec.py, kernel/model_spec.py)
-             and the launcher's checks (runtime.py)
+             index arithmetic), `kernel_support`, `kernel_check`, `matvec_shapes`, `kernel_header`,
+             `kv_layout`, `check_kernel_record`: the kind's device declaration, read generically by
+             the build (kernel/config/spec.py, kernel/config/model_spec.py) and the launcher's
+             checks (runtime.py)
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from megakernel.registry import Registry
+from megakernel.common.registry import Registry
 
 if TYPE_CHECKING:
     import torch
 
+    from megakernel.isa.stages import Stage
     from megakernel.models.config import Block, ModelConfig
     from megakernel.program.paged import PagedKV
-    from megakernel.program.stages import Stage
 
 KINDS: Registry[type[LayerKind]] = Registry("megakernel.layers", "layer kind",
                                            skip=("base", "recurrent"))
@@ -116,7 +116,7 @@ class LayerKind:
     flow: ClassVar[dict[str, object]] = {}
     out_op: ClassVar[str] = ""  # the opcode whose counter ends the block: derived from `flow`
     # a speculative step's opcodes of the kind that run after the step's end: opcode name -> the
-    # frame opcode they wait on (layers/speculative.py)
+    # sort of step whose end they wait on (isa.step_end: "speculative", layers/speculative.py)
     after: ClassVar[dict[str, str]] = {}
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -128,7 +128,7 @@ class LayerKind:
                 raise ValueError(f"layer kind {cls.name}: flow {cls.flow} must end in one opcode")
             cls.out_op = ends[0]
 
-    # ---- kernel build: the kind's device declaration (read by kernel/spec.py, runtime.py) -------
+    # ---- kernel build: the kind's device declaration (read by kernel/config/spec.py, runtime.py)
     @classmethod
     def kernel_constants(cls, cfg: Any) -> tuple[int, ...]:
         """The shapes of this kind's config (`cls.config`) a kernel build bakes in: its entry of
@@ -161,7 +161,7 @@ class LayerKind:
     @classmethod
     def kernel_header(cls, spec: Any) -> dict[str, int]:
         """Program header fields a program must hold to run on the build (check_header in
-        launch_checks.py): the constants its handlers take from the build, not the header."""
+        launch/checks.py): the constants its handlers take from the build, not the header."""
         return {}
 
     @classmethod
@@ -174,7 +174,7 @@ class LayerKind:
     def check_kernel_record(cls, d: dict, spec: Any) -> str:
         """Why a decoded record of one of this kind's opcodes does not fit the build ('' when it
         does): index bounds and operand alignment its handler or epilogue assumes (checked on
-        every record before a launch, launch_checks.check_records)."""
+        every record before a launch, launch.checks.check_records)."""
         return ""
 
     # ---- checkpoint ------------------------------------------------------------------------------

@@ -16,11 +16,20 @@ from __future__ import annotations
 
 from megakernel.isa.records import FLAG_ADVANCE, FLAG_FEEDBACK, ROW_ALIGN
 from megakernel.isa.registry import MATVEC, OpSpec, register
+from megakernel.isa.stages import Instr, Stage
 from megakernel.layers import speculative
-from megakernel.layers.base import OUTPUT, STREAM, Need, StepShape
-from megakernel.program.stages import Instr, Stage
+from megakernel.layers.base import OUTPUT, STREAM, Need, StepShape, misaligned
 
-END = register(OpSpec(0, "END", "frame", "end of this CTA's queue", (), device=True))
+END = register(OpSpec(0, "END", "frame", "end of this CTA's queue", (), device=True, step="all"))
+
+
+def check_embed(d: dict, spec) -> str:  # noqa: ANN001 (KernelSpec)
+    """EMBED's rows and vectors against the build (launch.checks.check_records)."""
+    if d["K"] != spec.hidden or not 0 <= d["N0"] <= d["N1"] <= spec.rows:
+        return (f"rows [{d['N0']}, {d['N1']}) of K={d['K']} do not fit the build's "
+                f"N={spec.rows}, H={spec.hidden}")
+    return misaligned(d, {"W": 8, "K": 8, "OUT_OFF": 4})
+
 
 EMBED = register(OpSpec(
     1, "EMBED", "frame", "gather embedding rows of tokens_in[N0:N1] into h (fp32)",
@@ -32,7 +41,7 @@ EMBED = register(OpSpec(
         ("K", "hidden size H"),
         ("TOK_OFF", "i32: tokens_in [N]"),
         ("OUT_OFF", "f32: h [N, H]; h[n] = fp32(embedding[tokens_in[n]])"),
-    ), device=True))
+    ), device=True, step="all", starts_step=True, covers=("rows", "N0", "N1"), check=check_embed))
 
 OPROJ = register(OpSpec(
     5, "OPROJ", "frame", "slab of an output projection (o_proj, out_proj) on a bf16 input, added "
@@ -59,7 +68,7 @@ LMHEAD = register(OpSpec(
     ),
     notes="OUT_OFF = f32 logits [N, V]: rows ROW0 .. ROW0 + NROWS of the padded head, those < V "
     "(header V) stored; slot TILE gets the slab's max over rows < V and the lowest index of it.",
-    slab=True, matvec="epilogues.LMHead", device=True))
+    slab=True, matvec="epilogues.LMHead", device=True, step="all"))
 
 ARGMAX = register(OpSpec(
     9, "ARGMAX", "frame", "merge partial argmaxes -> tokens_out; optionally advance lengths, feed "
@@ -74,7 +83,7 @@ ARGMAX = register(OpSpec(
     ),
     notes="tokens_out[n] = the index of the largest of the N_TILES partials of row n; equal "
     "maxima (in one slab or several) go to the lowest vocab index, whatever the tile order.",
-    device=True))
+    device=True, step="plain", ends_step=True, waits_on="LMHEAD", covers=("one", "", "")))
 
 
 def padded_vocab(vocab: int) -> int:

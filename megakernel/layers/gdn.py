@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megakernel.errors import ConfigError, positive
-from megakernel.kernel.gdn_index import GDNShape, check_gdn
+from megakernel.common.errors import ConfigError, positive
+from megakernel.kernel.host.gdn_index import GDNShape, check_gdn
 from megakernel.layers.base import register_kind
 from megakernel.layers.recurrent import RecurrentKind, Sizes, register_commit_op, register_core_ops
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megakernel.errors import positive
-from megakernel.kernel.kda_index import KDAShape, check_kda
+from megakernel.common.errors import positive
+from megakernel.kernel.host.kda_index import KDAShape, check_kda
 from megakernel.layers.base import register_kind
 from megakernel.layers.recurrent import RecurrentKind, Sizes, register_commit_op, register_core_ops
 

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megakernel.errors import ConfigError, positive
+from megakernel.common.errors import ConfigError, positive
 from megakernel.isa.registry import OpSpec, register
-from megakernel.kernel.mla_index import MLAShape, check_mla, key_chunk
+from megakernel.isa.stages import Instr, Stage
+from megakernel.kernel.host.mla_index import MLAShape, check_mla, key_chunk
 from megakernel.layers.base import LayerKind, Need, StepShape, register_kind
 from megakernel.layers.frame import OPROJ, proj_stage, residual_stage, round_rows
-from megakernel.program.stages import Instr, Stage
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from megakernel.errors import ConfigError, positive
+from megakernel.common.errors import ConfigError, positive
 from megakernel.isa.records import ROW_ALIGN
 from megakernel.layers.base import LayerKind, Need, StepShape
 

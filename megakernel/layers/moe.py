@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megakernel.errors import ConfigError, positive
+from megakernel.common.errors import ConfigError, positive
 from megakernel.isa.records import GATEUP_BLOCK, ROW_ALIGN
 from megakernel.isa.registry import MATVEC, OpSpec, register
-from megakernel.kernel.moe_index import ROUTER_SIGNALS, bind_counter
+from megakernel.isa.stages import Instr, PlanError, ProgramError, Stage
+from megakernel.kernel.host.moe_index import ROUTER_SIGNALS, bind_counter, x_stride
 from megakernel.layers.base import CONST, LayerKind, Need, StepShape, register_kind
 from megakernel.layers.swiglu import gateup_pairs_error, gateup_rows
-from megakernel.program.stages import Instr, PlanError, Stage
 
 EXPERT_SLABS = 8  # at most this many slabs per expert matrix
 SHARED = -1  # the SLOT of the shared expert's records
@@ -89,11 +89,8 @@ class MoEConfig:
 def expert_stride(e: MoEConfig, hidden: int, quant=None) -> int:  # noqa: ANN001 (Fp8Format)
     """Elements from expert x's packed matrices to expert x + 1's: gateup [2 I, H] then down
     [H, I], back to back, each from an aligned start (an FP8 model's with its scale block before
-    it; program/pack.matrix_span); `MoE.stages` checks the layout."""
-    from megakernel.program.pack import matrix_span
-
-    i = e.intermediate_size
-    return matrix_span((2 * i, hidden), quant) + matrix_span((hidden, i), quant)
+    it; moe_index.x_stride, the kernel's); `MoE.stages` checks the layout."""
+    return x_stride(e.intermediate_size, hidden, quant)
 
 
 def work_list(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -192,8 +189,6 @@ class MoE(LayerKind):
 
     @classmethod
     def kernel_header(cls, spec) -> dict[str, int]:  # noqa: ANN001 (KernelSpec)
-        from megakernel.kernel.moe_index import x_stride
-
         e, top_k, inter, n_group, topk_group, shared, norm, scale_bits = spec.constants(cls.name)
         return dict(MOE_E=e, MOE_TOPK=top_k, MOE_I=inter, MOE_N_GROUP=n_group,
                     MOE_TOPK_GROUP=topk_group, MOE_SHARED=shared, MOE_NORM=norm,
@@ -414,8 +409,6 @@ class MoE(LayerKind):
 
     @classmethod
     def check_record(cls, d: dict, blk, prog, where: str) -> None:  # noqa: ANN001
-        from megakernel.program.verify import ProgramError
-
         e, name, rows = blk.cfg, d["OPCODE"].name, prog.rows
         if name == "MOE_COMBINE":
             return

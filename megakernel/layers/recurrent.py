@@ -19,10 +19,10 @@ from typing import Any, ClassVar, NamedTuple
 
 from megakernel.isa.records import ROW_ALIGN
 from megakernel.isa.registry import OpCode, OpSpec, register
-from megakernel.kernel.limits import LANES, NUM_THREADS
+from megakernel.isa.stages import Instr, Stage
+from megakernel.kernel.host.limits import LANES, NUM_THREADS
 from megakernel.layers.base import CONST, LayerKind, Need, StepShape
 from megakernel.layers.frame import OPROJ, proj_stage, residual_stage
-from megakernel.program.stages import Instr, Stage
 
 CORE_OPERANDS = (
     ("B_IDX", "sequence b"),
@@ -134,7 +134,7 @@ class RecurrentKind(LayerKind):
         cls.unit_name = core.names[1]
         cls.flow = {"PROJ": None, core.name: "PROJ", replay.name: "PROJ",
                     "OPROJ": (core.name, replay.name)}
-        cls.after = {spec(cls.commit_op).name: "ACCEPT"}
+        cls.after = {spec(cls.commit_op).name: "speculative"}
         super().__init_subclass__(**kw)
 
     @classmethod

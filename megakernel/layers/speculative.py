@@ -21,8 +21,8 @@ the drafter's input. The drafts of the next step are NGRAM's (`drafter` "ngram")
 from __future__ import annotations
 
 from megakernel.isa.registry import OpSpec, register
+from megakernel.isa.stages import Instr, Stage
 from megakernel.layers.base import STREAM, Need, StepShape
-from megakernel.program.stages import Instr, Stage
 
 ACCEPT = register(OpSpec(
     35, "ACCEPT", "frame", "merge partial argmaxes -> greedy tokens; accept the drafts, emit the "
@@ -40,7 +40,17 @@ ACCEPT = register(OpSpec(
     "a = leading t < k with tokens_in[n + 1 + t] == g[t]; e = min(a + 1, max(0, S_max - T - "
     "lengths[b])); history[b, lengths[b] + t] = tokens_in[n + t] for t < e; when e > 0: "
     "history[b, lengths[b] + e] = tokens_in[n] = g[e - 1]; emitted[b] = e; lengths[b] += e.",
-    device=True))  # the persistent loop's (kernel/megakernel.py)
+    device=True, step="speculative", ends_step=True, waits_on="LMHEAD", covers=("one", "", "")))
+# (ACCEPT runs in the persistent loop itself: kernel/device/megakernel.py)
+
+
+def check_ngram(d: dict, spec) -> str:  # noqa: ANN001 (KernelSpec)
+    """NGRAM's sequences and suffix length against the build (launch.checks.check_records)."""
+    if not (0 <= d["B0"] <= d["B1"] <= spec.batch and 1 <= d["N_MAX"] <= spec.ngram):
+        return (f"sequences [{d['B0']}, {d['B1']}) or suffix length {d['N_MAX']} outside "
+                f"the build's B={spec.batch}, ngram={spec.ngram}")
+    return ""
+
 
 NGRAM = register(OpSpec(
     36, "NGRAM", "frame", "propose the next step's drafts of sequences [B0, B1) by prompt lookup "
@@ -56,7 +66,8 @@ NGRAM = register(OpSpec(
     notes="h = history[b, 0 .. lengths[b]] (the bonus last, m = lengths[b] + 1 tokens): for n = "
     "min(N_MAX, m - 1) down to 1, the largest p < m with h[p - n : p] == h[m - n : m] gives draft "
     "i = h[p + i % (m - p)]; no match: h[m - 1] k times (reference/speculative.ngram_propose).",
-    device=True, handler="speculative.NgramDrafter"))
+    device=True, handler="speculative.NgramDrafter", step="ngram", waits_on="ACCEPT",
+    covers=("batch", "B0", "B1"), check=check_ngram))
 
 
 def needs(model, shape: StepShape) -> list[Need]:  # noqa: ANN001

@@ -13,10 +13,10 @@ import torch
 
 from megakernel.isa.records import GATEUP_BLOCK
 from megakernel.isa.registry import MATVEC, OpSpec, register
+from megakernel.isa.stages import Instr, Stage
 from megakernel.layers.base import register_kind
 from megakernel.layers.frame import DOWN, residual_stage
 from megakernel.layers.mlp import MLPConfig, MLPKind
-from megakernel.program.stages import Instr, Stage
 
 SwiGLUConfig = MLPConfig
 

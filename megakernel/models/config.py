@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
-from megakernel.errors import ConfigError, positive
+from megakernel.common.errors import ConfigError, positive
+from megakernel.common.rope import ROPE_TYPES, RopeConfig
 from megakernel.models.fp8 import Fp8Format
-from megakernel.rope import ROPE_TYPES, RopeConfig
 
 NORM_KINDS = ("rms", "rms_1p")  # x * rsqrt(mean x^2 + eps) * w, or * (1 + w) (zero-centred)
 

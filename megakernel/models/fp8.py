@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megakernel.errors import ConfigError
+from megakernel.common.errors import ConfigError
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

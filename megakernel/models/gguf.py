@@ -268,7 +268,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype | None = None
     """Config and weights (Hugging Face names) of a GGUF file. `dtype=None` keeps F32/F16/BF16
     tensors as stored and block-quantized ones in fp32 (their exact dequantized values);
     otherwise every tensor is converted to `dtype`, one at a time."""
-    from megakernel.progress import stage
+    from megakernel.common.progress import stage
 
     if dtype is not None and dtype not in LOAD_DTYPES:
         raise WeightError(f"unsupported dtype {dtype}; use torch.bfloat16, float16 or float32")

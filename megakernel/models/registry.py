@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megakernel.common.registry import Registry
 from megakernel.models import fp8
 from megakernel.models.config import ConfigError, ModelConfig
-from megakernel.registry import Registry
 
 _SHARED = {"config", "registry", "weights", "dense", "layer_types"}
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from megakernel.errors import UserError
+from megakernel.common.errors import UserError
 from megakernel.models import fp8
 from megakernel.models.config import ModelConfig, expected_shapes
 from megakernel.models.fp8 import E4M3, Fp8Error, Fp8Format
@@ -298,7 +298,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
             problems.append(f"scale {theirs!r} scales {_scale_base(theirs)!r}, which is stored "
                             f"in {weight[1]}, not {FP8_DISK}")
     _raise(problems)
-    from megakernel.progress import stage
+    from megakernel.common.progress import stage
 
     e4m3 = {ours for ours in source if meta[ours][1] == FP8_DISK}
     scale_of = _read_scales(cfg, files, source, {o: scales[o] for o in e4m3}, meta)

@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megakernel.isa.stages import PlanError, Region
 from megakernel.layers import kind
 from megakernel.layers.base import Need, StepShape
 from megakernel.layers.frame import needs as frame_needs
 from megakernel.program.paged import PagedKV
-from megakernel.program.stages import PlanError, Region
 
 ARENAS = ("f32", "bf16", "i32")
 ALIGN = 64

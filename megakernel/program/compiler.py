@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megakernel import isa
+from megakernel.isa.stages import Counter, Counters, Instr, PlanError, Stage
+from megakernel.kernel.host.limits import MAX_DRAFTS
 from megakernel.layers import kind
 from megakernel.layers.base import StepShape
 from megakernel.layers.frame import embed_stage, head_stages
@@ -32,13 +34,11 @@ from megakernel.program.buffers import BufferPlan, plan_buffers
 from megakernel.program.gpus import GPU
 from megakernel.program.pack import WeightLayout, weight_layout
 from megakernel.program.paged import PagedKV
-from megakernel.program.stages import Counter, Counters, Instr, PlanError, Stage
-from megakernel.speculative import MAX_DRAFTS
 
 __all__ = ["BuildContext", "PlanError", "Program", "compile_program", "default_splits",
            "validate"]
 
-MMA_M = 16  # activation rows per tensor-core mma (kernel/spec.py MMA_M): the cost model's padding
+MMA_M = 16  # rows per tensor-core mma (kernel/config/spec.py MMA_M): the cost model's padding
 
 
 @dataclass
@@ -259,8 +259,8 @@ def compile_program(
     max sequence length is then the block table's reach. `drafts` k: a speculative step of
     1 + k tokens that accepts on the device (layers/speculative.py); `ngram`: its drafts from
     the device n-gram drafter matching up to that many tokens (0: from the host)."""
-    from megakernel.kernel.limits import MMA_MIN_ROWS
-    from megakernel.kernel.model_spec import default_build
+    from megakernel.kernel.config.model_spec import default_build
+    from megakernel.kernel.host.limits import MMA_MIN_ROWS
     from megakernel.program import cost, schedule  # local: schedule imports this module
     from megakernel.program.replay import replay
 
@@ -334,14 +334,15 @@ def count_signals(names: list[Counter], instrs: list[Instr]) -> list[Counter]:
 
 
 def number_lm_tiles(instrs: list[Instr], num_slots: int) -> None:
-    """Partial-argmax slots: LMHEAD instructions in program order; ARGMAX merges them all."""
+    """Partial-argmax slots: LMHEAD instructions in program order; the step's end (ARGMAX or
+    ACCEPT) merges them all."""
     lm = [i for i in instrs if i.op == isa.Op.LMHEAD]
     if len(lm) > num_slots:
         raise PlanError(f"{len(lm)} LM-head slabs > {num_slots} partial-argmax slots")
     for t, ins in enumerate(lm):
         ins.operands["TILE"] = t
     for ins in instrs:
-        if ins.op in (isa.Op.ARGMAX, isa.Op.ACCEPT):
+        if isa.spec(ins.op).ends_step:
             ins.operands["N_TILES"] = len(lm)
 
 

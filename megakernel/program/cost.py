@@ -2,7 +2,7 @@
 
 It models the kernel that exists (megakernel/kernel/). Each SM streams its queue's weight slabs
 from HBM at its share of the copy bandwidth, ahead of its consumers by the L2 lookahead `window`
-(kernel/limits.py prefetch_window) plus, in the default build, the loader warp's shared-memory
+(kernel/host/limits.py prefetch_window) plus, in the default build, the loader warp's shared-memory
 ring `smem_window` (model_spec.build_ring_bytes; the global-memory build has none; a program
 without a kernel build is costed with ASSUMED_RING and no sliding lookahead).
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megakernel.isa import NO_COUNTER, spec
-from megakernel.kernel.limits import SMEM_STAGE_BYTES, prefetch_window
+from megakernel.kernel.host.limits import SMEM_STAGE_BYTES, prefetch_window
 from megakernel.program.gpus import GPU
 
 CITATIONS = {
@@ -51,7 +51,7 @@ CITATIONS = {
     "smem_window": "kernel.spec.build_ring_bytes: the build's ring (stages x SMEM_STAGE_BYTES)",
     "prefetch_to_smem": "what-if only: the whole L2 window staged in shared memory",
     "mma_efficiency": "assumption: mma.sync matvec at 50% of dense BF16 peak",
-    "fp8_convert": "assumption from the kernel's instruction count (kernel/memory.py): the FMA "
+    "fp8_convert": "assumption from the kernel's instruction count (device/memory.py): the FMA "
                    "form spends 1.5 instructions per weight (half a cvt.rn.f16x2.e4m3x2, one "
                    "f16 -> f32) where bf16 spends 1 (its unpack, inside the fitted FMA "
                    "efficiency): +0.5 instruction = +1 flop-equivalent per weight at full issue "

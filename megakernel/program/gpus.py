@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megakernel.errors import UserError
+from megakernel.common.errors import UserError
 
 SOURCES = {
     "H100": "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",

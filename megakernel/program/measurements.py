@@ -4,7 +4,7 @@ from a JSON list or from a gpu-check report (its `measurements` list, else its b
 
 A measurement with a measured copy bandwidth is replayed on the GPU description with that
 bandwidth; one of the kernel built without the shared-memory pipeline carries `smem_window` 0
-(kernel/variants.py).
+(kernel/host/variants.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megakernel.program.stages import PlanError
+from megakernel.isa.stages import PlanError
 
 
 class RefitError(PlanError):
@@ -107,7 +107,7 @@ def gpu_key(device: str, sms: int) -> str:
 def from_gpu_check(report: dict[str, Any]) -> list[dict[str, Any]]:
     """gpu-check report -> measurement dicts (Measurement.from_dict input), one per benchmark
     row without an error. Rows of the variant without the shared-memory ring get its window."""
-    from megakernel.kernel.limits import SMEM_STAGE_BYTES
+    from megakernel.kernel.host.limits import SMEM_STAGE_BYTES
 
     stages = _variant_stages()
     bw = report.get("copy_bandwidth_GBps")
@@ -134,6 +134,6 @@ def from_gpu_check(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _variant_stages() -> dict[str, int | None]:
-    from megakernel.kernel.variants import variants
+    from megakernel.kernel.host.variants import variants
 
     return dict(variants())

@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megakernel.kernel.host.arena import align, scale_span
 from megakernel.layers import kind
 from megakernel.layers.frame import padded_vocab
 from megakernel.models.fp8 import E4M3, Fp8Format, scale_name, spread
-
-ALIGN = 64  # elements (128 bytes): bulk copies and 16-byte vector loads need 16-byte alignment
 
 
 class PackError(ValueError):
@@ -75,11 +74,6 @@ class Entry:
     def row_bytes(self, k: int) -> int:
         """Bytes a GEMV streams per row: the weights plus (fp8) the row's scales."""
         return 2 * k if self.dtype == "bf16" else k + 4 * self.chunks
-
-
-def scale_span(rows: int, chunks: int) -> int:
-    """Arena elements of an fp8 matrix's scale block: rows * C fp32."""
-    return 2 * rows * chunks
 
 
 @dataclass(frozen=True)
@@ -145,20 +139,6 @@ class LayoutBuilder:
 
     def done(self) -> WeightLayout:
         return WeightLayout(self.entries, self.off)
-
-
-def align(n: int) -> int:
-    """n rounded up to ALIGN elements."""
-    return -(-n // ALIGN) * ALIGN
-
-
-def matrix_span(shape: tuple[int, int], quant: Fp8Format | None) -> int:
-    """Arena elements a packed matrix takes from an aligned start to the next aligned start (its
-    scale block included): what places expert x + 1 after expert x (layers/moe.expert_stride)."""
-    r, k = shape
-    if quant is None:
-        return align(r * k)
-    return align(scale_span(r, quant.chunks(k))) + align(-(-r * k // 2))
 
 
 def _layers(cfg) -> dict[int, list]:  # noqa: ANN001

@@ -17,7 +17,7 @@ measurement once, so the cost is about evaluations x measurements x one replay.
 The measurements come from measurements.py. One with a measured copy bandwidth is replayed on
 the GPU description with that bandwidth, its program still compiled on the description without it
 (as the kernel's own program is: it compiles for `gpus.from_device()`). `fit_timeline`
-(refit_timeline.py) runs the same search on one step's per-instruction timeline.
+(measure/timeline_fit.py) runs the same search on one step's per-instruction timeline.
 """
 
 from __future__ import annotations

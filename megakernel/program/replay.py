@@ -79,7 +79,7 @@ def replay(prog, params: CostParams | None = None,  # noqa: ANN001
     `trace`: an empty list to receive, per SM, a [queue length, 5] array of the seconds at which
     each instruction reached its wait, saw its dependency, finished (signal issued), and its
     weight slab (or an ATTN_PARTIAL's cached K/V) started and finished arriving (TRACE_FIELDS;
-    NaN where none): the predicted timeline (megakernel/timeline.py)."""
+    NaN where none): the predicted timeline (megakernel/measure/timeline.py)."""
     params = params or CostParams()
     gpu = prog.gpu
     r = Rates.of(gpu, params, getattr(prog, "ring_bytes", None))

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from megakernel.isa.stages import Instr, Stage
 from megakernel.program.cost import CostParams, SimState
 from megakernel.program.gpus import GPU
-from megakernel.program.stages import Instr, Stage
 
 POLICIES = ("cost", "round_robin", "structure")
 

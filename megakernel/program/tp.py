@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from megakernel.isa.stages import PlanError
 from megakernel.models.dense import DenseConfig
-from megakernel.program.stages import PlanError
 
 __all__ = ["kv_heads", "shard_cache", "shard_config", "shard_weights", "vocab_slice"]
 

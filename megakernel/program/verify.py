@@ -21,7 +21,7 @@ the compiler's stages.
   every record that rewrites a binding region waits, through the counters and queue order, for
   every record that reads the previous contents, and on each reader's SM for a record at or after
   it that the loader warp must have passed, so that the loader's late read of a binding cannot
-  follow the rewrite. With the kernel's rule (LOADER_HOLDS_READERS, kernel/pipeline.py: the
+  follow the rewrite. With the kernel's rule (LOADER_HOLDS_READERS, kernel/device/pipeline.py: the
   consumers leave a reader only once the loader has read its binding) the reader itself; without
   it, a later record that always streams tiles (a reader that may find nothing bound has none).
 """
@@ -33,15 +33,12 @@ import functools
 import heapq
 
 from megakernel import isa
+from megakernel.isa.stages import ProgramError
 from megakernel.layers import kind
 
 # the consumers leave a record that reads a run-time binding only once the loader warp has read it
-# (kernel/pipeline.py Pipeline.wait_bound); the binding rule relies on it
+# (kernel/device/pipeline.py Pipeline.wait_bound); the binding rule relies on it
 LOADER_HOLDS_READERS = True
-
-
-class ProgramError(ValueError):
-    """The program violates an invariant (named in the message)."""
 
 
 def _decode_all(records) -> list[list[tuple[int, dict]]]:  # noqa: ANN001
@@ -125,22 +122,19 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
         return producers_of(d["OPCODE"].name, owner[id(d)])
 
     def _producers(op: str, b: int) -> set[tuple[str, int]]:
-        if op == "EMBED":
-            return set()
-        if op in ("ARGMAX", "ACCEPT"):
-            return {("LMHEAD", -1)}
-        if op == "NGRAM":
-            return {("ACCEPT", -1)}
         if op == "LMHEAD":
             last = len(blocks.blocks) - 1
             return {(kind(blocks.blocks[last].kind).out_op, last)}
+        s = isa.spec(getattr(isa.Op, op))
+        if s.step:  # a frame opcode: what it declares it waits on (the embedding: nothing)
+            return {(s.waits_on, -1)} if s.waits_on else set()
         kd = kind(blocks.blocks[b].kind)
-        if op in kd.after:  # waits on a frame opcode
-            return {(kd.after[op], -1)}
+        if op in kd.after:  # waits on the end of a step of this sort
+            return {(isa.step_end(kd.after[op]).name, -1)}
         flow = kd.flow[op]
         if flow is None:
             if b == 0:
-                return {("EMBED", -1)}
+                return {(isa.step_start().name, -1)}
             return {(kind(blocks.blocks[b - 1].kind).out_op, b - 1)}
         return {(p, b) for p in ((flow,) if isinstance(flow, str) else flow)}
 
@@ -150,10 +144,10 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
 
     # ---- per record: dataflow, invariants, coverage
     cover: dict[tuple, list[tuple[int, int]]] = {}
-    want_cover: dict[tuple, int] = {("EMBED",): prog.rows,
-                                    ("ACCEPT" if prog.drafts else "ARGMAX",): 1}
-    if prog.ngram:
-        want_cover[("NGRAM",)] = prog.batch
+    extent = {"rows": prog.rows, "batch": prog.batch, "one": 1}
+    want_cover: dict[tuple, int] = {
+        (isa.spec(op).name,): extent[isa.spec(op).covers[0]]
+        for op in isa.step_ops(prog.drafts, prog.ngram) if isa.spec(op).covers}
     times: dict[tuple, int] = {}  # covers per step, when not one
     for i, blk in enumerate(blocks.blocks):
         for op, units in kind(blk.kind).coverage(blk, prog).items():
@@ -190,12 +184,10 @@ def check_program(prog, records=None) -> None:  # noqa: ANN001 (compiler.Program
                     raise ProgramError(f"{where}: slab at element {d['W']} is not row {d['ROW0']} "
                                        "of a packed matrix")
                 cover.setdefault((key,), []).append((d["ROW0"], d["ROW0"] + d["NROWS"]))
-            elif spec.name == "EMBED":
-                cover.setdefault(("EMBED",), []).append((d["N0"], d["N1"]))
-            elif spec.name in ("ARGMAX", "ACCEPT"):
-                cover.setdefault((spec.name,), []).append((0, 1))
-            elif spec.name == "NGRAM":
-                cover.setdefault(("NGRAM",), []).append((d["B0"], d["B1"]))
+            elif spec.covers:  # a frame opcode (layers/frame.py, layers/speculative.py)
+                ext, lo, hi = spec.covers
+                cover.setdefault((spec.name,), []).append(
+                    (0, 1) if ext == "one" else (d[lo], d[hi]))
             else:
                 lo, hi = kind(blocks.blocks[b].kind).cover(d, blocks.blocks[b], prog)
                 cover.setdefault((spec.name, b), []).append((lo, hi))

@@ -50,10 +50,10 @@ class PagedDecoder:
         program shares the packed weights and the K/V caches."""
         key = (bucket, tokens)
         if key not in self.states:
-            from megakernel.device_state import allocate_state
             from megakernel.executor import executor_gpu
+            from megakernel.launch.device_state import allocate_state
+            from megakernel.launch.torch_op import register_program
             from megakernel.program.compiler import compile_program
-            from megakernel.torch_op import register_program
 
             prog = compile_program(self.cfg, bucket, executor_gpu(), tokens=tokens,
                                    paged=self.paged)

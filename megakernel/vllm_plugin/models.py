@@ -14,7 +14,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-from megakernel.errors import ConfigError
+from megakernel.common.errors import ConfigError
 from megakernel.models import config_from_hf_dict
 from megakernel.program.paged import PagedKV
 from megakernel.vllm_plugin import ARCHITECTURES

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from megakernel.registry import Registry
+from megakernel.common.registry import Registry
 
 from .common import ReferenceError
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from megakernel.errors import UserError
+from megakernel.common.errors import UserError
 
 __all__ = [
     "MODES",

@@ -1,6 +1,7 @@
-"""The Python API (megakernel.api) and prefill on the program (megakernel.engine): the README's
-example runs, every family's program-prefilled tokens equal the reference's, the CLI and the
-kernel path (Megakernel on CPU tensors) prefill on the program, buckets/EOS, bad input, opcheck."""
+"""The Python API (megakernel.serve.api) and prefill on the program (megakernel.serve.engine): the
+README's example runs, every family's program-prefilled tokens equal the reference's, the CLI and
+the kernel path (Megakernel on CPU tensors) prefill on the program, buckets/EOS, bad input,
+opcheck."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.launch_checks import ArgumentError
+from megakernel.launch.checks import ArgumentError
+from megakernel.launch.runtime import KernelUnavailable
 from megakernel.models.sources import load_model
 from megakernel.reference.model import ReferenceModel
 from megakernel.reference.model import generate as ref_generate
-from megakernel.runtime import KernelUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 _PREFILL = ReferenceModel.prefill  # the truth's prefill, before any test patches it
@@ -47,7 +48,7 @@ def test_program_prefill_equals_the_reference(model, replay_window, no_reference
                                               executor_steps):
     """Ragged prompts: a T=4 chunk (8 of the shortest prompt's tokens) then T=1 with per-row
     feeding, from empty caches; token for token the reference's bf16 generation."""
-    from megakernel.executor import generate
+    from megakernel.serve.executor_backend import generate
 
     steps = 3
     want = _reference_unpatched(model, RAGGED, steps, replay_window)
@@ -66,7 +67,7 @@ def _reference_unpatched(model, prompts, steps, replay_window):  # noqa: ANN001,
 
 
 def test_cli_generate_steps_1_runs_the_program(no_reference_prefill, executor_steps, capsys):  # noqa: ANN001
-    from megakernel.cli import main
+    from megakernel.cli.main import main
 
     assert main(["generate", "--steps", "1", "--backend", "cpu-executor", "--prompt-ids",
                  "5,17,3;7,1,30", "--json"]) == 0
@@ -84,7 +85,7 @@ def test_megakernel_generates_on_the_program_through_the_op(model, replay_window
                                                             no_reference_prefill):
     """The kernel path on CPU tensors (the op's CPU executor): prefill through decode_step, and a
     second call starts again from empty caches and state."""
-    from megakernel.kernel_backend import Megakernel
+    from megakernel.serve.kernel_backend import Megakernel
 
     prompts = [[5, 17, 3], [7]]
     want = _reference_unpatched(model, prompts, 3, replay_window)
@@ -100,7 +101,7 @@ def test_megakernel_prefills_in_chunks_when_a_t_token_program_exists(no_referenc
     """The kernel path's chunked prefill: a sibling program for T = 4 runs the common prompt
     prefix (2 steps of 4 tokens for prompts of 9 and 11), the T = 1 program the rest; the tokens
     equal the reference's, and the same call from a second object (a fresh chunk program) too."""
-    from megakernel.kernel_backend import Megakernel
+    from megakernel.serve.kernel_backend import Megakernel
 
     prompts = [[5, 17, 3, 8, 1, 9, 2, 6, 4], [7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     want = _reference_unpatched("llama-tiny", prompts, 3, None)
@@ -124,7 +125,7 @@ def test_buckets_padding_and_eos():
     assert out.tokens == cut and cut[0] == want[0][:3]
     assert llm.generate(prompts[:2], max_new_tokens=6).tokens == want[:2]
     assert sorted(llm._programs) == [(2, 1), (4, 1)]
-    assert [mk.api.bucket(n, 6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+    assert [mk.serve.api.bucket(n, 6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
 
 
 def test_eos_ends_the_loop_early(executor_steps):  # noqa: ANN001
@@ -147,7 +148,7 @@ def test_eos_ends_the_loop_early(executor_steps):  # noqa: ANN001
     ({}, ["text"], mk.GenerationError, "need a checkpoint with a tokenizer"),
 ])
 def test_bad_input_raises_a_user_error_naming_it(kwargs, prompts, error, match):  # noqa: ANN001
-    from megakernel.cli import _is_user_error
+    from megakernel.cli.main import _is_user_error
 
     with pytest.raises(error, match=match) as e:
         llm = mk.load("llama-tiny", **{"backend": "cpu-executor", "max_seq_len": 32, **kwargs})
@@ -157,7 +158,7 @@ def test_bad_input_raises_a_user_error_naming_it(kwargs, prompts, error, match):
 
 
 def test_opcheck_decode_step_on_cpu_tensors():
-    from megakernel.kernel_backend import Megakernel
+    from megakernel.serve.kernel_backend import Megakernel
 
     cfg, w = load_model("llama-tiny", seed=0)
     k = Megakernel(cfg, w, batch=1, max_seq_len=4, device="cpu", gpu="h100")
@@ -185,7 +186,7 @@ def test_import_is_light_registers_the_op_and_exports_the_api():
 def test_padding_rows_keep_the_chunked_prefill(monkeypatch):
     """3 long prompts in the batch-4 bucket: the padding row copies a real prompt, so the T = 4
     program still runs the common prefix (a one-token dummy row would cut it to nothing)."""
-    import megakernel.engine as engine
+    import megakernel.serve.engine as engine
 
     runs = []
     real = engine.program_generate

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.errors import UserError
-from megakernel.speculative import SpeculativeError
+from megakernel.common.errors import UserError
+from megakernel.serve.speculative import SpeculativeError
 
 PROMPTS = [[5, 5, 5, 5, 5, 5], [1, 2, 3, 1, 2, 3, 1], [7, 8, 9]]
 
@@ -71,10 +71,10 @@ def test_recurrent_model_with_replay_window():
 def test_the_op_path_on_cpu_speculates_with_plain_tokens(plain):
     """Megakernel on device="cpu": the speculative program steps through
     torch.ops.megakernel.speculative_step (the op's CPU executor)."""
-    from megakernel.kernel_backend import Megakernel
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
-    from megakernel.speculative import parse
+    from megakernel.serve.kernel_backend import Megakernel
+    from megakernel.serve.speculative import parse
 
     cfg = preset("llama-tiny")
     k = Megakernel(cfg, random_weights(cfg, seed=0, dtype=torch.bfloat16), batch=1,

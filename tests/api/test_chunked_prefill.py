@@ -1,4 +1,4 @@
-"""The chunked prefill (megakernel.engine.program_generate) at the chunk boundary.
+"""The chunked prefill (megakernel.serve.engine.program_generate) at the chunk boundary.
 
 The T-token program consumes the prompts' common prefix as far as the shortest prompt allows while
 leaving it at least one token: the T = 1 program must still run that prompt's last token, whose
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.engine import PREFILL_CHUNK
 from megakernel.models.sources import load_model
 from megakernel.reference.model import ReferenceModel, greedy
+from megakernel.serve.engine import PREFILL_CHUNK
 
 STEPS = 3
 MODEL = "llama-tiny"
@@ -53,14 +53,14 @@ def test_chunked_prefill_at_the_chunk_boundary(path: str, shortest: int,
     prompts = prompts_with_shortest(shortest, cfg.vocab_size)
     longest = max(len(p) for p in prompts)
     if path == "executor":
-        from megakernel.executor.generate import generate
+        from megakernel.serve.executor_backend import generate
 
         tokens = generate(cfg, w, prompts, STEPS, check=False)
     elif path == "api":
         llm = mk.load(MODEL, backend="cpu-executor", max_batch=3, max_seq_len=32)
         tokens = llm.generate(prompts, max_new_tokens=STEPS).tokens
     else:
-        from megakernel.kernel_backend import Megakernel
+        from megakernel.serve.kernel_backend import Megakernel
 
         k = Megakernel(cfg, w, batch=3, max_seq_len=32, device="cpu", gpu="h100")
         tokens = k.generate_program(prompts, STEPS, chunk_tokens=PREFILL_CHUNK).tokens

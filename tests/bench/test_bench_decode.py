@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakernel import measure, torch_decode
+from megakernel.launch import torch_decode
+from megakernel.measure import bandwidth as measure
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.reference.model import ReferenceModel

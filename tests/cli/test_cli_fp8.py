@@ -10,8 +10,8 @@ import json
 import pytest
 
 import megakernel as mk
-from megakernel import cli
-from megakernel.errors import ConfigError
+from megakernel.cli import main as cli
+from megakernel.common.errors import ConfigError
 from megakernel.models import fp8, preset
 from megakernel.models.weights import random_weights, save_checkpoint
 
@@ -106,10 +106,10 @@ def test_the_op_runs_an_fp8_model(model, granularity):
     """The kernel path on CPU tensors (torch.ops.megakernel.decode_step served by the CPU
     executor): the FP8 program's tokens are the FP8 reference's, and the launch checks accept
     the FP8 records against the FP8 build's spec."""
-    from megakernel.kernel_backend import Megakernel
     from megakernel.models.sources import load_model
     from megakernel.reference.model import ReferenceModel
     from megakernel.reference.model import generate as ref_generate
+    from megakernel.serve.kernel_backend import Megakernel
 
     cfg, w = load_model(model, seed=0, weights="fp8", granularity=granularity)
     prompts = [[5, 17, 3], [7]]

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import megakernel
-from megakernel import cli
+from megakernel.cli import main as cli
 from megakernel.models import preset
 from megakernel.models.weights import random_weights, save_checkpoint
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megakernel import cli
-from megakernel.plan_cli import expected_tokens
+from megakernel.cli import main as cli
+from megakernel.cli.plan import expected_tokens
 from tests.cli.test_cli import last_json, run_cli
 
 PROMPTS = "5,5,5,5,5,5;1,2,3,1,2,3,1"  # repetitive prompts: the n-gram drafter has matches
@@ -23,9 +23,9 @@ def generate(capsys, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def plain_tokens() -> list[list[int]]:
-    from megakernel.executor import generate as ex_generate
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
+    from megakernel.serve.executor_backend import generate as ex_generate
 
     cfg = preset("llama-tiny")
     return ex_generate(cfg, random_weights(cfg, seed=0, dtype=__import__("torch").bfloat16),
@@ -38,10 +38,10 @@ def test_ngram_on_the_executor_gives_plain_tokens_and_the_engines_stats(capsys, 
     (the prompts repeat), so speculation really ran."""
     import torch
 
-    from megakernel.backends import executor_speculative_generate
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
-    from megakernel.speculative import parse
+    from megakernel.serve.backends import executor_speculative_generate
+    from megakernel.serve.speculative import parse
 
     r = generate(capsys, "--backend", "cpu-executor", "--speculative", "ngram:3")
     assert r["tokens"] == plain_tokens

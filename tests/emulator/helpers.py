@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megakernel.emulator.check import Case, run_case
+from megakernel.gpu_check.emulated import Case, run_case
 
 
 def emulated_run(case: Case) -> None:

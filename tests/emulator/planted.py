@@ -1,10 +1,10 @@
 """Planted bugs: single-line mutations of the device code that the emulator must catch.
 
-Each `Mutant` changes one line of one device-code module (kernel/*.py outside the *_index
-helpers, which the index emulations already execute). `run_mutant` copies the package and the
-tests into a scratch tree, applies the mutation there (never to the checkout), and runs one
-emulated case in a subprocess whose imports resolve to the copy, with its own JIT cache (the
-build fingerprint covers the device sources, so the mutant is compiled afresh). The verdict:
+Each `Mutant` changes one line of one device-code module (kernel/device/*.py; none in the
+host/*_index helpers, which the index emulations already execute). `run_mutant` copies the package
+and the tests into a scratch tree, applies the mutation there (never to the checkout), and runs one
+emulated case in a subprocess whose imports resolve to the copy, with its own JIT cache (the build
+fingerprint covers the device sources, so the mutant is compiled afresh). The verdict:
 
 - "fault": the emulator stopped the launch (deadlock, barrier misuse, a trap of the kernel's
   own checks, a bad access), naming the PTX line;
@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from megakernel.emulator.check import Case
+from megakernel.gpu_check.emulated import Case
 
 ROOT = Path(__file__).resolve().parents[2]
 # not copied into the scratch tree: what git ignores there (environments, build outputs, caches)
@@ -48,8 +48,8 @@ LEFT_OUT = ("tests/test_lanes.py::test_every_package_has_a_fast_test",
 
 @dataclass(frozen=True)
 class Mutant:
-    """One planted bug: in `file` (under megakernel/kernel/) the text `old` (unique in the file,
-    context lines included) becomes `new`, which differs from it in exactly one line."""
+    """One planted bug: in `file` (under megakernel/kernel/device/) the text `old` (unique in the
+    file, context lines included) becomes `new`, which differs from it in exactly one line."""
 
     name: str
     what: str
@@ -131,7 +131,7 @@ BY_NAME = {m.name: m for m in MUTANTS}
 _CHILD = f"""
 import json, sys
 import megakernel
-from megakernel.emulator.check import Case, run_case
+from megakernel.gpu_check.emulated import Case, run_case
 from megakernel.emulator.errors import EmulatorError
 root = sys.argv[2]
 if not megakernel.__file__.startswith(root):
@@ -163,13 +163,13 @@ def scratch_tree(work: Path, mutant: Mutant | None) -> Path:
     tree = work / "tree"
     shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(*SKIPPED))
     if mutant is not None:
-        path = tree / "megakernel" / "kernel" / mutant.file
+        path = tree / "megakernel" / "kernel" / "device" / mutant.file
         path.write_text(mutant.apply(path.read_text()))
     return tree
 
 
 def child_env(tree: Path, work: Path) -> dict[str, str]:
-    from megakernel.kernel.jit import ENV_CACHE
+    from megakernel.kernel.toolchain.jit import ENV_CACHE
 
     env = dict(os.environ, PYTHONPATH=str(tree))
     env[ENV_CACHE] = str(work / "cache")

@@ -56,14 +56,12 @@ def test_a_build_without_line_info_counts_as_unmapped(tmp_path: Path) -> None:
 
 
 def test_launch_records_go_to_the_named_file(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    from megakernel.emulator.driver import record
-
     dest = tmp_path / "rec.jsonl"
     monkeypatch.delenv(cv.ENV_COVERAGE, raising=False)
-    record(Path("a.ptx"), {5: 2})  # unset: nothing written anywhere
+    cv.record(Path("a.ptx"), {5: 2})  # unset: nothing written anywhere
     monkeypatch.setenv(cv.ENV_COVERAGE, str(dest))
-    record(Path("a.ptx"), {7: 1, 5: 3})
-    record(Path("b.ptx"), {1: 1})
+    cv.record(Path("a.ptx"), {7: 1, 5: 3})
+    cv.record(Path("b.ptx"), {1: 1})
     rows = [json.loads(s) for s in dest.read_text().splitlines()]
     assert rows == [{"ptx": "a.ptx", "hits": [5, 7]}, {"ptx": "b.ptx", "hits": [1]}]
 
@@ -77,8 +75,8 @@ def test_a_line_info_build_maps_its_step_to_the_kernels_lines(tmp_path: Path, mo
                                                               model: str) -> None:
     """A real line-info build (its own cache key) emulated for a step: nearly every line that
     emits PTX ran, and the watchdog's trap (no correct step reaches it) is named unreached."""
-    from megakernel.emulator.check import Case
-    from megakernel.kernel.fingerprint import ENV_LINE_INFO
+    from megakernel.gpu_check.emulated import Case
+    from megakernel.kernel.toolchain.fingerprint import ENV_LINE_INFO
     from tests.emulator.helpers import emulated_run
 
     records = tmp_path / "rec.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megakernel.emulator.check import Case
+from megakernel.gpu_check.emulated import Case
 from tests.emulator.helpers import emulated_run
 
 CASES = [Case(m, seed=s) for m in ("llama-tiny", "qwen3-tiny", "qwen2-tiny") for s in (0, 101)]

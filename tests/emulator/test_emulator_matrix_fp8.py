@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megakernel.emulator.check import Case
+from megakernel.gpu_check.emulated import Case
 from tests.emulator.helpers import emulated_run
 
 CASES = [Case("llama-tiny", fp8="channel"), Case("llama-tiny", fp8="channel", batch=16, seed=9),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megakernel.emulator.check import Case
+from megakernel.gpu_check.emulated import Case
 from tests.emulator.helpers import emulated_run
 
 MODELS = ("qwen3.5-tiny", "nemotron-h-tiny", "kimi-linear-tiny")

@@ -1,4 +1,4 @@
-"""Host drafters for speculative decoding (megakernel/drafters.py): a draft model on the CPU
+"""Host drafters for speculative decoding (megakernel/serve/drafters.py): a draft model on the CPU
 executor and on the reference, the MTP adapter, the method-string factory and the cost view.
 
 The strongest checks: a draft model that IS the target (same weights) has every draft accepted,
@@ -14,23 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megakernel.drafters import (
-    DraftCost,
-    ExecutorDrafter,
-    MtpDrafts,
-    ReferenceDrafter,
-    check_draft_model,
-    draft_step_cost,
-    make,
-    reference_hidden,
-)
-from megakernel.engine import Generated, program_generate, spec_max_seq_len
-from megakernel.executor.generate import (
-    executor_gpu,
-    executor_steppers,
-    generate,
-    speculative_stepper,
-)
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
@@ -40,7 +23,24 @@ from megakernel.reference import speculative as ref_spec
 from megakernel.reference.model import ReferenceModel
 from megakernel.reference.model import generate as greedy_generate
 from megakernel.reference.mtp import MtpDrafter
-from megakernel.speculative import SpeculativeError
+from megakernel.serve.drafters import (
+    DraftCost,
+    ExecutorDrafter,
+    MtpDrafts,
+    ReferenceDrafter,
+    check_draft_model,
+    draft_step_cost,
+    make,
+    reference_hidden,
+)
+from megakernel.serve.engine import Generated, program_generate, spec_max_seq_len
+from megakernel.serve.executor_backend import (
+    executor_gpu,
+    executor_steppers,
+    generate,
+    speculative_stepper,
+)
+from megakernel.serve.speculative import SpeculativeError
 
 PROMPTS = [[5, 9, 200, 3, 77, 1, 42], [31, 8, 8]]  # ragged: chunk and T = 1 catch-up
 STEPS, K = 14, 3
@@ -66,7 +66,7 @@ def plain(target) -> list[list[int]]:  # noqa: ANN001
 
 def speculative_run(cfg, weights, drafts_fn, k: int = K, prompts=PROMPTS,  # noqa: ANN001
                     steps: int = STEPS) -> Generated:
-    """executor.generate's speculative path, returning the engine's Generated (accepted)."""
+    """executor_backend.generate's speculative path, returning the engine's Generated (accepted)."""
     msl = spec_max_seq_len(max(len(p) for p in prompts), steps, k)
     packed = pack_weights(cfg, weights)
 
@@ -109,7 +109,7 @@ def test_small_draft_model_equals_greedy_and_rewinds(target, small, plain) -> No
     assert got.tokens == plain
     assert d.rewound > 0  # rejected drafts were rewound
     assert any(a < K for step in got.accepted for a in step)
-    # and through executor.generate, as `generate --speculative draft:...` runs it
+    # and through executor_backend.generate, as `generate --speculative draft:...` runs it
     assert generate(cfg, w, PROMPTS, STEPS, drafts=K, drafts_fn=d) == plain
 
 
@@ -255,8 +255,8 @@ def test_mtp_on_the_executor_reads_the_programs_hidden_states(mtp_model) -> None
     """mtp:K on the CPU executor: the drafter's hidden states are the program's own (the
     engine's HiddenLog of f32 h after every step), equal to the reference's recomputed ones up
     to the bf16 mirror's rounding; the tokens are plain greedy's."""
-    from megakernel.backends import executor_speculative_generate
-    from megakernel.speculative import parse
+    from megakernel.serve.backends import executor_speculative_generate
+    from megakernel.serve.speculative import parse
 
     cfg = mtp_model.cfg
     w = {n: t.to(torch.bfloat16) for n, t in mtp_model.w.items()}

@@ -26,7 +26,6 @@ from megakernel.executor import (
     RaceError,
     WriteCountError,
     executor_gpu,
-    generate,
 )
 from megakernel.isa import Op
 from megakernel.models import preset
@@ -35,6 +34,7 @@ from megakernel.program.compiler import compile_program
 from megakernel.program.pack import pack_weights
 from megakernel.reference.model import ReferenceModel, greedy
 from megakernel.reference.model import generate as ref_generate
+from megakernel.serve.executor_backend import generate
 from tests.executor.helpers import check_logits
 from tests.registries import DENSE_TINY
 

@@ -26,7 +26,6 @@ from megakernel.executor import (
     ExecutorError,
     RaceError,
     WriteCountError,
-    generate,
 )
 from megakernel.isa import Op
 from megakernel.models import preset
@@ -38,6 +37,7 @@ from megakernel.program.gpus import gpu
 from megakernel.program.pack import pack_weights
 from megakernel.reference.model import ReferenceModel
 from megakernel.reference.model import generate as ref_generate
+from megakernel.serve.executor_backend import generate
 from tests.executor.helpers import REL_TOL, check_logits
 
 LOGIT_TOL = 0.05

@@ -15,13 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megakernel import engine
-from megakernel.executor.generate import (
-    executor_gpu,
-    executor_steppers,
-    generate,
-    speculative_stepper,
-)
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import PlanError, compile_program
@@ -29,6 +22,13 @@ from megakernel.program.pack import pack_weights
 from megakernel.reference import ReferenceModel, SSMLayerCache
 from megakernel.reference.layers.replay import effective_state
 from megakernel.reference.speculative import accepted_count, ngram_propose
+from megakernel.serve import engine
+from megakernel.serve.executor_backend import (
+    executor_gpu,
+    executor_steppers,
+    generate,
+    speculative_stepper,
+)
 
 # (preset, ReplaySSM window): L = 4 folds every few steps
 FAMILIES = [("llama-tiny", None), ("qwen3.5-tiny", 4), ("kimi-linear-tiny", 4),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megakernel.kernel import model_spec
+from megakernel.kernel.config import model_spec
 from megakernel.models import ModelConfig
 
 Build = tuple[Path, dict]  # (the arch's output directory, its manifest)
@@ -24,7 +24,7 @@ def _build(factory, cfg: ModelConfig, arch: str, batch: int = 1, tokens: int = 1
     # without the DSL the session fails at start (tests/conftest.py) unless
     # MEGAKERNEL_TEST_WITHOUT_DSL=1 waives it: then the builds skip
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.kernel.build import build_arch
+    from megakernel.kernel.toolchain.build import build_arch
 
     key = repr(model_spec.make_spec(cfg, batch, tokens, arch, smem_stages=smem_stages,
                                     **variant))

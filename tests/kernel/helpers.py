@@ -10,11 +10,11 @@ import numpy as np
 import torch
 
 from megakernel import isa
-from megakernel.arch import ARCHS
-from megakernel.kernel import limits
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
-from megakernel.kernel.limits import NUM_THREADS
+from megakernel.common.arch import ARCHS
+from megakernel.kernel.config import spec as spec_mod
+from megakernel.kernel.host import limits
+from megakernel.kernel.host.gdn_index import L2NORM_EPS, LANES, SOFTPLUS_LINEAR
+from megakernel.kernel.host.limits import NUM_THREADS
 from megakernel.models import preset
 
 # B = 1 on the default pipeline, B = 4 on the global-memory path
@@ -42,7 +42,7 @@ def specs_within_budgets(builds: dict) -> dict:
     return out
 
 
-# ---- host emulation of the delta-rule handlers (kernel/gdn.py, kernel/kda.py) --------------------
+# ---- host emulation of the delta-rule handlers (kernel/device/gdn.py, kernel/device/kda.py) ------
 # numpy walks of the device loop nests with the kernels' own index helpers (gdn_index.py,
 # kda_index.py), in float32 as the device computes; `channel` mirrors the handlers' CHANNEL (KDA's
 # per-channel decay) and `unit` the record's key head / head.

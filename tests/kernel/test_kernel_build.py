@@ -21,20 +21,18 @@ from megakernel import isa
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
 
-from megakernel.arch import ARCHS  # noqa: E402
-from megakernel.kernel import (
-    fingerprint,  # noqa: E402
-    limits,  # noqa: E402
-)
-from megakernel.kernel.build import (  # noqa: E402
+from megakernel.common.arch import ARCHS  # noqa: E402
+from megakernel.kernel.config.model_spec import make_spec  # noqa: E402
+from megakernel.kernel.config.spec import PARAMS  # noqa: E402
+from megakernel.kernel.host import limits
+from megakernel.kernel.toolchain import fingerprint
+from megakernel.kernel.toolchain.build import (  # noqa: E402
     BuildError,
     build_arch,
     check_entry_matches,
     check_resources,
 )
-from megakernel.kernel.model_spec import make_spec  # noqa: E402
-from megakernel.kernel.spec import PARAMS  # noqa: E402
-from megakernel.kernel.tools import (  # noqa: E402
+from megakernel.kernel.toolchain.tools import (  # noqa: E402
     PtxEntry,
     PtxParam,
     parse_ptx_entry,

@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from megakernel import isa
-from megakernel.arch import ARCHS
-from megakernel.errors import SpecError
-from megakernel.kernel import limits
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.dense_index import lm_row_live, qkv_bias_index
-from megakernel.kernel.limits import LANES, ROW_CHUNK
-from megakernel.kernel.model_spec import make_spec
+from megakernel.common.arch import ARCHS
+from megakernel.common.errors import SpecError
+from megakernel.kernel.config import spec as spec_mod
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host import limits
+from megakernel.kernel.host.dense_index import lm_row_live, qkv_bias_index
+from megakernel.kernel.host.limits import LANES, ROW_CHUNK
 from megakernel.models import preset
 
-KERNEL_DIR = Path(spec_mod.__file__).parent
+KERNEL_DIR = Path(spec_mod.__file__).parents[1] / "device"
 
 
 def _function(module: str, name: str) -> ast.FunctionDef:
@@ -280,7 +280,7 @@ def test_dense_shapes_build_within_the_resource_rules(builds):
 def test_bias_loads_are_compiled_in_only_with_qkv_bias(builds, tmp_path):
     """The Qwen2 build has E = D / 32 more scalar bf16 loads (the bias of each of a lane's head
     elements) than the same spec without biases; other builds load none."""
-    from megakernel.kernel.build import compile_to
+    from megakernel.kernel.toolchain.build import compile_to
 
     d, m = builds[("qwen2-tiny", 2, 2, 0, "sm_90a")]
     spec = spec_mod.KernelSpec.from_dict(m["spec"])

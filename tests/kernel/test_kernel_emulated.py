@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from megakernel.emulator import Emulator
-from megakernel.emulator.check import Case, run_case
 from megakernel.emulator.errors import UnsupportedForm
 from megakernel.emulator.ptx import forms
+from megakernel.gpu_check.emulated import Case, run_case
 
 
 def test_lane_build_runs_on_the_emulator_like_the_executor(lane_build) -> None:  # noqa: ANN001
@@ -45,12 +45,12 @@ def test_the_op_launches_an_emulated_build_like_the_executor(lane_build) -> None
     stepping from a reference prefill; tokens and logits as the CPU executor's program."""
     import torch
 
-    from megakernel import torch_op
-    from megakernel.emulator.driver import EMULATED_SMS, EmulatedKernel
     from megakernel.gpu_check.compare import same_program
-    from megakernel.kernel_backend import Megakernel
+    from megakernel.launch import torch_op
+    from megakernel.launch.emulated import EMULATED_SMS, EmulatedKernel
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
+    from megakernel.serve.kernel_backend import Megakernel
 
     out, _ = lane_build("sm_90a")
     cfg = preset("llama-tiny")
@@ -73,10 +73,10 @@ def test_the_op_launches_an_emulated_build_like_the_executor(lane_build) -> None
 
 
 def test_an_emulated_build_refuses_cuda_and_names_why(lane_build) -> None:  # noqa: ANN001
-    from megakernel.kernel_backend import Megakernel
-    from megakernel.launch_checks import ArgumentError
+    from megakernel.launch.checks import ArgumentError
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
+    from megakernel.serve.kernel_backend import Megakernel
 
     out, _ = lane_build("sm_90a")
     cfg = preset("llama-tiny")
@@ -86,7 +86,7 @@ def test_an_emulated_build_refuses_cuda_and_names_why(lane_build) -> None:  # no
 
 
 def test_the_emulator_is_a_backend_auto_never_picks() -> None:
-    from megakernel import api, backends
+    from megakernel.serve import api, backends
 
     assert "emulator" in backends.BACKENDS and "emulator" in backends.SPECULATIVE
     assert "emulator" in api.BACKENDS and "emulator" in backends.BF16_ONLY

@@ -1,4 +1,4 @@
-"""The device code reads records through the ISA registry (kernel/fields.py).
+"""The device code reads records through the ISA registry (kernel/config/fields.py).
 
 Static (no DSL): every record word the kernel sources read is named through a field helper whose
 name the registry knows, no read uses a number or `COMMON_WORDS + N`, no opcode is tested by a
@@ -18,14 +18,23 @@ import pytest
 
 from megakernel import isa
 from megakernel.isa import registry
-from megakernel.kernel import fields, fingerprint, model_spec
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.fields import FieldError, OpTable, common, mv, one_of, slab_word, word
+from megakernel.kernel.config import fields, model_spec
+from megakernel.kernel.config.fields import (
+    FieldError,
+    OpTable,
+    common,
+    mv,
+    one_of,
+    slab_word,
+    word,
+)
+from megakernel.kernel.toolchain import fingerprint
 from megakernel.models import preset
 
-KERNEL_DIR = Path(spec_mod.__file__).parent
-# the device-code modules (spec.py and fields.py are host-side tables and helpers)
-DEVICE_SOURCES = tuple(n for n in fingerprint.KERNEL_SOURCES if n not in ("spec.py", "fields.py"))
+KERNEL_DIR = fingerprint.KERNEL
+# the modules a cubin is traced from, less the host-side tables and helpers (spec.py, fields.py)
+DEVICE_SOURCES = tuple(n for n in fingerprint.KERNEL_SOURCES
+                       if n not in ("config/spec.py", "config/fields.py"))
 HELPERS = {"word", "mv", "slab_word", "common"}
 
 
@@ -178,11 +187,15 @@ def test_matvec_operands_at_one_word():
 
 
 def test_the_fingerprint_covers_the_device_code_and_the_registry():
-    """Every module the cubin is compiled from is in spec.KERNEL_SOURCES (the fingerprint's
-    sources; fields.py included); the registry's modules (isa, layers) are hashed too."""
-    host_only = {"__init__.py", "build.py", "jit.py", "tools.py",
-                 "stream.py"}  # stream.py: a kernel of its own (the HBM read stream), own build
-    assert {p.name for p in KERNEL_DIR.glob("*.py")} - host_only == set(fingerprint.KERNEL_SOURCES)
+    """Every module the cubin is compiled from is in fingerprint.KERNEL_SOURCES: all of device/,
+    config/ (fields.py included) and host/, none of toolchain/; the registry's modules (isa,
+    layers) are hashed too."""
+    found = {f"{d}/{p.name}" for d in ("device", "config", "host", "toolchain")
+             for p in (KERNEL_DIR / d).glob("*.py")}
+    # stream.py: a kernel of its own (the HBM read stream), with its own build
+    not_traced = {f"{d}/__init__.py" for d in ("device", "config", "host")} | {"device/stream.py"} \
+        | {n for n in found if n.startswith("toolchain/")}
+    assert len(found) > 40 and found - not_traced == set(fingerprint.KERNEL_SOURCES)
     import inspect
 
     src = inspect.getsource(fingerprint.source_digest)
@@ -193,7 +206,7 @@ def test_the_fingerprint_covers_the_device_code_and_the_registry():
 def test_traced_kernel_reads_the_registry_words(monkeypatch, tmp_path, kernel_build):
     """The words are taken from the registry when the kernel is traced: with ARGMAX's LEN_OFF and
     FLAGS swapped in the registry, the compiled kernel reads the other word for each."""
-    from megakernel.kernel.build import compile_to
+    from megakernel.kernel.toolchain.build import compile_to
 
     cfg = preset("llama-tiny")
     s = model_spec.make_spec(cfg, 1, 1, "sm_90a", smem_stages=0)
@@ -212,7 +225,7 @@ def test_every_device_opcode_has_its_handler_class_or_epilogue():
     """Each device opcode that is not a matvec names a kernel.handler.Handler class with `run`
     (its declaration is where the loop finds it); a build makes one instance per class with that
     class's opcodes of the build; a declared handler of a non-device opcode is refused."""
-    from megakernel.kernel.handler import Handler, handler_class, handlers_for
+    from megakernel.kernel.device.handler import Handler, handler_class, handlers_for
 
     for s in isa.specs():
         if s.device and s.matvec is None and s.name not in fields.BUILTIN:
@@ -234,8 +247,8 @@ def test_every_matvec_opcode_names_its_epilogue_class():
     of the build, in opcode order; a class the kernel does not define is refused."""
     from types import SimpleNamespace
 
-    from megakernel.kernel.epilogue import Epilogue, epilogues_for
-    from megakernel.kernel.handler import handler_class
+    from megakernel.kernel.device.epilogue import Epilogue, epilogues_for
+    from megakernel.kernel.device.handler import handler_class
 
     for s in isa.specs():
         if s.device and s.matvec is not None:

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
 
-from megakernel.arch import ARCHS  # noqa: E402
-from megakernel.kernel import limits  # noqa: E402
-from megakernel.kernel.tools import sass_text  # noqa: E402
+from megakernel.common.arch import ARCHS  # noqa: E402
+from megakernel.kernel.host import limits  # noqa: E402
+from megakernel.kernel.toolchain.tools import sass_text  # noqa: E402
 from megakernel.models import preset  # noqa: E402
 from megakernel.models.fp8 import Fp8Format  # noqa: E402
 

@@ -26,13 +26,13 @@ import pytest
 import torch
 
 from megakernel import isa
-from megakernel.kernel import fp8_index as fi
-from megakernel.kernel import limits
-from megakernel.kernel import moe_index as mi
-from megakernel.kernel.dense_index import mma_operand_word, qkv_bias_index, row_major
-from megakernel.kernel.limits import MMA_K_ALIGN, MMA_M, MMA_N, VEC, tile_rows
-from megakernel.kernel.model_spec import make_spec
-from megakernel.kernel.plans import matvec_tiles, stage_plan
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host import fp8_index as fi
+from megakernel.kernel.host import limits
+from megakernel.kernel.host import moe_index as mi
+from megakernel.kernel.host.dense_index import mma_operand_word, qkv_bias_index, row_major
+from megakernel.kernel.host.limits import MMA_K_ALIGN, MMA_M, MMA_N, VEC, tile_rows
+from megakernel.kernel.host.plans import matvec_tiles, stage_plan
 from megakernel.models import preset
 from megakernel.models.fp8 import E4M3, Fp8Format, QuantizedWeights
 from megakernel.models.weights import random_weights
@@ -303,7 +303,7 @@ def test_spec_carries_the_weight_format():
     assert ch.weight_bytes(isa.Op.QKV) == 1 and ch.weight_bytes(isa.Op.LMHEAD) == 2
     assert (ch.fp8_chunk, bl.fp8_chunk) == (0, fi.SCALE_CHUNK)
     assert len({bf.tag, ch.tag, bl.tag}) == 3 and ch.tag.endswith("-fp8c")
-    from megakernel.kernel.fingerprint import fingerprint
+    from megakernel.kernel.toolchain.fingerprint import fingerprint
     assert len({fingerprint(s, "v") for s in (bf, ch, bl)}) == 3
     assert type(ch).from_dict(ch.to_dict()) == ch
     # a tied head is the bf16 embedding whatever the format says

@@ -2,7 +2,7 @@
 q/k norms, sigmoid output gate) and the (1 + w) RMSNorm, as compile-time switches of KernelSpec.
 
 CPU only: check_kernel_support's rows for the family; the spec's switches and the gate offset
-against the compiled programs' headers (launch_checks.check_header); builds of qwen3.5-attn-tiny for
+against the compiled programs' headers (launch.checks.check_header); builds of qwen3.5-attn-tiny for
 sm_90a and sm_100a within the budgets, their PTX holding the merge's sigmoid and the dense builds'
 not; numpy emulations, with the kernel's own index helpers (rope_pair, qkv_slot, gate_index), of
 the partial-RoPE pairing against the executor's rope and of the gate's addressing (QKV epilogue
@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from megakernel.arch import ARCHS
-from megakernel.errors import SpecError
+from megakernel.common.arch import ARCHS
+from megakernel.common.errors import SpecError
 from megakernel.executor.ops.attention import rope
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.dense_index import gate_index, qkv_slot, rope_pair
-from megakernel.kernel.limits import LANES
-from megakernel.kernel.model_spec import check_kernel_support, make_spec
-from megakernel.launch_checks import ArgumentError, check_header
+from megakernel.kernel.config import spec as spec_mod
+from megakernel.kernel.config.model_spec import check_kernel_support, make_spec
+from megakernel.kernel.host.dense_index import gate_index, qkv_slot, rope_pair
+from megakernel.kernel.host.limits import LANES
+from megakernel.launch.checks import ArgumentError, check_header
 from megakernel.models import preset
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
@@ -44,7 +44,7 @@ SUPPORT = [
     (lambda: preset(GATED), None),
     (lambda: _qwen35(head_dim=256, rotary_dim=64), None),  # the real presets' layout
     (lambda: _qwen35(head_dim=128, rotary_dim=128), None),
-    (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE has a handler (kernel/gdn.py)
+    (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE has a handler (kernel/device/gdn.py)
     (lambda: preset("qwen3.5-0.8b"), None),
     (lambda: _qwen35(head_dim=128, rotary_dim=48), ("RoPE on 48 of 128",)),
 ]

@@ -1,5 +1,5 @@
-"""Builds of the GDN handler (kernel/gdn.py): Qwen3.5 (GDN + gated attention) on both archs and
-weight paths, recurrent and by ReplaySSM (GDN_REPLAY, fold window 4), within the
+"""Builds of the GDN handler (kernel/device/gdn.py): Qwen3.5 (GDN + gated attention) on both archs
+and weight paths, recurrent and by ReplaySSM (GDN_REPLAY, fold window 4), within the
 register/spill/local budgets; T = 4 tokens per step; the handler compiled in only where the model
 has GDN layers; the spec's scratch span and tag; the ReplaySSM window against the header."""
 
@@ -10,12 +10,12 @@ import re
 import pytest
 
 from megakernel import isa
-from megakernel.arch import ARCHS
-from megakernel.errors import SpecError
+from megakernel.common.arch import ARCHS
+from megakernel.common.errors import SpecError
 from megakernel.executor import executor_gpu
-from megakernel.kernel import limits
-from megakernel.kernel.model_spec import make_spec
-from megakernel.launch_checks import ArgumentError, check_header
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host import limits
+from megakernel.launch.checks import ArgumentError, check_header
 from megakernel.models import preset
 from megakernel.program.compiler import compile_program
 from tests.kernel.helpers import specs_within_budgets, variant_builds

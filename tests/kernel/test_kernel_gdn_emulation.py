@@ -1,5 +1,5 @@
-"""A numpy emulation of the GDN_CORE device handler (kernel/gdn.py), run with the kernel's own
-index helpers (kernel/gdn_index.py), against the CPU executor's step.
+"""A numpy emulation of the GDN_CORE device handler (kernel/device/gdn.py), run with the kernel's
+own index helpers (kernel/host/gdn_index.py), against the CPU executor's step.
 
 The emulation walks the handler's phases with its thread mapping (a thread per conv channel, a
 warp per (token, q/k) norm and per (token, value head) output, lanes = state columns in tiles of
@@ -22,8 +22,8 @@ import torch
 
 from megakernel import isa
 from megakernel.executor import Executor, executor_gpu
-from megakernel.kernel.gdn_index import GDNShape, check_gdn
-from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host.gdn_index import GDNShape, check_gdn
 from megakernel.layers.gdn import GDNConfig
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
@@ -69,7 +69,7 @@ def emulate_output(g: GDNShape, d: dict, W: np.ndarray, F32: np.ndarray, sS: np.
 
 def emulate_core(g: GDNShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.ndarray,
                  out: np.ndarray, eps: float) -> None:
-    """One GDN_CORE record, as kernel/gdn.py runs it: W bf16 weights (as fp32), F32 the fp32
+    """One GDN_CORE record, as kernel/device/gdn.py runs it: W bf16 weights (as fp32), F32 the fp32
     arena, S the state arena (updated), out the bf16 arena as fp32 (written)."""
     sS = emulate_inputs(g, d, W, F32, S)
     emulate_states(g, d, d["K_HEAD"], S, sS)
@@ -78,7 +78,7 @@ def emulate_core(g: GDNShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.nda
 
 def emulate_replay(g: GDNShape, d: dict, W: np.ndarray, F32: np.ndarray, I32: np.ndarray,
                    S: np.ndarray, out: np.ndarray, eps: float) -> None:
-    """One GDN_REPLAY record, as kernel/gdn.py runs it (steps r1-r3 of gdn_index.py); I32 the
+    """One GDN_REPLAY record, as kernel/device/gdn.py runs it (steps r1-r3 of gdn_index.py); I32 the
     int32 arena (the ring count, updated), the rest as emulate_core."""
     sS = emulate_inputs(g, d, W, F32, S)
     emulate_replay_states(g, d, d["K_HEAD"], I32, S, sS)
@@ -183,7 +183,7 @@ def test_gdn_shapes_the_handler_refuses():
     assert "value head dim 48" in check_gdn(GDNShape(2, 2, 16, 48, 4, 1, 1, 8))
     assert "tokens" in check_gdn(GDNShape(2, 2, 16, 8, 4, 1, 8, 8))
     cfg = dataclasses.replace(preset("qwen3.5-tiny"), gdn=GDNConfig(2, 4, 20, 8, 4))
-    from megakernel.errors import SpecError
+    from megakernel.common.errors import SpecError
 
     with pytest.raises(SpecError, match="key head dim 20"):
         make_spec(cfg, 1, 1, "sm_90a")

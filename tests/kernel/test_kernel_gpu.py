@@ -36,7 +36,7 @@ def build_dir(tmp_path_factory) -> Path:
         return d
     pytest.importorskip("cutlass", reason="no MEGAKERNEL_BUILD_DIR and no DSL to JIT-compile")
     from megakernel.gpu_check import prepare
-    from megakernel.runtime import device_info
+    from megakernel.launch.runtime import device_info
 
     root = tmp_path_factory.mktemp("gpu-builds")
     prepare(root, [device_info().arch], [(c, v) for c in CASES for v in ("default", "global")])
@@ -72,11 +72,11 @@ def test_generate_backend_kernel_agrees_with_reference(build_dir, monkeypatch):
     bf16 reference's tokens up to the first step whose fp32 margin is within twice the band (a
     near tie by the reference's own error), and that common prefix must be long."""
     from megakernel.gpu_check import MIN_PREFIX, common_prefix, compare
-    from megakernel.kernel_backend import Megakernel, generate
     from megakernel.models import preset
     from megakernel.models.weights import random_weights
     from megakernel.reference.model import ReferenceModel
     from megakernel.reference.model import generate as ref_generate
+    from megakernel.serve.kernel_backend import Megakernel, generate
 
     steps = 64
     cfg = preset("llama-tiny")

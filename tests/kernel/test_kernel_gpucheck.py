@@ -228,7 +228,7 @@ def test_the_report_files_fit_what_a_gpu_machine_returns(scripted):
 
 # ---- the whole run, simulated on the CPU executor -----------------------------------------------
 def test_simulated_stage_0_runs_end_to_end(tmp_path, capsys):
-    from megakernel.cli import main
+    from megakernel.cli.main import main
 
     rc = main(["gpu-check", "--simulate", "--stages", "0", "--out", str(tmp_path / "o")])
     out = capsys.readouterr().out
@@ -244,8 +244,8 @@ def test_simulated_stage_0_runs_end_to_end(tmp_path, capsys):
 
 def test_simulated_case_catches_a_broken_launch(tmp_path, monkeypatch):
     """The simulated path judges what the op returns: a launch that negates the logits fails."""
-    from megakernel import torch_op
     from megakernel.gpu_check.case import Weights, run_case
+    from megakernel.launch import torch_op
 
     real = torch_op._outputs
 
@@ -272,8 +272,8 @@ def test_state_parity_allows_rounding_only():
 def test_simulated_hybrid_case_catches_a_corrupt_state(tmp_path, monkeypatch):
     """The last step leaving a slightly wrong recurrent state (one element nudged by 1% of the
     arena's largest: no logits see it) fails the case through the state parity alone."""
-    from megakernel import kernel_backend
     from megakernel.gpu_check.case import Weights, run_case
+    from megakernel.serve import kernel_backend
 
     case = Case("qwen3.5-tiny", 2, 1, 2, 2)
     good = run_case(case, None, Weights(), simulate=True)
@@ -294,7 +294,7 @@ def test_simulated_hybrid_case_catches_a_corrupt_state(tmp_path, monkeypatch):
 
 
 def test_stages_flag_is_checked(capsys):
-    from megakernel.cli import main
+    from megakernel.cli.main import main
 
     with pytest.raises(SystemExit, match="--stages"):
         main(["gpu-check", "--simulate", "--stages", "7", "--out", "unused"])
@@ -312,7 +312,7 @@ def test_variants_and_their_directories():
 def test_prepare_reports_a_variant_that_cannot_serve_the_case(tmp_path, monkeypatch, capsys):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
     from megakernel.gpu_check import prepare
-    from megakernel.kernel import variants
+    from megakernel.kernel.host import variants
 
     monkeypatch.setitem(variants.VARIANTS, "huge", {"smem_stages": 8})
     ms, failed = prepare(tmp_path, ["sm_90a"], [(Case("llama-tiny", 1, 1, 1), "global"),
@@ -327,7 +327,7 @@ def test_prepare_builds_a_speculative_cases_plain_kernel_too(tmp_path, monkeypat
     prepare makes both, or the case cannot find its plain kernel on a machine without the DSL."""
     from megakernel.gpu_check import prepare
     from megakernel.gpu_check.cases import SPECULATIVE
-    from megakernel.kernel import build
+    from megakernel.kernel.toolchain import build
 
     made = []
 
@@ -346,9 +346,9 @@ def test_prepare_builds_a_speculative_cases_plain_kernel_too(tmp_path, monkeypat
 
 def test_stage_tables_cover_what_the_issue_asks():
     from megakernel.gpu_check.cases import STAGES
-    from megakernel.kernel.limits import tile_rows
-    from megakernel.kernel.model_spec import make_spec
-    from megakernel.kernel.variants import VARIANTS
+    from megakernel.kernel.config.model_spec import make_spec
+    from megakernel.kernel.host.limits import tile_rows
+    from megakernel.kernel.host.variants import VARIANTS
     from megakernel.models import preset
 
     s0 = STAGES[0]
@@ -437,10 +437,11 @@ def test_a_synthetic_bench_case_runs_without_a_reference(tmp_path, monkeypatch):
     runs and fills a random cache in place of a prefill; its row says whether the first step's
     logits were finite and its tokens their argmax. Planted: logits that turn NaN are reported
     and shown in the report's decode-step table."""
-    from megakernel import kernel_backend, torch_op
     from megakernel.gpu_check import bench
     from megakernel.gpu_check.case import Weights
     from megakernel.gpu_check.report import markdown
+    from megakernel.launch import torch_op
+    from megakernel.serve import kernel_backend
 
     def no_reference(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a synthetic case must not build the reference")
@@ -466,10 +467,10 @@ def test_a_synthetic_bench_case_runs_without_a_reference(tmp_path, monkeypatch):
 def test_fill_context_stands_in_for_a_prefill():
     """fill_context: every sequence at `context`, cache positions below it random and the rest
     untouched, recurrent state zero; a context with no room for the step is refused."""
-    from megakernel.kernel_backend import Megakernel
-    from megakernel.launch_checks import ArgumentError
+    from megakernel.launch.checks import ArgumentError
     from megakernel.models import preset
     from megakernel.models.weights import LazyRandomWeights
+    from megakernel.serve.kernel_backend import Megakernel
 
     cfg = preset("qwen3.5-tiny")
     mk = Megakernel(cfg, LazyRandomWeights(cfg), batch=2, max_seq_len=32, device="cpu")

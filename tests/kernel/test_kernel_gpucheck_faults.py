@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from megakernel import kernel_backend, torch_op
 from megakernel.gpu_check import driver
 from megakernel.gpu_check.case import SIMULATED_STEPS, Weights, run_case
 from megakernel.gpu_check.cases import Case, Group, Stage
 from megakernel.gpu_check.report import Report
+from megakernel.launch import torch_op
+from megakernel.serve import kernel_backend
 
 WEIGHTS = Weights()  # one set of random weights per model for the whole module
 DENSE = Case("llama-tiny", 2, 1, 2, 2)  # 2 steps, both also run by the executor

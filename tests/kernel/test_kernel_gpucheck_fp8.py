@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from megakernel import kernel_backend
 from megakernel.gpu_check import driver
 from megakernel.gpu_check.case import Weights, fp8_matrices, run_case
 from megakernel.gpu_check.cases import BENCH_CASES, STAGES, Case, Stage
 from megakernel.gpu_check.report import Report
+from megakernel.serve import kernel_backend
 
 WEIGHTS = Weights()
 CHANNEL = Case("llama-tiny", 2, 1, 2, 2, fp8="channel")  # 2 steps, both against the executor
@@ -29,8 +29,8 @@ def _stage_cases(number: int, variant: str) -> list[Case]:
 
 
 def test_fp8_cases_are_in_the_stages():
-    from megakernel.kernel.model_spec import make_spec
-    from megakernel.kernel.variants import VARIANTS
+    from megakernel.kernel.config.model_spec import make_spec
+    from megakernel.kernel.host.variants import VARIANTS
 
     s1 = _stage_cases(1, "default")
     fp8 = {(c.model, c.batch, c.tokens, c.fp8) for c in s1 if c.fp8}
@@ -77,7 +77,7 @@ def test_prepare_builds_each_fp8_case_in_its_own_format(tmp_path):
     tag: the directory find_build looks in) is not the bf16 build of the same shape; the run looks
     an FP8 item's build up there (have_build), not in the bf16 one's directory."""
     from megakernel.gpu_check.prepare import wanted
-    from megakernel.kernel.model_spec import make_spec
+    from megakernel.kernel.config.model_spec import make_spec
 
     w = wanted()
     fp8 = [(c, v) for c, v in w if c.fp8]

@@ -14,12 +14,12 @@ import re
 import pytest
 
 from megakernel import isa
-from megakernel.arch import ARCHS
-from megakernel.errors import SpecError
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.fields import OpTable
-from megakernel.kernel.model_spec import check_kernel_support, make_spec, program_ops
-from megakernel.launch_checks import ArgumentError, check_header
+from megakernel.common.arch import ARCHS
+from megakernel.common.errors import SpecError
+from megakernel.kernel.config import spec as spec_mod
+from megakernel.kernel.config.fields import OpTable
+from megakernel.kernel.config.model_spec import check_kernel_support, make_spec, program_ops
+from megakernel.launch.checks import ArgumentError, check_header
 from megakernel.models import preset
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
@@ -42,7 +42,7 @@ SUPPORT = [
     (lambda: _nemotron("-*-*--*"), None),
     (lambda: _nemotron("*-M-"), None),  # MAMBA_CORE has a handler (kernel/mamba2.py)
     (lambda: preset("nemotron-h-tiny"), None),
-    (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE (kernel/gdn.py)
+    (lambda: preset("qwen3.5-tiny"), None),  # GDN_CORE (kernel/device/gdn.py)
     (lambda: preset("kimi-linear-tiny"), None),  # KDA, MLA, MoE (kda.py, mla.py, moe*.py)
     (lambda: _nemotron("**"), ("feed-forward", "[]")),
     (lambda: _nemotron("--"), None),  # no attention layers: no attention handler is built
@@ -165,13 +165,13 @@ def test_only_mamba_builds_carry_the_state_prefetch(mamba_builds, hybrid_builds)
         assert mine > theirs, key
 
 
-# ---- Mamba2 by ReplaySSM (MAMBA_REPLAY, kernel/mamba_replay.py) --------------------------------
+# ---- Mamba2 by ReplaySSM (MAMBA_REPLAY, kernel/device/mamba_replay.py) ---------------------------
 WINDOW = 4
 
 
 def test_replay_spec_and_the_program_header():
     """replay_window is a constant of the build: its op set and ring capacity follow from it,
-    the program header's REPLAY_WINDOW and RING_CAP must match it (launch_checks.check_header), a
+    the program header's REPLAY_WINDOW and RING_CAP must match it (launch.checks.check_header), a
     dense model or a ReplaySSM op set without a window is refused."""
     cfg = preset("nemotron-h-tiny")
     s = make_spec(cfg, 2, 2, "sm_90a", replay_window=WINDOW)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megakernel.kernel.dense_index import (
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.config.spec import KernelSpec
+from megakernel.kernel.host.dense_index import (
     acc_index,
     attn_chunk_keys,
     attn_group_queries,
@@ -43,10 +45,8 @@ from megakernel.kernel.dense_index import (
     tile_copy,
     tile_warp,
 )
-from megakernel.kernel.limits import LANES, ROW_CHUNK, SMEM_STAGE_BYTES, VEC, tile_rows
-from megakernel.kernel.model_spec import make_spec
-from megakernel.kernel.plans import matvec_tiles
-from megakernel.kernel.spec import KernelSpec
+from megakernel.kernel.host.limits import LANES, ROW_CHUNK, SMEM_STAGE_BYTES, VEC, tile_rows
+from megakernel.kernel.host.plans import matvec_tiles
 from megakernel.models import preset
 
 MODELS = ("llama-tiny", "llama-mid", "llama-3.2-1b", "qwen3-0.6b")
@@ -334,7 +334,7 @@ def _reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: l
                                                     (2, 1, 21), (1, 8, 3), (2, 4, 2)])
 def test_attention_indexing_computes_gqa_attention(model, batch, tokens, n_splits):
     pytest.importorskip("cutlass", reason="the kernel's Attention holds the softmax scale")
-    from megakernel.kernel.attention import Attention
+    from megakernel.kernel.device.attention import Attention
 
     spec = make_spec(preset(model), batch, tokens, "sm_90a")
     rng = np.random.default_rng(batch * 31 + tokens)

@@ -1,5 +1,6 @@
-"""A numpy emulation of the KDA_CORE / KDA_REPLAY device handler (kernel/kda.py on gdn.py's loops),
-run with the kernel's own index helpers (kernel/kda_index.py), against the CPU executor's step.
+"""A numpy emulation of the KDA_CORE / KDA_REPLAY device handler (kernel/device/kda.py on gdn.py's
+loops), run with the kernel's own index helpers (kernel/host/kda_index.py), against the CPU
+executor's step.
 
 The shared delta-rule walk (tests/kernel/helpers.py, `channel=True`: KDA's per-channel decay) plus
 KDA's own gates (the low-rank decay and gate of the head's f_b / g_b rows) and output gate
@@ -19,10 +20,10 @@ import pytest
 import torch
 
 from megakernel import isa
-from megakernel.errors import SpecError
+from megakernel.common.errors import SpecError
 from megakernel.executor import Executor, executor_gpu
-from megakernel.kernel.kda_index import KDAShape, check_kda
-from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host.kda_index import KDAShape, check_kda
 from megakernel.layers.kda import KDAConfig
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
@@ -47,7 +48,8 @@ SHAPES = {"wide": KDAConfig(2, 64, 4)}  # d = 64: two column tiles, every lane l
 
 def emulate_inputs(g: KDAShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.ndarray
                    ) -> np.ndarray:
-    """Conv, l2 norms and KDA's gates (kernel/kda.py `gates`): the scratch span they leave."""
+    """Conv, l2 norms and KDA's gates (kernel/device/kda.py `gates`): the scratch span they
+    leave."""
     b, h, proj, prm, sm = d["B_IDX"], d["HEAD"], d["PROJ_OFF"], d["PARAM_OFF"], g.smem()
     sS = emulate_conv_norms(g, d, h, W, F32, S)
     for t in range(g.tokens):

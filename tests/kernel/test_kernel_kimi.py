@@ -12,8 +12,8 @@ import re
 import pytest
 
 from megakernel import isa
-from megakernel.arch import ARCHS
-from megakernel.kernel.model_spec import program_ops
+from megakernel.common.arch import ARCHS
+from megakernel.kernel.config.model_spec import program_ops
 from megakernel.models import preset
 from tests.kernel.helpers import specs_within_budgets
 
@@ -81,7 +81,7 @@ def test_router_rstd_region_holds_every_row():
     """ROUTER_SCORE keeps one rstd per activation row in the `rstd` region: sized
     from the build, not a pass's rows (32 fp32 before: rows past 32 overran into the next
     region); builds without the router keep a pass's."""
-    from megakernel.kernel.model_spec import make_spec
+    from megakernel.kernel.config.model_spec import make_spec
 
     for batch in (1, 33, 64):
         s = make_spec(preset(KIMI), batch, 1, "sm_90a")

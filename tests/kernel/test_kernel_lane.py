@@ -10,13 +10,13 @@ import json
 import pytest
 
 from megakernel import isa
-from megakernel.arch import ARCHS
-from megakernel.kernel import limits
+from megakernel.common.arch import ARCHS
+from megakernel.kernel.host import limits
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_small_build_per_arch(lane_build, arch):  # noqa: ANN001
-    from megakernel.kernel.tools import ptx_target
+    from megakernel.kernel.toolchain.tools import ptx_target
 
     d, m = lane_build(arch)
     assert (d / "megakernel.cubin").stat().st_size > 10_000

@@ -1,5 +1,5 @@
 """A numpy emulation of the MAMBA_CORE device handler (kernel/mamba2.py), run with the kernel's
-own index helpers (kernel/mamba_index.py), against the CPU executor's step.
+own index helpers (kernel/host/mamba_index.py), against the CPU executor's step.
 
 The emulation walks the handler's phases with its thread mapping (a thread per conv channel and
 per (token, head) gate, the heads' D and A in shared memory, a warp per token for B . C, state
@@ -13,7 +13,7 @@ truth: new conv window and states within fp32 rounding, ssm_out within one bf16 
 nemotron-h-tiny (R = 4, N = 16: two rows per warp pass) at B = 2, T = 1 and 4, and two other
 head shapes (SHAPES: N = 128 with four row tiles and a 3-tap conv; N = 8, four rows per pass).
 
-MAMBA_REPLAY (kernel/mamba_replay.py) the same way, step after step with L = 4 from staggered
+MAMBA_REPLAY (kernel/device/mamba_replay.py) the same way, step after step with L = 4 from staggered
 ring positions: the ring's B and dt, B . C per (token, entry) as warp reductions, the segment
 sums, the entries' x spread over a row's lanes in registers (entry), the fold taking each x_e
 from the lane that holds it (entry_lane); the whole state block (window, S_c, ring x, B, dt),
@@ -29,12 +29,12 @@ import pytest
 import torch
 
 from megakernel import isa
-from megakernel.errors import SpecError
+from megakernel.common.errors import SpecError
 from megakernel.executor import Executor, executor_gpu
-from megakernel.kernel.gdn_index import SOFTPLUS_LINEAR
-from megakernel.kernel.limits import NUM_THREADS
-from megakernel.kernel.mamba_index import LANES, MambaShape, check_mamba
-from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host.gdn_index import SOFTPLUS_LINEAR
+from megakernel.kernel.host.limits import NUM_THREADS
+from megakernel.kernel.host.mamba_index import LANES, MambaShape, check_mamba
 from megakernel.layers import kind
 from megakernel.layers.mamba2 import Mamba2Config
 from megakernel.models import preset
@@ -180,8 +180,8 @@ def emulate_core(m: MambaShape, d: dict, W: np.ndarray, F32: np.ndarray, S: np.n
 
 def emulate_replay(m: MambaShape, window: int, d: dict, W: np.ndarray, F32: np.ndarray,
                    S: np.ndarray, I32: np.ndarray, out: np.ndarray, eps: float) -> None:
-    """One MAMBA_REPLAY record, as kernel/mamba_replay.py runs it (S: the state arena with the
-    ring, I32: the i32 arena with ring_count; both updated)."""
+    """One MAMBA_REPLAY record, as kernel/device/mamba_replay.py runs it (S: the state arena with
+    the ring, I32: the i32 arena with ring_count; both updated)."""
     b, j, st0, T, sm = d["B_IDX"], d["GROUP"], d["STATE"], m.tokens, m.smem()
     N, R, cap, cnt = m.state_size, m.rep, m.cap, d["COUNT_OFF"] + m.count(b, j)
     n = int(I32[cnt])

@@ -1,5 +1,6 @@
-"""A numpy emulation of the latent-attention device handlers (MLA_Q, MLA, MLA_O; kernel/mla.py),
-run with the kernel's own index helpers (kernel/mla_index.py), against the CPU executor's ops.
+"""A numpy emulation of the latent-attention device handlers (MLA_Q, MLA, MLA_O;
+kernel/device/mla.py), run with the kernel's own index helpers (kernel/host/mla_index.py), against
+the CPU executor's ops.
 
 The emulation walks each handler's loops with its thread mapping (MLA_Q: row parts x columns, the
 parts summed in order; MLA: a warp per new position for the latent norm, key chunks of KC staged
@@ -20,10 +21,10 @@ import torch
 from megakernel import isa
 from megakernel.executor import Executor, executor_gpu
 from megakernel.executor.ops.mla import mla, mla_o, mla_q
-from megakernel.kernel.dense_index import attn_keys, kv_row
-from megakernel.kernel.limits import NUM_THREADS
-from megakernel.kernel.mla_index import LANES, LATENT_NORM_EPS, MLAShape, check_mla
-from megakernel.kernel.model_spec import make_spec
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host.dense_index import attn_keys, kv_row
+from megakernel.kernel.host.limits import NUM_THREADS
+from megakernel.kernel.host.mla_index import LANES, LATENT_NORM_EPS, MLAShape, check_mla
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from megakernel import isa
-from megakernel.arch import ARCHS
-from megakernel.kernel import limits
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.dense_index import mma_c_coord, mma_operand_word, mma_red_index
-from megakernel.kernel.limits import MMA_K_ALIGN, MMA_M, MMA_MIN_ROWS, MMA_N
-from megakernel.kernel.model_spec import make_spec
+from megakernel.common.arch import ARCHS
+from megakernel.kernel.config import spec as spec_mod
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host import limits
+from megakernel.kernel.host.dense_index import mma_c_coord, mma_operand_word, mma_red_index
+from megakernel.kernel.host.limits import MMA_K_ALIGN, MMA_M, MMA_MIN_ROWS, MMA_N
 from megakernel.models import preset
 
 
@@ -159,10 +159,10 @@ def test_cost_model_charges_the_path_the_build_runs():
         assert all((i.tensor_flops > 0) == tensor and (i.fp32_flops > 0) != tensor
                    for i in mv), b
     # passes over the activation rows after the first re-read the slab through L2
+    from megakernel.isa.stages import Counters
     from megakernel.layers.base import StepShape
     from megakernel.program import compiler as C
     from megakernel.program.pack import weight_layout
-    from megakernel.program.stages import Counters
 
     assert make_spec(cfg, 64, 1, "sm_90a").passes == 2
     made = {}
@@ -185,7 +185,7 @@ def builds(kernel_build):
 
 
 def test_mma_builds_carry_tensor_core_instructions_within_budget(builds):
-    from megakernel.kernel.tools import sass_text
+    from megakernel.kernel.toolchain.tools import sass_text
 
     for (name, b, t, arch), (d, m) in sorted(builds.items()):
         spec = spec_mod.KernelSpec.from_dict(m["spec"])

@@ -1,5 +1,5 @@
 """The MoE handlers' place in a build: a Kimi spec handles the router and expert opcodes, the
-expert slabs on their own epilogue; launch_checks.check_header holds a program's MOE_* words against
+expert slabs on their own epilogue; launch.checks.check_header holds a program's MOE_* words against
 the build (the builds themselves: test_kernel_kimi.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from megakernel import isa
-from megakernel.kernel import model_spec
-from megakernel.kernel.fields import OpTable
+from megakernel.kernel.config import model_spec
+from megakernel.kernel.config.fields import OpTable
 from megakernel.models import preset
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
@@ -29,7 +29,7 @@ def test_kimi_spec_handles_the_moe_opcodes():
 
 
 def test_check_header_holds_the_moe_words():
-    from megakernel.launch_checks import ArgumentError, check_header
+    from megakernel.launch.checks import ArgumentError, check_header
 
     cfg = preset(NAME)
     spec = model_spec.make_spec(cfg, 2, 1, "sm_90a").to_dict()

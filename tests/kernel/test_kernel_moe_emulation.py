@@ -1,6 +1,6 @@
 """A numpy emulation of the MoE expert handlers (EXPERT_GATEUP / EXPERT_DOWN on the matvec
-handler, MOE_COMBINE; kernel/moe.py), walked with the kernel's own index helpers
-(kernel/moe_index.py), against the CPU executor's ops record by record.
+handler, MOE_COMBINE; kernel/device/moe.py), walked with the kernel's own index helpers
+(kernel/host/moe_index.py), against the CPU executor's ops record by record.
 
 kimi-linear-tiny (8 experts, top 3, one shared expert) at B, T in {1, 4}; the router's choice is
 replaced by chosen expert ids (rows sharing experts, ids not in increasing order within a row,
@@ -26,10 +26,10 @@ import torch
 
 import megakernel.executor.ops.moe as ex_moe
 from megakernel.executor import Executor
-from megakernel.kernel import moe_index as mi
-from megakernel.kernel.limits import tile_rows
-from megakernel.kernel.model_spec import make_spec
-from megakernel.kernel.plans import matvec_tiles
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host import moe_index as mi
+from megakernel.kernel.host.limits import tile_rows
+from megakernel.kernel.host.plans import matvec_tiles
 from megakernel.layers.moe import work_list
 from megakernel.models import preset
 from megakernel.models.weights import random_weights

@@ -1,4 +1,4 @@
-"""Host emulation of the paged build's KV addressing (kernel/paged_index.py) against the CPU
+"""Host emulation of the paged build's KV addressing (kernel/host/paged_index.py) against the CPU
 executor's paged path (executor/ops/attention.py): the QKV epilogue's store through the slot
 mapping and ATTN_PARTIAL's reads through the block table, with the kernel's own index helpers.
 
@@ -15,9 +15,9 @@ import torch
 
 from megakernel.executor import Executor, executor_gpu
 from megakernel.executor.ops.attention import write_kv
-from megakernel.kernel.dense_index import attn_scale, kv_slot
-from megakernel.kernel.model_spec import make_spec
-from megakernel.kernel.paged_index import k_elem, page_base, slot_block, table_entry, v_elem
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host.dense_index import attn_scale, kv_slot
+from megakernel.kernel.host.paged_index import k_elem, page_base, slot_block, table_entry, v_elem
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
@@ -111,9 +111,9 @@ def test_paged_attention_indexing_matches_the_executor(name, batch, tokens, live
 
 def test_paged_build_constants_are_the_programs():
     """The build bakes in the pool and the i32 offsets of the block table and slot mapping: a
-    program of that pool passes launch_checks.check_header; another pool or a contiguous program
+    program of that pool passes launch.checks.check_header; another pool or a contiguous program
     (and a paged program on a contiguous build) is refused by name."""
-    from megakernel.launch_checks import ArgumentError, check_header
+    from megakernel.launch.checks import ArgumentError, check_header
 
     cfg, gpu = preset("qwen3-tiny"), executor_gpu()
     pool = PagedKV(num_blocks=20, block_size=8, max_blocks=5)

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 
 from megakernel import isa
-from megakernel.arch import ARCHS
-from megakernel.errors import SpecError
-from megakernel.kernel import fingerprint, limits, plans
-from megakernel.kernel import spec as spec_mod
-from megakernel.kernel.dense_index import ring_slot
-from megakernel.kernel.limits import ROW_CHUNK, SMEM_STAGE_BYTES, tile_rows
-from megakernel.kernel.model_spec import make_spec
-from megakernel.kernel.plans import matvec_tiles, stage_plan
+from megakernel.common.arch import ARCHS
+from megakernel.common.errors import SpecError
+from megakernel.kernel.config import spec as spec_mod
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host import limits, plans
+from megakernel.kernel.host.dense_index import ring_slot
+from megakernel.kernel.host.limits import ROW_CHUNK, SMEM_STAGE_BYTES, tile_rows
+from megakernel.kernel.host.plans import matvec_tiles, stage_plan
+from megakernel.kernel.toolchain import fingerprint
 from megakernel.models import preset
 from tests.kernel.test_kernel_build import KV_PREFETCH_SITES
 
@@ -254,7 +255,7 @@ def test_ptx_has_the_pipeline(builds):
 
 
 def test_sass_has_the_pipeline_and_keeps_the_memory_protocol(builds):
-    from megakernel.kernel.tools import sass_text
+    from megakernel.kernel.toolchain.tools import sass_text
 
     for (name, arch), (d, _) in sorted(builds.items()):
         sass = sass_text(str(d / "megakernel.cubin"))
@@ -320,8 +321,8 @@ def test_loader_consumer_and_mirror_share_the_tile_loop_nest():
     import inspect
 
     pytest.importorskip("cutlass", reason="the device modules import the DSL")
-    from megakernel.kernel import matvec as mv
-    from megakernel.kernel import pipeline as pl
+    from megakernel.kernel.device import matvec as mv
+    from megakernel.kernel.device import pipeline as pl
 
     load = inspect.getsource(pl.Pipeline.load_queue)
     cons = inspect.getsource(mv.Matvec.run_piped)
@@ -484,8 +485,8 @@ def test_loader_and_consumers_compare_tile_counts_at_end():
     import inspect
 
     pytest.importorskip("cutlass", reason="the device modules import the DSL")
-    from megakernel.kernel import megakernel as mk
-    from megakernel.kernel import pipeline as pl
+    from megakernel.kernel.device import megakernel as mk
+    from megakernel.kernel.device import pipeline as pl
 
     spec = make_spec(preset("llama-3.2-1b"), 1, 1, "sm_90a", smem_stages=STAGES)
     off, n = spec.smem_regions()["mbar"]

@@ -11,11 +11,11 @@ import random
 
 import pytest
 
-from megakernel import errors
-from megakernel.arch import ARCH_SMS, ARCHS, L2_BYTES
-from megakernel.kernel import limits
-from megakernel.kernel.limits import prefetch_window
-from megakernel.kernel.plans import lookahead_plan
+from megakernel.common import errors
+from megakernel.common.arch import ARCH_SMS, ARCHS, L2_BYTES
+from megakernel.kernel.host import limits
+from megakernel.kernel.host.limits import prefetch_window
+from megakernel.kernel.host.plans import lookahead_plan
 
 
 def _check(slabs: list[int], window: int) -> None:
@@ -87,7 +87,7 @@ def _check_loader(slabs: list[tuple[int, int]], passes: int, k_chunk: int, windo
     """The loader's lookahead: its requests, in order, are exactly the loader's tiles in order
     (every pass), each tile's bytes requested before its copy, and before tile j the cursor has
     covered (bytes of tiles 0..j-1) + window, but not a tile more."""
-    from megakernel.kernel.plans import loader_lookahead_plan, stage_plan, tile_requests
+    from megakernel.kernel.host.plans import loader_lookahead_plan, stage_plan, tile_requests
 
     plan = loader_lookahead_plan(slabs, passes, k_chunk, 8, window)
     tiles = stage_plan(slabs, passes, k_chunk, 8)
@@ -121,7 +121,7 @@ def _check_loader(slabs: list[tuple[int, int]], passes: int, k_chunk: int, windo
 def test_loader_lookahead_follows_the_loaders_tiles():
     """Whole-row slabs: the window slides tile by tile; K-chunked slabs: the cursor requests the
     loader's column bands in its order, row by row (not the slab's rows ahead of them)."""
-    from megakernel.kernel.plans import loader_lookahead_plan
+    from megakernel.kernel.host.plans import loader_lookahead_plan
 
     w = 64 * 1024
     slabs = [(0, 0), (64, 2048), (0, 0), (16, 2048)]  # 256 KiB, attention, 64 KiB

@@ -1,11 +1,11 @@
-"""Host emulation of the MoE router's device handlers (kernel/moe_router.py): a numpy walk of
+"""Host emulation of the MoE router's device handlers (kernel/device/moe_router.py): a numpy walk of
 ROUTER_SCORE's and ROUTER's loop nests, with the kernel's own index helpers and order rules
-(kernel/moe_router_index.py), against the executor's math (F.linear of the bf16-rounded RMSNorm,
-reference `route`, layers/moe.py `work_list`) on fresh random inputs: ties, group-limited top-k
-(kimi-linear-tiny: 8 experts, top 3 of the best 2 of 4 groups), experts no row picks,
-B in {1, 4} x T in {1, 4}, a hidden size whose lanes end in a partial batch; the router also at
-the real preset's 256 experts (8 registers a lane) and at 72 experts in 3 groups (a lane's last
-register padding, groups across registers), up to 96 (row, pick) pairs (3 reads of 32 ids)."""
+(kernel/host/moe_router_index.py), against the executor's math (F.linear of the bf16-rounded
+RMSNorm, reference `route`, layers/moe.py `work_list`) on fresh random inputs: ties, group-limited
+top-k (kimi-linear-tiny: 8 experts, top 3 of the best 2 of 4 groups), experts no row picks, B in {1,
+4} x T in {1, 4}, a hidden size whose lanes end in a partial batch; the router also at the real
+preset's 256 experts (8 registers a lane) and at 72 experts in 3 groups (a lane's last register
+padding, groups across registers), up to 96 (row, pick) pairs (3 reads of 32 ids)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megakernel.kernel import moe_router_index as ix
+from megakernel.kernel.host import moe_router_index as ix
 from megakernel.layers.moe import MoEConfig, work_list
 from megakernel.models import preset
 from megakernel.reference.layers.moe import route

@@ -1,14 +1,14 @@
 """Host emulations of the speculative step's device handlers, run with their own index helpers
-(kernel/speculative_index.py, commit_index.py and the kinds' *_index.py), against the truth:
+(kernel/host/speculative_index.py, commit_index.py and the kinds' *_index.py), against the truth:
 
-- NGRAM (kernel/speculative.py): every thread's candidate scan, the warps' butterfly maxima, the
-  shared-memory words and the drafts, against reference/speculative.ngram_propose on random and
-  adversarial histories (repetitions, ties between positions, no match, m = 1, a record N_MAX
-  below the build's); planted bugs in the keys and limits are caught by the same cases.
-- ACCEPT (kernel/megakernel.py): the merge a lane per tile and a warp per row (ties to the lowest
-  index), then the per-sequence accept logic, against the op's notes (executor best_of,
+- NGRAM (kernel/device/speculative.py): every thread's candidate scan, the warps' butterfly
+  maxima, the shared-memory words and the drafts, against reference/speculative.ngram_propose on
+  random and adversarial histories (repetitions, ties between positions, no match, m = 1, a
+  record N_MAX below the build's); planted bugs in the keys and limits are caught by the same cases.
+- ACCEPT (kernel/device/megakernel.py): the merge a lane per tile and a warp per row (ties to
+  the lowest index), then the per-sequence accept logic, against the op's notes (executor best_of,
   reference accepted_count) with every accepted count 0..k and sequences at the cache's end.
-- the COMMIT handlers (kernel/commit.py): window, pending and ring offsets against the
+- the COMMIT handlers (kernel/device/commit.py): window, pending and ring offsets against the
   executor's state layout, and the commit of the last recurrent layer (window shift, count,
   fold of the n + e entries in the REPLAY handler's order) on the state the executor's REPLAY
   records left, against the executor's COMMIT, for GDN, KDA and Mamba2 and every e in 0..T.
@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from megakernel import isa
-from megakernel.errors import SpecError
+from megakernel.common.errors import SpecError
 from megakernel.executor import Executor, executor_gpu
 from megakernel.executor.ops.frame import best_of
-from megakernel.kernel.commit_index import shift_source
-from megakernel.kernel.model_spec import make_spec
-from megakernel.kernel.speculative_index import LANES, AcceptShape, NgramShape
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.host.commit_index import shift_source
+from megakernel.kernel.host.speculative_index import LANES, AcceptShape, NgramShape
 from megakernel.layers import kind
 from megakernel.models import preset
 from megakernel.models.weights import random_weights

@@ -1,4 +1,4 @@
-"""Speculative builds (layers/speculative.py; kernel/speculative.py, commit.py, ACCEPT in
+"""Speculative builds (layers/speculative.py; kernel/device/speculative.py, commit.py, ACCEPT in
 megakernel.py) for both archs within the budgets: the configurations the brief lists, each with
 its handlers compiled in (ACCEPT in place of ARGMAX, NGRAM with the device drafter, the kinds'
 COMMIT), and the PTX of an n-gram build holding the drafter's warp maxima. Slow lane (kernel
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megakernel import isa
-from megakernel.arch import ARCHS
+from megakernel.common.arch import ARCHS
 from megakernel.models import preset
 from tests.kernel.helpers import specs_within_budgets
 

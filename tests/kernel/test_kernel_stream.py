@@ -1,4 +1,4 @@
-"""The HBM read-stream kernel (kernel/stream.py) on the CPU: it builds for both archs with no
+"""The HBM read-stream kernel (kernel/device/stream.py) on the CPU: it builds for both archs with no
 spills or local memory, its SASS has the bulk copy and the mbarrier wait, its entry is the
 launcher's ABI; the host twin of its reduction (measure.stream_reference) against a plain loop;
 measure.read_bandwidth without a GPU or a build answers with an error field."""
@@ -12,21 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakernel import measure
-from megakernel.arch import ARCHS
+from megakernel.common.arch import ARCHS
+from megakernel.measure import bandwidth as measure
 
 
 @pytest.fixture(scope="module")
 def stream_builds(tmp_path_factory) -> dict[str, tuple[Path, dict]]:  # noqa: ANN001
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.kernel.stream import build_stream
+    from megakernel.kernel.toolchain.stream_build import build_stream
 
     root = measure.stream_build_dir(tmp_path_factory.mktemp("gpu-builds"))
     return {a: (root / a, build_stream(root, a)) for a in ARCHS}
 
 
 def test_stream_builds_without_spills_for_both_archs(stream_builds):
-    from megakernel.kernel.tools import parse_ptx_entry, ptx_target
+    from megakernel.kernel.toolchain.tools import parse_ptx_entry, ptx_target
 
     for arch, (d, m) in stream_builds.items():
         r = m["resources"]
@@ -45,7 +45,7 @@ def test_stream_builds_without_spills_for_both_archs(stream_builds):
 def test_stream_sass_has_the_bulk_copy_ring(stream_builds):
     """One cp.async.bulk G2S site completing on an mbarrier (SASS UBLKCP), the expect_tx arrive,
     the mbarrier try-wait and the xor shuffle: the megakernel loader's pattern, nothing else."""
-    from megakernel.kernel.tools import sass_text
+    from megakernel.kernel.toolchain.tools import sass_text
 
     for arch, (d, _) in stream_builds.items():
         ptx = (d / "stream.ptx").read_text()
@@ -69,7 +69,7 @@ def test_stream_manifest_loads_without_the_dsl(stream_builds):
 
 def test_stream_config_is_checked():
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed for the kernel class")
-    from megakernel.kernel.stream import HbmStream
+    from megakernel.kernel.device.stream import HbmStream
 
     with pytest.raises(ValueError, match="multiple of 128"):
         HbmStream(stage_bytes=1000)
@@ -125,8 +125,8 @@ def test_read_bandwidth_without_a_gpu_is_an_error_field(tmp_path):
 
 
 def test_missing_stream_build_names_the_build_command(tmp_path):
-    from megakernel.runtime import KernelUnavailable
+    from megakernel.launch.runtime import KernelUnavailable
 
-    with pytest.raises(KernelUnavailable, match="megakernel.kernel.stream --out"):
+    with pytest.raises(KernelUnavailable, match="megakernel.kernel.toolchain.stream_build --out"):
         measure.load_stream(tmp_path, "sm_90a")
     assert measure.stream_build_dir(tmp_path) == tmp_path / "stream"

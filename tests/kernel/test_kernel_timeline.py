@@ -8,9 +8,11 @@ import re
 
 import pytest
 
-from megakernel.arch import ARCHS
-from megakernel.kernel import fingerprint, limits, model_spec
-from megakernel.kernel.build import PTX_NAME, build_arch
+from megakernel.common.arch import ARCHS
+from megakernel.kernel.config import model_spec
+from megakernel.kernel.host import limits
+from megakernel.kernel.toolchain import fingerprint
+from megakernel.kernel.toolchain.build import PTX_NAME, build_arch
 from megakernel.models import preset
 
 STAMPS = {0: 3, None: 5}  # globaltimer reads added: consumers (3), plus the loader (2) when piped

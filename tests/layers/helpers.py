@@ -207,10 +207,10 @@ def build_context(cfg: ModelConfig, batch: int = 2, tokens: int = 1, max_seq_len
                   n_splits: int = 2, window: int | None = None, context: int = 32) -> Any:
     """A compiler BuildContext (layout, buffers, counters) without scheduling anything: what a
     kind's `stages` reads."""
+    from megakernel.isa.stages import Counters
     from megakernel.program.buffers import plan_buffers
     from megakernel.program.compiler import BuildContext
     from megakernel.program.pack import weight_layout
-    from megakernel.program.stages import Counters
 
     ring_cap = window - 1 + tokens if window else 0
     buf = plan_buffers(cfg, StepShape(batch, tokens, max_seq_len, n_splits, SMS, ring_cap))

@@ -191,7 +191,7 @@ def test_expert_streams_wait_only_for_the_binding(batch: int) -> None:
     not after their own dependency (down: every gate/up record); the shared expert's binding is
     static and its stream waits for nothing. The kernel finds the same counter from the encoded
     record (moe_index.bind_counter: gate/up WAIT_CID, down WAIT_CID - 1)."""
-    from megakernel.kernel.moe_index import bind_counter
+    from megakernel.kernel.host.moe_index import bind_counter
     from megakernel.layers.moe import SHARED
 
     prog = tiny_program("kimi-linear-tiny", batch)

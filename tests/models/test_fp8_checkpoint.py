@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megakernel.errors import ConfigError, UserError
+from megakernel.common.errors import ConfigError, UserError
 from megakernel.models import fp8, preset
 from megakernel.models.config import ModelConfig, expected_shapes
 from megakernel.models.fp8 import E4M3, Fp8Format

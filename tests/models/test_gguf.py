@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megakernel import cli
+from megakernel.cli import main as cli
 from megakernel.models import ConfigError, preset
 from megakernel.models.dense import DenseConfig
 from megakernel.models.gguf import config_from_gguf, load_gguf

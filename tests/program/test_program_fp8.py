@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megakernel.kernel.host.arena import ALIGN
 from megakernel.layers import kind
 from megakernel.models import fp8, preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
-from megakernel.program.pack import ALIGN, PackError, pack_weights, weight_layout
+from megakernel.program.pack import PackError, pack_weights, weight_layout
 from tests.registries import model
 
 TINY = ("llama-tiny", "qwen2-tiny", "qwen3.5-tiny", "nemotron-h-tiny", "kimi-linear-tiny",

@@ -7,11 +7,12 @@ import torch
 
 from megakernel import isa
 from megakernel.isa import Op
+from megakernel.kernel.host.arena import ALIGN
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
 from megakernel.program.gpus import gpu
-from megakernel.program.pack import ALIGN, PackError, pack_weights, weight_layout
+from megakernel.program.pack import PackError, pack_weights, weight_layout
 
 TOY = gpu("h100").with_sms(8)
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from megakernel.cli import main
+from megakernel.cli.main import main
 from megakernel.program.cost import CostParams
 from megakernel.program.measurements import (
     Measurement,
@@ -145,7 +145,7 @@ def _report() -> dict:
 
 def test_gpu_check_report_to_measurements(tmp_path) -> None:  # noqa: ANN001
     from megakernel import gpu_check
-    from megakernel.kernel.limits import SMEM_STAGE_BYTES
+    from megakernel.kernel.host.limits import SMEM_STAGE_BYTES
 
     stages = dict(gpu_check.variants())
     other = next(n for n in stages if n != "default")

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from megakernel.isa import Op
-from megakernel.kernel import dense_index
-from megakernel.kernel.dense_index import (
+from megakernel.kernel.host import dense_index
+from megakernel.kernel.host.dense_index import (
     ATTN_KV_LEAD_BYTES,
     ATTN_MERGE_IN_FLIGHT,
     attn_kv_lead,
@@ -19,7 +19,7 @@ from megakernel.kernel.dense_index import (
     attn_round_trips,
     attn_value_batch,
 )
-from megakernel.kernel.limits import L2_PREFETCH_SHARE, LANES
+from megakernel.kernel.host.limits import L2_PREFETCH_SHARE, LANES
 from megakernel.layers import attention as attention_kind
 from megakernel.models import preset
 from megakernel.program.compiler import compile_program

@@ -1,5 +1,5 @@
 """The timeline host side: records <-> rows, the predicted timeline, the PNG, and the refit of
-per-instruction costs to a timeline (megakernel/timeline.py, program/refit_timeline.py)."""
+per-instruction costs to a timeline (megakernel/measure/timeline.py, measure/timeline_fit.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import zlib
 import numpy as np
 import pytest
 
-from megakernel import timeline as tl
+from megakernel.measure import timeline as tl
+from megakernel.measure import timeline_fit
 from megakernel.models import resolve
-from megakernel.program import refit_timeline
 from megakernel.program.compiler import compile_program
 from megakernel.program.cost import CostParams
 from megakernel.program.gpus import gpu
@@ -108,7 +108,7 @@ def test_refit_recovers_the_parameters_of_a_timeline(prog, planted):
     made = dataclasses.replace(true, fixed_per_instr=true.fixed_per_instr * 1.5) if planted \
         else true
     rows = tl.decode(tl.encode(tl.predicted(prog, made), SMS, 64, t0=10**12))
-    fit = refit_timeline.fit_timeline(prog, rows)
+    fit = timeline_fit.fit_timeline(prog, rows)
     assert fit.loss_after < 1e-4 < fit.loss_before
     assert fit.params.fixed_per_instr == pytest.approx(made.fixed_per_instr, rel=0.01)
     assert fit.params.mem_latency == pytest.approx(made.mem_latency, rel=0.01)

@@ -1,4 +1,4 @@
-"""The launcher's weight-format check (launch_checks.check_weight_format, docs/FP8.md "Kernel"):
+"""The launcher's weight-format check (launch.checks.check_weight_format, docs/FP8.md "Kernel"):
 with the program's packed layout, every matvec record's W must point into a matrix of the format
 the build reads for its opcode, so a bf16 program refuses to launch on an FP8 build and an FP8
 program on a bf16 build (or on an FP8 build of the other granularity, or of the other LM-head
@@ -10,8 +10,8 @@ import functools
 
 import pytest
 
-from megakernel.kernel.model_spec import make_spec
-from megakernel.launch_checks import ArgumentError, check_header, check_records
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.launch.checks import ArgumentError, check_header, check_records
 from megakernel.models import preset
 from megakernel.models.fp8 import Fp8Format
 from megakernel.program.compiler import compile_program

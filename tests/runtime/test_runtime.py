@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from megakernel import isa
-from megakernel.kernel.model_spec import make_spec
-from megakernel.kernel.spec import PARAMS, KernelSpec
-from megakernel.kernel.tools import ToolError, parse_ptx_entries, parse_ptx_entry
-from megakernel.launch_checks import ArgumentError, check_lengths, check_records, validate_args
-from megakernel.models import preset
-from megakernel.runtime import (
+from megakernel.kernel.config.model_spec import make_spec
+from megakernel.kernel.config.spec import PARAMS, KernelSpec
+from megakernel.kernel.toolchain.tools import ToolError, parse_ptx_entries, parse_ptx_entry
+from megakernel.launch.checks import ArgumentError, check_lengths, check_records, validate_args
+from megakernel.launch.runtime import (
     DeviceInfo,
     KernelUnavailable,
     Manifest,
@@ -27,6 +26,7 @@ from megakernel.runtime import (
     load_manifest,
     parse_manifest,
 )
+from megakernel.models import preset
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -235,9 +235,10 @@ NO_DSL = (
 def test_runtime_and_op_import_without_the_dsl():
     code = (
         NO_DSL +
-        "import megakernel.runtime, megakernel.torch_op, megakernel.kernel_backend\n"
-        "import megakernel.gpu_check\n"
-        "import megakernel.kernel.spec, megakernel.kernel.tools, megakernel.kernel.jit\n"
+        "import megakernel.launch.runtime, megakernel.launch.torch_op\n"
+        "import megakernel.serve.kernel_backend, megakernel.gpu_check\n"
+        "import megakernel.kernel.config.spec\n"
+        "import megakernel.kernel.toolchain.tools, megakernel.kernel.toolchain.jit\n"
         "assert not any(m == 'cutlass' or m.startswith('cutlass.') for m in sys.modules)\n"
         "print('ok')\n"
     )
@@ -319,7 +320,7 @@ def test_check_records_checks_kimi_matrices_from_the_kinds_declarations():
     the experts' gate/up and down, as the kinds declare them from the spec's constants); an
     expert slab of another K, or a build of another expert width, is refused."""
     from megakernel.isa import Op, field_index
-    from megakernel.kernel.model_spec import program_ops
+    from megakernel.kernel.config.model_spec import program_ops
 
     cfg = preset("kimi-linear-tiny")
     spec = make_spec(cfg, 2, 1, "sm_90a").to_dict()
@@ -346,7 +347,7 @@ def test_validate_refuses_arenas_past_int32_offsets():
 def test_spec_refuses_a_vocab_the_fp32_argmax_cannot_index():
     import dataclasses
 
-    from megakernel.errors import SpecError
+    from megakernel.common.errors import SpecError
 
     cfg = dataclasses.replace(preset("llama-tiny"), vocab_size=(1 << 24) + 16)
     with pytest.raises(SpecError, match="vocab_size 16777232 > 16777216"):

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megakernel.launch_checks import ArgumentError, validate_args
+from megakernel.launch.checks import ArgumentError, validate_args
+from megakernel.launch.runtime import DeviceInfo, LoadedKernel, Manifest, load_manifest
 from megakernel.models import preset
-from megakernel.runtime import DeviceInfo, LoadedKernel, Manifest, load_manifest
 
 ARCH = "sm_90a"
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448)
@@ -212,7 +212,7 @@ class FakeDriver:
 def manifest(tmp_path_factory) -> Manifest:
     """A real AOT build: the manifest's symbol, block, shared memory and parameters."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.kernel.build import build_arch
+    from megakernel.kernel.toolchain.build import build_arch
 
     root = tmp_path_factory.mktemp("build")
     build_arch(preset("llama-tiny"), ARCH, root, 1, 1)
@@ -222,8 +222,8 @@ def manifest(tmp_path_factory) -> Manifest:
 @pytest.fixture(scope="module")
 def state():
     """The buffers Megakernel hands the op, on the CPU (llama-tiny, B = 1, an 8-SM program)."""
-    from megakernel.device_state import allocate_state
     from megakernel.executor import executor_gpu
+    from megakernel.launch.device_state import allocate_state
     from megakernel.models.weights import random_weights
     from megakernel.program.compiler import compile_program
 

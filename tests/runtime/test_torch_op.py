@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import megakernel.device_state as device_state
-import megakernel.kernel_backend as kernel_backend
-import megakernel.torch_op as op
-from megakernel.launch_checks import ArgumentError
+import megakernel.launch.device_state as device_state
+import megakernel.launch.torch_op as op
+import megakernel.serve.kernel_backend as kernel_backend
+from megakernel.launch.checks import ArgumentError
+from megakernel.launch.runtime import KernelUnavailable, Manifest
 from megakernel.models import preset
-from megakernel.runtime import KernelUnavailable, Manifest
 from tests.runtime.test_runtime import manifest_dict, tensors
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,7 +139,7 @@ def test_host_state_on_cpu_matches_the_build_and_the_executor(model, batch, toke
     weights, records and every host-written constant region (RoPE tables, ...)."""
     from megakernel import isa
     from megakernel.executor import Executor, executor_gpu
-    from megakernel.launch_checks import check_records, validate_args
+    from megakernel.launch.checks import check_records, validate_args
     from megakernel.models.weights import random_weights
     from megakernel.program.compiler import compile_program
     from megakernel.program.pack import pack_weights

@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import megakernel.device_state as device_state
-import megakernel.torch_op as op
+import megakernel.launch.device_state as device_state
+import megakernel.launch.torch_op as op
 from megakernel.executor import executor_gpu
-from megakernel.launch_checks import ArgumentError
+from megakernel.launch.checks import ArgumentError
+from megakernel.launch.runtime import Manifest
 from megakernel.models import preset
 from megakernel.models.weights import random_weights
 from megakernel.program.compiler import compile_program
-from megakernel.runtime import Manifest
 from tests.runtime.test_runtime import manifest_dict, tensors
 
 K = 2
@@ -68,7 +68,7 @@ def test_drafts_in_tokens_and_accepted_out(model):
 def test_oracle_drafts_are_all_accepted(model):
     """Drafts equal to what plain greedy decoding produces are every one accepted: the op
     writes the drafts it is given where ACCEPT reads them."""
-    from megakernel.executor import generate
+    from megakernel.serve.executor_backend import generate
 
     cfg, w = model
     plain = generate(cfg, w, [[5], [7]], 1 + 2 * (K + 1))  # after the prompt token

@@ -8,7 +8,7 @@ import torch
 
 from megakernel.executor.core import Executor, op
 from megakernel.executor.ops.attention import merge_splits, split_keys
-from megakernel.kernel.mla_index import LATENT_NORM_EPS
+from megakernel.kernel.host.mla_index import LATENT_NORM_EPS
 from megakernel.layers.frame import round_rows
 from megakernel.layers.mla import MLAConfig
 from megakernel.layers.mla import MultiLatentAttention as Kind
