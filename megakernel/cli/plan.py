@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "probability a draft is accepted given the drafts before it were; a step "
                         f"emits 1 + A + ... + A^K tokens (default {DEFAULT_ACCEPTANCE})")
     p.add_argument("--isa", action="store_true", help="also print the instruction set table")
+    p.add_argument("--chain", action="store_true",
+                   help="also print the step's critical path: its phases per opcode, the time "
+                        "each runs and the handoffs between them (program/chain.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--refit", default=None, metavar="FILE.json",
                    help="fit cost parameters to measured step times: a gpu-check report "
@@ -437,6 +440,11 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(describe(r)))
     if "speculative" in r:
         print("\n".join(describe_speculative(r["speculative"])))
+    if args.chain:
+        from megakernel.program.chain import critical_chain, table_markdown
+
+        print("\ncritical path (the replay's trace, program/chain.py):")
+        print(table_markdown(critical_chain(programs[0], params)))
     if args.timeline:
         print(draw_timeline(programs[0], params, args.timeline, args.timeline_records))
     if args.json:
