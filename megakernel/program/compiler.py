@@ -24,7 +24,7 @@ import torch
 
 from megakernel import isa
 from megakernel.isa.stages import Counter, Counters, Instr, PlanError, Stage
-from megakernel.kernel.host.limits import MAX_DRAFTS
+from megakernel.kernel.host.limits import MAX_DRAFTS, step_tokens
 from megakernel.layers import kind
 from megakernel.layers.base import StepShape
 from megakernel.layers.frame import embed_stage, head_stages
@@ -273,8 +273,7 @@ def compile_program(
             raise PlanError("paged KV serves models without recurrent layers")
     if max_seq_len is None:
         max_seq_len = default_max_seq_len(cfg)
-    if drafts and tokens == 1:
-        tokens = 1 + drafts
+    tokens = step_tokens(tokens, drafts)
     validate(cfg, batch, tokens, max_seq_len, gpu, replay_window, drafts, ngram)
     if paged is not None and drafts:
         raise PlanError("a paged program serves the caller's verify batches as plain T-token "

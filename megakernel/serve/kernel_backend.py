@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megakernel.kernel.host.limits import step_tokens
 from megakernel.launch.checks import ArgumentError, check_header, check_lengths, check_records
 from megakernel.launch.device_state import TENSORS, allocate_state, find_build
 from megakernel.launch.runtime import KernelUnavailable, Manifest, device_info
@@ -64,8 +65,7 @@ class Megakernel:
         from megakernel.program.gpus import from_device
         from megakernel.program.gpus import gpu as named_gpu
 
-        if drafts and tokens == 1:  # a speculative step verifies the last token and k drafts
-            tokens = 1 + drafts
+        tokens = step_tokens(tokens, drafts)  # a speculative step: the last token and k drafts
         self.cfg, self.batch, self.tokens = cfg, batch, tokens
         self.device = torch.device(device)
         self.emulated = emulate

@@ -105,3 +105,12 @@ def test_every_sort_of_step_passes_the_verifier(model: str, batch: int, tokens: 
     frame = {int(o) for s in isa.FRAME_STEPS for o in isa.frame_ops(s)}
     want = {int(o) for o in isa.step_ops(opts.get("drafts", 0), opts.get("ngram", 0))}
     assert ops & frame == want
+
+
+def test_the_program_and_the_build_count_a_speculative_steps_tokens_alike() -> None:
+    from megakernel.kernel.host.limits import step_tokens
+
+    assert (step_tokens(1, 3), step_tokens(4, 3), step_tokens(2, 0)) == (4, 4, 2)
+    cfg = preset("llama-tiny")
+    prog = compile_program(cfg, 2, executor_gpu(8), max_seq_len=40, drafts=3)
+    assert prog.tokens == make_spec(cfg, 2, 1, "sm_90a", drafts=3).tokens == 4

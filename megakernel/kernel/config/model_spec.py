@@ -12,7 +12,12 @@ from typing import Any
 from megakernel import isa
 from megakernel.common.errors import ConfigError, SpecError
 from megakernel.kernel.config.spec import KernelSpec
-from megakernel.kernel.host.limits import MIN_PIPELINE_STAGES, NUM_THREADS, PIPELINE_STAGES
+from megakernel.kernel.host.limits import (
+    MIN_PIPELINE_STAGES,
+    NUM_THREADS,
+    PIPELINE_STAGES,
+    step_tokens,
+)
 
 
 def mlp_kinds() -> tuple[str, ...]:
@@ -133,8 +138,7 @@ def make_spec(cfg, batch: int, tokens: int, arch: str,  # noqa: ANN001 (ModelCon
     `drafts` k >= 1: programs of a speculative step (T = 1 + k: tokens 1 is taken as 1 + k),
     `ngram`: with the device n-gram drafter matching up to that many tokens (layers/speculative.py).
     """
-    if drafts and tokens == 1:
-        tokens = 1 + drafts
+    tokens = step_tokens(tokens, drafts)
     if batch < 1 or tokens < 1:
         raise SpecError(f"batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
     if replay_window < 0:

@@ -83,6 +83,12 @@ MIN_PIPELINE_STAGES = 2
 MAX_DRAFTS = 7  # drafts a speculative step verifies at most (T = 1 + k tokens per sequence)
 
 
+def step_tokens(tokens: int, drafts: int) -> int:
+    """Tokens per sequence of a step: a speculative step (`drafts` k >= 1) verifies the last
+    token and its k drafts, so tokens 1 is taken as 1 + k (the program and the build agree)."""
+    return 1 + drafts if drafts and tokens == 1 else tokens
+
+
 # ---- timeline build (KernelSpec.timeline: device/timeline.py writes, measure/timeline.py reads)
 # The variant stamps %globaltimer (ns) into one record of TIMELINE_WORDS int64 words per (SM, queue
 # position), laid out [num_sms, queue_len, TIMELINE_WORDS] in the tail of the program buffer, right
