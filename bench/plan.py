@@ -1,8 +1,9 @@
 """Plan every real dense preset on every GPU description at B in {1, 8, 64}; print a markdown table.
 
 For each: plan (compile + schedule) time, the predicted step time, the copy-bandwidth floor,
-the predicted efficiency (floor / predicted) and the round-robin schedule's prediction for
-comparison. Every plan is also verified (coverage, counters, dataflow, deadlock freedom).
+the predicted efficiency (floor / predicted), tokens/s per user (1 / step) and per GPU (B / step)
+and the round-robin schedule's prediction for comparison. Every plan is also verified (coverage,
+counters, dataflow, deadlock freedom).
 
     python bench/plan.py [--models a,b] [--gpus h100,h200] [--batches 1,8,64] [--json out.json]
 """
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megakernel.cli.main import check_names  # noqa: E402
 from megakernel.common.progress import stage  # noqa: E402
+from megakernel.isa.stages import PlanError  # noqa: E402
 from megakernel.models import preset, presets, real_presets  # noqa: E402
 from megakernel.program.compiler import compile_program  # noqa: E402
 from megakernel.program.gpus import GPUS, gpu  # noqa: E402
@@ -42,17 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     gpus = check_names("--gpus", args.gpus, list(GPUS))
     rows = []
     header = ("| model | GPU | B | plan s | instructions | predicted us | floor us | efficiency "
-              "| round-robin us |")
+              "| tokens/s per user | tokens/s per GPU | round-robin us |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for m in models:
         for g in gpus:
             for b in (int(x) for x in args.batches.split(",")):
                 t0 = time.perf_counter()
-                with stage(f"{m} on {g}, batch {b}"):
-                    prog = compile_program(preset(m), b, gpu(g), context=args.context)
-                    plan_s = time.perf_counter() - t0
-                    check_program(prog)
+                try:
+                    with stage(f"{m} on {g}, batch {b}"):
+                        prog = compile_program(preset(m), b, gpu(g), context=args.context)
+                        plan_s = time.perf_counter() - t0
+                        check_program(prog)
+                except PlanError as e:  # a batch the GPU's memory cannot hold: a row saying so
+                    rows.append(dict(model=m, gpu=g, batch=b, error=str(e)))
+                    print(f"| {m} | {g} | {b} | not planned: {e} |", flush=True)
+                    continue
                 rr = compile_program(preset(m), b, gpu(g), context=args.context,
                                      policy="round_robin").cost
                 r = prog.cost
@@ -62,11 +69,14 @@ def main(argv: list[str] | None = None) -> int:
                            floor_us=round(r.floor_s * 1e6, 1),
                            spec_floor_us=round(r.spec_floor_s * 1e6, 1),
                            efficiency=round(r.efficiency, 3),
+                           tokens_per_s_per_user=round(1 / r.predicted_s, 1),
+                           tokens_per_s_per_gpu=round(b / r.predicted_s, 1),
                            round_robin_us=round(rr.predicted_s * 1e6, 1))
                 rows.append(row)
                 print(f"| {m} | {g} | {b} | {row['plan_s']:.2f} | {row['instructions']} | "
                       f"{row['predicted_us']:.1f} | {row['floor_us']:.1f} | "
-                      f"{100 * row['efficiency']:.1f}% | {row['round_robin_us']:.1f} |",
+                      f"{100 * row['efficiency']:.1f}% | {row['tokens_per_s_per_user']:.0f} | "
+                      f"{row['tokens_per_s_per_gpu']:.0f} | {row['round_robin_us']:.1f} |",
                       flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -160,6 +160,9 @@ def plan(model: str, gpu_name: str = "h200", batch: int = 1, tokens: int = 1,
         "floor_us": round(r.floor_s * 1e6, 2),
         "spec_floor_us": round(r.spec_floor_s * 1e6, 2),
         "predicted_efficiency": round(r.efficiency, 4),
+        # a step emits T tokens per sequence (a plain step; a speculative one: see "speculative")
+        "tokens_per_s_per_user": round(tokens / r.predicted_s, 1),
+        "tokens_per_s_per_gpu": round(batch * tokens / r.predicted_s, 1),
         "predicted_spec_efficiency": round(r.spec_efficiency, 4),
         "copy_bw_gbs": round(g.copy_bw / 1e9, 1), "copy_bw_measured": g.copy_bw_measured,
         "hbm_bw_gbs": round(g.hbm_bw / 1e9, 1),
@@ -197,6 +200,9 @@ def describe(r: dict[str, Any]) -> list[str]:
         f"{r['spec_floor_us']:.1f} us at the spec {r['hbm_bw_gbs']:.0f} GB/s",
         f"predicted efficiency: {100 * r['predicted_efficiency']:.1f}% of that floor "
         f"({100 * r['predicted_spec_efficiency']:.1f}% of the spec floor)",
+        f"predicted throughput: {r['tokens_per_s_per_user']:.0f} tokens/s per user, "
+        f"{r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU ({r['batch']} x {r['tokens']} "
+        "tokens a step)",
         f"worst SM idle fraction: {100 * r['worst_sm_idle']:.1f}% (mean "
         f"{100 * r['mean_sm_idle']:.1f}%)",
     ]

@@ -17,7 +17,10 @@ def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert key in r
     assert r["predicted_efficiency"] == pytest.approx(r["floor_us"] / r["predicted_step_us"],
                                                       abs=1e-3)
+    assert r["tokens_per_s_per_user"] == pytest.approx(1e6 / r["predicted_step_us"], rel=1e-3)
+    assert r["tokens_per_s_per_gpu"] == pytest.approx(2 * r["tokens_per_s_per_user"], rel=1e-3)
     assert any("instructions per opcode" in line for line in out)
+    assert any("tokens/s per GPU" in line for line in out)
 
 
 def test_plan_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
