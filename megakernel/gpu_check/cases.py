@@ -144,6 +144,11 @@ TINY = (
     # several attention splits; with T = 4 and prompts of 2.. tokens some splits hold no keys
     Case("llama-tiny", 4, 4, 16, 1, n_splits=3, cap_s=30),
     Case("llama-tiny", 2, 1, 16, 1, n_splits=5, cap_s=30),
+    # one split over up to ~330 keys: the tensor-core partial (attention_mma.py, 1 / 8 of the
+    # split a warp) runs two chunks a warp share at D = 64 (32 keys a chunk), two or three at
+    # D = 128 (16 keys)
+    Case("llama-tiny", 1, 1, 320, 1, n_splits=1, cap_s=60),
+    Case("qwen3-tiny", 1, 1, 300, 1, n_splits=1, cap_s=60),
     Case("qwen3-tiny", 1, 1, 64, 4, cap_s=45),
     Case("qwen3-tiny", 4, 1, 32, 2, cap_s=30),
     Case("qwen3-tiny", 16, 1, 32, 1, cap_s=30),

@@ -27,16 +27,25 @@ class Case:
 
     model: str
     batch: int = 1
+    tokens: int = 1  # tokens a sequence a step (T: a multi-token step's causal rows)
     replay_window: int | None = None
     fp8: str = ""  # "" (bf16) | "channel" | "block"
     steps: int = 2
     sms: int = EMULATED_SMS
     seed: int = 0  # the scheduler seed of the first step (step s uses seed + s)
     max_seq_len: int = 64
+    # keys each sequence has cached before the first step (random K/V rows, the same on both
+    # sides): enough of them run attention's key loop over several chunks of 32 and splits
+    context: int = 0
+    n_splits: int | None = None  # attention splits (None: the compiler's choice)
 
     @property
     def label(self) -> str:
-        extra = [f"B={self.batch}"]
+        extra = [f"B={self.batch}"] + ([f"T={self.tokens}"] if self.tokens > 1 else [])
+        if self.context:
+            extra.append(f"context {self.context}")
+        if self.n_splits:
+            extra.append(f"{self.n_splits} splits")
         if self.replay_window:
             extra.append(f"replay {self.replay_window}")
         if self.fp8:
@@ -114,14 +123,18 @@ def run_case(case: Case, build_dir: str | None = None) -> CaseResult:
 
     cfg = model_config(case)
     target = dataclasses.replace(named_gpu("h200"), num_sms=case.sms)
-    prog = compile_program(cfg, case.batch, target, max_seq_len=case.max_seq_len,
-                           replay_window=case.replay_window)
-    manifest = find_build(cfg, case.batch, 1, "sm_90a", build_dir,
+    prog = compile_program(cfg, case.batch, target, tokens=case.tokens,
+                           max_seq_len=case.max_seq_len,
+                           replay_window=case.replay_window, context=case.context,
+                           n_splits=case.n_splits)
+    manifest = find_build(cfg, case.batch, case.tokens, "sm_90a", build_dir,
                           replay_window=case.replay_window or 0)
     st = allocate_state(cfg, model_weights(cfg), prog, "cpu")
     n = prog.rows
     st.region("i32", "tokens_in").copy_(
         (torch.arange(n, dtype=torch.int32) * 7 + 5) % cfg.vocab_size)
+    if case.context:
+        cache_context(st, case.batch, case.context, case.seed)
     ref = {k: v.clone() for k, v in st.tensors().items()}
     ex = Executor(prog, st.packed, arenas=dict(f32=ref["f32"], bf16=ref["bf16"], i32=ref["i32"],
                                                k=ref["k_cache"], v=ref["v_cache"],
@@ -154,3 +167,16 @@ def run_case(case: Case, build_dir: str | None = None) -> CaseResult:
     if st.state.numel():
         out.caches["state"] = state_parity(st.state, ref["state"])
     return out
+
+
+def cache_context(st, batch: int, context: int, seed: int) -> None:  # noqa: ANN001 (DeviceState)
+    """`context` cached keys per sequence: lengths = context and random K/V rows below it in
+    every cache slot (unit scale, so that the scores spread over the softmax)."""
+    k, v = st.tensors()["k_cache"], st.tensors()["v_cache"]
+    if context > k.shape[3]:
+        raise ValueError(f"context {context} does not fit the cache's {k.shape[3]} positions")
+    gen = torch.Generator().manual_seed(1000 + seed)
+    for t in (k, v):
+        rows = torch.randn(t[:, :, :, :context].shape, generator=gen)
+        t[:, :, :, :context] = rows.to(t.dtype)
+    st.i32[st.offsets[0]:st.offsets[0] + batch] = context

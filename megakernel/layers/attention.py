@@ -22,7 +22,12 @@ from megakernel.common.rope import RopeConfig
 from megakernel.isa.records import SUPPORTED_HEAD_DIMS
 from megakernel.isa.registry import MATVEC, OpSpec, register
 from megakernel.isa.stages import Instr, ProgramError, Stage
-from megakernel.kernel.host.dense_index import attn_merge_round_trips, attn_round_trips
+from megakernel.kernel.host.dense_index import (
+    attn_merge_round_trips,
+    attn_mma_work,
+    attn_round_trips,
+    attn_tensor_cores,
+)
 from megakernel.layers.base import (
     CONST,
     LayerKind,
@@ -325,6 +330,11 @@ class Attention(LayerKind):
         out = [Stage(f"L{layer}.qkv", QKV, layer, hkv * slots, False, mk_qkv)]
         c_attn = ctr(f"L{layer}.attn")
         keys_split = -(-(context + tokens) // n_splits)
+        tight, recurrent = ctx.buf.paged is not None, bool(ctx.model.recurrent_layers())
+        if attn_tensor_cores(d, g, tokens, tight=tight, recurrent=recurrent):  # attention_mma.py
+            tensor_flops, fp32_flops = attn_mma_work(keys_split, d)
+        else:
+            tensor_flops, fp32_flops = 0.0, 4.0 * tokens * g * keys_split * d
 
         def mk_part(u0: int, u1: int) -> Instr:
             b, rest = divmod(u0, hkv * n_splits)
@@ -337,9 +347,10 @@ class Attention(LayerKind):
                 wait=ctr(f"L{layer}.qkv.g{kvh}"), signal=ctr(f"L{layer}.part.b{b}.g{kvh}"),
                 w_bytes=cached * d * 4, l2_bytes=tokens * g * d * 2 + tokens * d * 4,
                 store_bytes=tokens * g * (d + 2) * 4,
-                fp32_flops=4.0 * tokens * g * keys_split * d,
+                fp32_flops=fp32_flops, tensor_flops=tensor_flops,
                 merge_l2_bytes=n_splits * tokens * g * (d + 2) * 4 + gate_bytes,
-                round_trips=attn_round_trips(keys_split, d, g, tokens),
+                round_trips=attn_round_trips(keys_split, d, g, tokens, tight=tight,
+                                             recurrent=recurrent),
                 merge_store_bytes=tokens * g * d * 2,
                 merge_flops=4.0 * n_splits * tokens * g * d,
                 merge_round_trips=attn_merge_round_trips(n_splits, d, g, tokens))

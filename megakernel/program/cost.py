@@ -39,9 +39,9 @@ from megakernel.program.gpus import GPU
 
 CITATIONS = {
     "mem_latency": "bench/hindcast.py: 250 us / (65 instr x 4) of Hazy Research's B200 breakdown "
-                   "('Look Ma, No Bubbles', 2025) x 0.677 fitted to Hazy's measured H100, H200 "
+                   "('Look Ma, No Bubbles', 2025) x 0.698 fitted to Hazy's measured H100, H200 "
                    "(msaroufim/megakernels-vs-cuda-graphs) and B200 (the post) steps",
-    "fixed_per_instr": "bench/hindcast.py: (40 + 80) us / 65 instr of the same breakdown x 0.677 "
+    "fixed_per_instr": "bench/hindcast.py: (40 + 80) us / 65 instr of the same breakdown x 0.698 "
                        "(the same fit)",
     "fma_efficiency": "bench/hindcast.py: the breakdown's 200 us of RMSNorm + matvec = the busiest "
                       "B200 SM's FP32 flops of Hazy's schedule at 18.6% of peak",
@@ -66,8 +66,8 @@ CITATIONS = {
 
 @dataclass(frozen=True)
 class CostParams:
-    mem_latency: float = 651e-9
-    fixed_per_instr: float = 1.25e-6
+    mem_latency: float = 671e-9
+    fixed_per_instr: float = 1.288e-6
     launch: float = 1.3e-6
     l2_latency: float = 200e-9
     prefetch_window: int | None = None  # None: the kernel's window for the GPU's arch

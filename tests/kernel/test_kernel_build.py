@@ -127,7 +127,8 @@ def test_sass_has_the_intended_instructions(builds):
 
 
 # cached K/V's bulk-prefetch sites: the bounded head before the wait (Attention.prefetch_kv) and
-# the sliding lead in attend's key loop, one for K and one for V
+# the sliding lead in the key loop (attend, or the tensor-core partial's load_chunk), one for K
+# and one for V
 KV_PREFETCH_SITES = 3
 
 

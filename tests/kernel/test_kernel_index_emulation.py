@@ -29,10 +29,12 @@ from megakernel.kernel.host.dense_index import (
     attn_keys,
     attn_merge_batch,
     attn_merge_split,
+    attn_mma_chunk,
     attn_q_rows,
     attn_query,
     attn_query_batch,
     attn_round_trips,
+    attn_tensor_cores,
     attn_value_batch,
     attn_warp,
     attn_warp_queries,
@@ -358,6 +360,8 @@ def _attention_walk(group: int, tokens: int, head_dim: int, length: int, n_split
     and the (query, key) pairs each chunk's queries see. Returns (visits: (split, query, key)
     -> count, stores: (split, query, share) -> count, round trips of the busiest warp)."""
     qg = group * tokens
+    if attn_tensor_cores(head_dim, group, tokens, num_warps=num_warps):
+        return _attention_walk_mma(group, tokens, head_dim, length, n_splits, num_warps)
     wq = max(1, num_warps // qg)
     qb = attn_query_batch(head_dim, group, tokens, num_warps, smem_queries)
     step, vb = num_warps // wq, attn_value_batch(head_dim)
@@ -393,6 +397,31 @@ def _attention_walk(group: int, tokens: int, head_dim: int, length: int, n_split
     return visits, stores, max(trips)
 
 
+def _attention_walk_mma(group: int, tokens: int, head_dim: int, length: int, n_splits: int,
+                        num_warps: int):
+    """TensorCorePartial.partial's loop nest (attention_mma.py), indices only: per split every
+    warp a share of the keys (attn_keys of the last token) for all the queries, each row cut at
+    its causal limit, chunks of attn_mma_chunk keys (one wait each); the last warp stores each
+    query's partial (share 0)."""
+    qg, kc = group * tokens, attn_mma_chunk(head_dim)
+    visits, stores, trips = {}, {}, [0] * num_warps
+    for s in range(n_splits):
+        for warp in range(num_warps):
+            kb, kw = attn_keys(s, n_splits, length, tokens - 1, warp, num_warps, tokens)
+            chunks = list(range(kb, kw, kc))
+            trips[warp] = 2 + len(chunks) + 1  # q, the chunks, the warps' merge, the stores
+            for qi in range(qg):
+                ke = max(kb, min(kw, length + qi // group + 1))
+                for k0 in chunks:
+                    for key in range(k0, min(k0 + kc, kw)):
+                        if key < ke:
+                            v = (s, qi, key)
+                            visits[v] = visits.get(v, 0) + 1
+        for qi in range(qg):
+            stores[(s, qi, 0)] = stores.get((s, qi, 0), 0) + 1
+    return visits, stores, max(trips)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_passes_visit_each_query_key_once(group, head_dim):
@@ -408,7 +437,7 @@ def test_attention_passes_visit_each_query_key_once(group, head_dim):
                 visits, stores, trips = _attention_walk(group, tokens, head_dim, length,
                                                         n_splits, smem_queries)
                 ctx, qg = length + tokens, group * tokens
-                wq = max(1, 8 // qg)
+                wq = 1 if attn_tensor_cores(head_dim, group, tokens) else max(1, 8 // qg)
                 want = {(s, qi, key): 1 for s in range(n_splits) for qi in range(qg)
                         for key in range(s * ctx // n_splits, min((s + 1) * ctx // n_splits,
                                                                   length + qi // group + 1))}
@@ -434,9 +463,17 @@ def test_attention_passes_share_the_key_walk():
     assert attn_query_batch(64, 4, 1) == 1 and attn_warp_queries(4, 1) == 1  # WQ = 2
     assert attn_query_batch(64, 4, 8, smem_queries=3) == 2  # cap 3: two passes of 2
     # round trips per warp: passes x (2 + chunks x (1 + value batches)), not queries x ...
-    one = attn_round_trips(1024, 64, 4, 2)  # 8 queries: one a warp, all keys
-    assert attn_round_trips(1024, 64, 4, 4) == attn_round_trips(1024, 64, 4, 8) == one
-    assert attn_round_trips(1024, 64, 8, 12) == 2 * attn_round_trips(1024, 64, 8, 1)
+    # (the FMA loop: the paged build's, or a model with recurrent layers; the tensor-core
+    # partial waits once per 32 keys (16 at D = 128) of a warp's 1 / 8 share, + its merge)
+    one = attn_round_trips(1024, 64, 4, 2, tight=True)  # 8 queries: one a warp, all keys
+    assert one == 2 + 32 * (1 + 3)  # the paged build's value batches of 8
+    assert attn_round_trips(1024, 64, 4, 2, recurrent=True) == 2 + 32 * (1 + 0)  # of 32
+    assert attn_round_trips(1024, 64, 4, 2) == 2 + 1024 // 8 // 32 + 1
+    assert attn_round_trips(1024, 128, 4, 2) == 2 + 1024 // 8 // 16 + 1
+    assert (attn_round_trips(1024, 64, 4, 4, tight=True)
+            == attn_round_trips(1024, 64, 4, 8, tight=True) == one)
+    assert (attn_round_trips(1024, 64, 8, 12, tight=True)
+            == 2 * attn_round_trips(1024, 64, 8, 1, tight=True))
     for model in ("llama-3.2-1b", "qwen3-0.6b", "llama-tiny"):
         for tokens in (2, 4, 8):
             for stages in (None, 0):
@@ -544,3 +581,24 @@ def test_kv_slot_is_the_programs_cache_slot(pattern):
     dense = make_spec(preset("llama-tiny"), 1, 1, "sm_90a")
     assert [kv_slot(layer, dense.attn_layers) for layer in range(dense.layers)] == list(
         range(dense.layers))
+
+
+def test_tensor_core_builds_hold_the_merge_buffer():
+    """The tensor-core partial (attention_mma.py) takes its warps' merge buffer from the start of
+    the consumers' span, below the flag word: it fits every such build of the dense and hybrid
+    presets' attention (B, T up to the tile's 16 queries and the large batches)."""
+    from megakernel.kernel.device.attention_mma import merge_buffer_bytes
+    from megakernel.kernel.host.limits import MMA_M
+
+    seen = set()
+    for model in ("llama-tiny", "qwen3-tiny", "llama-3.2-1b", "qwen3-0.6b", "qwen3-8b",
+                  "nemotron-h-8b", "qwen2.5-0.5b"):
+        cfg = preset(model)
+        for b, t in ((1, 1), (2, 1), (8, 1), (1, 4), (4, 4), (1, 8), (64, 1), (256, 1)):
+            spec = make_spec(cfg, b, t, "sm_90a")
+            if spec.attn_tensor_cores:
+                seen.add((spec.head_dim, spec.attn_queries > 8))
+                assert spec.attn_queries <= MMA_M
+                assert merge_buffer_bytes(spec.head_dim) <= spec.smem_regions()["flag"][0], (
+                    model, b, t)
+    assert {(64, False), (64, True), (128, False)} <= seen

@@ -200,6 +200,8 @@ def test_mma_builds_carry_tensor_core_instructions_within_budget(builds):
         if spec.mma:
             assert n_mma >= 2 and n_hmma >= 2, (name, b, t, arch, n_mma, n_hmma)
             assert "ld.shared.v4.b32" in ptx  # 16-byte operand loads from the ring and x
+        elif spec.attn_tensor_cores:  # the FMA GEMV beside attention's tensor-core partial
+            assert n_mma >= 2 and n_hmma >= 2, (name, b, t, arch, n_mma, n_hmma)
         else:
             assert n_mma == 0 and n_hmma == 0, (name, b, t, arch)
     assert {spec_mod.KernelSpec.from_dict(m["spec"]).mma for _, m in builds.values()} == {

@@ -46,7 +46,8 @@ def test_each_cost_term_moves_its_own_column(prog) -> None:  # noqa: ANN001
     base = critical_chain(prog)
     run = sum(p.covered for p in base)
     hand = sum(p.handoff for p in base)
-    slow_mem = critical_chain(prog, dataclasses.replace(CostParams(), mem_latency=2 * 651e-9))
+    slow_mem = critical_chain(prog, dataclasses.replace(CostParams(),
+                                                        mem_latency=2 * CostParams().mem_latency))
     assert sum(p.handoff for p in slow_mem) > 1.5 * hand
     fixed = CostParams().fixed_per_instr
     slow_fix = critical_chain(prog, dataclasses.replace(CostParams(), fixed_per_instr=2 * fixed))

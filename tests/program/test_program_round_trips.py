@@ -36,12 +36,57 @@ def _prog(model: str = "llama-tiny", context: int = CTX):  # noqa: ANN202
 
 
 def test_attention_records_carry_their_round_trips() -> None:
-    prog = _prog()
+    # qwen3-tiny (D = 128): the tensor-core partial, a wait per 16 keys of a warp's share: its
+    # chain grows with the keys
+    prog = _prog("qwen3-tiny")
     parts = [i for i in prog.instrs if i.op == Op.ATTN_PARTIAL]
     assert parts and all(i.round_trips > 0 and i.merge_round_trips > 0 for i in parts)
-    # long context: the chain grows with the keys of a split
-    short = [i for i in _prog(context=1024).instrs if i.op == Op.ATTN_PARTIAL]
-    assert max(i.round_trips for i in parts) > 8 * max(i.round_trips for i in short)
+    short = [i for i in _prog("qwen3-tiny", context=1024).instrs if i.op == Op.ATTN_PARTIAL]
+    assert max(i.round_trips for i in parts) > 4 * max(i.round_trips for i in short)
+    keys = -(-(CTX + 1) // prog.n_splits)
+    assert max(i.round_trips for i in parts) == attn_round_trips(keys, 128, 4, 1) \
+        == 2 + -(-keys // 8 // 16) + 1
+
+
+def test_tensor_core_partial_round_trips() -> None:
+    """The tensor-core partial (llama-tiny, D = 64) waits for q, once per 32 keys of a warp's
+    1 / 8 share, once for the warps' merge, once for the stores; the FMA loop once per chunk of
+    its share (4 warps a query at G = 2), per value batch too."""
+    assert dense_index.attn_tensor_cores(64, 2, 1) and dense_index.attn_tensor_cores(128, 4, 2)
+    assert not dense_index.attn_tensor_cores(64, 1, 1, tight=True)
+    assert not dense_index.attn_tensor_cores(64, 2, 1, recurrent=True)
+    assert not dense_index.attn_tensor_cores(256, 1, 1)
+    assert not dense_index.attn_tensor_cores(128, 4, 4) and dense_index.attn_tensor_cores(64, 4, 4)
+    long_, short = _prog(), _prog(context=1024)
+    for prog, ctx in ((long_, CTX), (short, 1024)):
+        keys = -(-(ctx + 1) // prog.n_splits)
+        trips = {i.round_trips for i in prog.instrs if i.op == Op.ATTN_PARTIAL}
+        assert trips == {2 + -(-keys // 8 // 32) + 1}
+    # the FMA loop (the paged build): 4 warps a query, 16 chunks, 1 + 3 value batches each
+    assert attn_round_trips(64 * LANES, 64, 2, 1, tight=True) == 2 + 16 * 4
+    assert attn_round_trips(64 * LANES, 64, 2, 1) == 2 + 8 + 1
+
+
+def test_the_tensor_core_partial_predicts_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-3.2-1b at B = 8 and 32K (attn_tensor_cores): the FMA loop planted in its place
+    predicts a slower step, its work then the partial's FMA flops; the tensor-core partial's
+    records carry tensor flops and its round trips."""
+    cfg = preset("llama-3.2-1b")
+
+    def step() -> tuple[float, list]:
+        prog = compile_program(cfg, 8, gpu("h200"), context=CTX, max_seq_len=CTX + 64)
+        parts = [i for i in prog.instrs if i.op == Op.ATTN_PARTIAL]
+        return prog.cost.predicted_s, parts
+
+    base, parts = step()
+    assert all(i.tensor_flops > 0 for i in parts)
+    keys = -(-(CTX + 1) // parts[0].operands["N_SPLITS"])
+    assert {i.round_trips for i in parts} == {2 + -(-keys // 8 // 32) + 1}
+    monkeypatch.setattr(dense_index, "attn_tensor_cores", lambda *a, **k: False)
+    monkeypatch.setattr(attention_kind, "attn_tensor_cores", lambda *a, **k: False)
+    slower, planted = step()
+    assert all(i.tensor_flops == 0 and i.fp32_flops > 0 for i in planted)
+    assert slower > 1.2 * base
 
 
 def test_a_planted_round_trip_moves_the_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,10 +129,14 @@ def test_recurrent_core_records_carry_round_trips() -> None:
 def test_value_loads_are_batched(d: int) -> None:
     """At most 1 + 32 / VB round trips per chunk of 32 keys (one per key before), and 64 bf16
     values (32 registers) in flight per lane."""
-    vb = attn_value_batch(d)
+    vb, vt = attn_value_batch(d), attn_value_batch(d, tight=True)
     assert LANES % vb == 0 and vb * d // LANES <= dense_index.ATTN_VALUES_IN_FLIGHT
-    per_chunk = attn_round_trips(65 * LANES, d, 8, 1) - attn_round_trips(64 * LANES, d, 8, 1)
-    assert per_chunk == LANES // vb <= 4
+    per_chunk = (attn_round_trips(65 * LANES, d, 8, 1, tight=True)  # the paged build's loop
+                 - attn_round_trips(64 * LANES, d, 8, 1, tight=True))
+    assert per_chunk == LANES // vt <= 4
+    if d == 256:  # the contiguous loop (neither pipelined nor on tensor cores at D = 256)
+        assert (attn_round_trips(65 * LANES, d, 8, 1) - attn_round_trips(64 * LANES, d, 8, 1)
+                == LANES // vb)
     assert attn_value_batch(d, tight=True) <= dense_index.ATTN_PAGED_VALUE_BATCH
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from megakernel import isa
 from megakernel.common.arch import ARCHS
 from megakernel.common.errors import SpecError
+from megakernel.kernel.host.dense_index import attn_tensor_cores
 from megakernel.kernel.host.fp8_index import FP8_K_ALIGN, GRANULARITIES, chunk_inputs, weight_bytes
 from megakernel.kernel.host.limits import (
     ACC_SMEM_BYTES,
@@ -350,6 +351,15 @@ class KernelSpec:
     @property
     def attn_queries(self) -> int:  # T * G queries per (sequence, kv head)
         return self.tokens * self.group
+
+    @property
+    def attn_tensor_cores(self) -> bool:
+        """ATTN_PARTIAL on tensor cores (dense_index.attn_tensor_cores; device/attention_mma.py)."""
+        return (int(isa.Op.ATTN_PARTIAL) in self.ops
+                and attn_tensor_cores(self.head_dim, self.group, self.tokens,
+                                      tight=self.paged_shape is not None or not self.pipelined,
+                                      recurrent=any(kd.recurrent for kd in self.layer_kinds()),
+                                      num_warps=self.num_warps))
 
     @property
     def ring_cap(self) -> int:

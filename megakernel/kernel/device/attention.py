@@ -17,7 +17,9 @@ loads of the key row, each 8 dims dotted with every query of the pass), a warp m
 for the online softmax, then lane = E head dims for the weighted sum of the value rows (each
 query's probability of key j broadcast with a shuffle), their loads issued a batch at a time
 (dense_index.attn_value_batch) so that a chunk costs one or two memory round trips, not one per
-key. D = 64, 128 or 256: E = D / 32 = 2, 4 or 8 contiguous dims per lane; sO holds one D-row
+key. Where the queries fit one tensor-core tile (dense_index.attn_tensor_cores) the partial runs
+on tensor cores instead (attention_mma.py). D = 64, 128 or 256: E = D / 32 = 2, 4 or 8 contiguous
+dims per lane; sO holds one D-row
 per warp. The cached keys/values reach L2 through a prefetch that
 runs a bounded lead ahead of each warp (dense_index.attn_kv_lead), not the whole split at once:
 at 32K keys a layer's splits would be ~64 MiB, more than L2, and evict the weights' lookahead.
@@ -38,12 +40,15 @@ from megakernel import isa
 from megakernel.isa import Op
 from megakernel.kernel.config.fields import common, word
 from megakernel.kernel.config.spec import KernelSpec
+from megakernel.kernel.device.attention_mma import TensorCorePartial
 from megakernel.kernel.device.handler import Handler, Step
 from megakernel.kernel.device.memory import (
     ld,
     load_bf16_into,
     load_bf16x8,
     load_f32_into,
+    prefetch_l2_at,
+    prefetch_span,
     st,
     store_f32_vec,
 )
@@ -69,7 +74,6 @@ from megakernel.kernel.host.limits import LANES, VEC
 from megakernel.kernel.host.paged_index import k_elem, page_base, slot_block, table_entry, v_elem
 
 NEG_INF = -math.inf
-KV_PREFETCH_CHUNK = 32 * 1024
 
 
 class Attention(Handler):
@@ -96,6 +100,10 @@ class Attention(Handler):
         self.QB = attn_query_batch(self.D, self.G, self.T, self.NW,
                                    smem_queries=self.query_rows(spec))
         assert self.WQ == 1 or self.QB == 1  # WQ > 1: a warp owns one query
+        # the queries of a (sequence, kv head) on tensor cores where it applies (attention_mma)
+        self.MA = spec.attn_tensor_cores
+        self.tc = TensorCorePartial(spec, self.named) if self.MA else None
+        self.shares = self.NW if self.MA else self.WQ  # warp shares of a split's keys
 
     @staticmethod
     def query_rows(spec: KernelSpec) -> int:
@@ -130,7 +138,10 @@ class Attention(Handler):
             if ld(pI, self.pg.slot_off + b * self.T) < 0:
                 live = Int32(0)
         WQ = self.WQ
-        if cutlass.const_expr(self.QB == 1):  # a query at a time (the plain step's path)
+        if cutlass.const_expr(self.MA):  # every warp all the queries, a share of the keys
+            self.tc.partial(b, g, s, n_splits, length, kv_row0, q_off, po_off, pml_off, pF, pB,
+                            pK, pV, sQ, warp, lane)
+        elif cutlass.const_expr(self.QB == 1):  # a query at a time (the plain step's path)
             q0, part = attn_warp(warp, WQ)
             for qi in cutlass.range(q0, self.QG, self.NW // WQ):
                 t, head, n = attn_query(qi, g, b, self.G, self.T)
@@ -185,7 +196,7 @@ class Attention(Handler):
                         self.store_partial(m[j], lsum[j], o[None, j], s, n, head, po_off,
                                            pml_off, pF, lane)
                 cute.arch.sync_warp()  # the pass's q rows read before the next pass's
-        if cutlass.const_expr(WQ > 1):
+        if cutlass.const_expr(WQ > 1 and not self.MA):
             cta_sync(self.named)
             for qi in cutlass.range(warp, self.QG, self.NW):
                 _, head, n = attn_query(qi, g, b, self.G, self.T)
@@ -223,8 +234,8 @@ class Attention(Handler):
                 if ahead < ke:
                     n = cutlass.min(ke - ahead, Int32(LANES)) * (D * 2)
                     off = (kv_row0 + ahead) * Int64(D * 2)
-                    prefetch_l2(pK.toint() + off, n)
-                    prefetch_l2(pV.toint() + off, n)
+                    prefetch_l2_at(pK.toint() + off, n)
+                    prefetch_l2_at(pV.toint() + off, n)
         return kslot, blk, ko
 
     @cute.jit
@@ -513,15 +524,15 @@ class Attention(Handler):
                     pV: cute.Pointer, s_max: Int32, tidx: Int32):
         """L2 prefetch of the keys/values below lengths[b] (they predate this step) that each
         warp share of the split reads first: its first attn_kv_lead keys, so that a record's
-        requests stay within WQ x 2 x ATTN_KV_LEAD_BYTES at any context (attend's lane 0 slides
+        requests stay within shares x 2 x ATTN_KV_LEAD_BYTES at any context (attend's lane 0 slides
         on from there). Thread 2 p + 0 / 1: the keys / values of share p."""
         b, g = rec[word(Op.ATTN_PARTIAL, "B_IDX")], rec[word(Op.ATTN_PARTIAL, "KV_HEAD")]
         s, n_splits = rec[word(Op.ATTN_PARTIAL, "SPLIT")], rec[word(Op.ATTN_PARTIAL, "N_SPLITS")]
         len_off = rec[word(Op.ATTN_PARTIAL, "LEN_OFF")]
-        if tidx < 2 * self.WQ:
+        if tidx < 2 * self.shares:
             length = ld(pI, len_off + b)
             part = tidx // 2
-            lo, ke = attn_keys(s, n_splits, length, self.T - 1, part, self.WQ, self.T,
+            lo, ke = attn_keys(s, n_splits, length, self.T - 1, part, self.shares, self.T,
                                cutlass.min, cutlass.max)
             hi = cutlass.min(cutlass.min(ke, lo + attn_kv_lead(self.D)), length)
             if hi > lo:
@@ -540,20 +551,6 @@ class Attention(Handler):
                 else:
                     row0 = kv_row(Int64(cslot), b, g, Int64(s_max), self.B, self.Hkv) + lo
                     prefetch_span(base + row0 * Int64(self.D * 2), (hi - lo) * self.D * 2)
-
-
-@cute.jit
-def prefetch_l2(addr: Int64, nbytes: Int32):
-    """One cp.async.bulk.prefetch.L2 of [addr, addr + nbytes) (a multiple of 16 bytes)."""
-    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                         read_only_args=[addr, nbytes])
-
-
-@cute.jit
-def prefetch_span(addr: Int64, nbytes: Int32):
-    """cp.async.bulk.prefetch.L2 of [addr, addr + nbytes) in KV_PREFETCH_CHUNK requests."""
-    for off in cutlass.range(0, nbytes, KV_PREFETCH_CHUNK):
-        prefetch_l2(addr + Int64(off), cutlass.min(Int32(KV_PREFETCH_CHUNK), nbytes - off))
 
 
 def load_smem_bf16x8_f32(s: cute.Tensor, offset):

@@ -160,6 +160,57 @@ def prefetch_l2(base: cute.Pointer, first: Int64, nbytes: int, tidx: Int32):
                                      read_only_args=[addr + Int64(off), size])
 
 
+@cute.jit
+def prefetch_l2_at(addr: Int64, nbytes: Int32):
+    """One cp.async.bulk.prefetch.L2 of [addr, addr + nbytes) (a multiple of 16 bytes)."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                         read_only_args=[addr, nbytes])
+
+
+@cute.jit
+def prefetch_span(addr: Int64, nbytes: Int32):
+    """cp.async.bulk.prefetch.L2 of [addr, addr + nbytes) in L2_PREFETCH_CHUNK requests."""
+    for off in cutlass.range(0, nbytes, L2_PREFETCH_CHUNK):
+        prefetch_l2_at(addr + Int64(off), cutlass.min(Int32(L2_PREFETCH_CHUNK), nbytes - off))
+
+
+def load_words4(addr: Int64, r: cute.Tensor) -> None:
+    """4 32-bit words at global byte address `addr` (16-byte aligned) -> rmem Int32 [4] `r`:
+    bf16 pairs as mma operands."""
+    g = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=16),
+                         cute.make_layout(4))
+    cute.autovec_copy(g, r)
+
+
+def ld_word(addr: Int64) -> Int32:
+    """One 32-bit word at global byte address `addr` (4-byte aligned): a bf16 pair."""
+    return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                            cute.make_layout(1))[0]
+
+
+# a pair of fp32 as bf16 hi + lo words (cvt.rn.bf16x2.f32: element 0 low, 1 high): hi the
+# rounded pair, lo the rounded remainders, so hi + lo carries 16 bits of each mantissa
+_SPLIT_BF16X2 = """{
+.reg .b32 h, t0, t1;
+.reg .f32 f0, f1;
+cvt.rn.bf16x2.f32 h, {$r1}, {$r0};
+shl.b32 t0, h, 16;
+and.b32 t1, h, 0xFFFF0000;
+mov.b32 f0, t0;
+mov.b32 f1, t1;
+sub.f32 f0, {$r0}, f0;
+sub.f32 f1, {$r1}, f1;
+cvt.rn.bf16x2.f32 {$w1}, f1, f0;
+mov.b32 {$w0}, h;
+}"""
+
+
+def split_bf16x2(x0: Float32, x1: Float32):
+    """(hi, lo) words of the pair (x0, x1): hi = bf16 (x0, x1), lo = bf16 of what hi misses."""
+    return cute.arch.inline_ptx(_SPLIT_BF16X2, write_only_types=[Int32, Int32],
+                                read_only_args=[x0, x1])
+
+
 # ---- FP8 (e4m3) weights (fp8_index.py: the byte arithmetic and the host emulation) -------------
 # 4 codes of a 32-bit word -> 4 fp32: two hardware conversions cvt.rn.f16x2.e4m3x2 (sm_89+; code
 # i of the word is byte i, each cvt puts its low byte in its low half), then f16 -> fp32 (exact:

@@ -21,10 +21,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from megakernel.isa import Op
 from megakernel.kernel.config.fields import word
 from megakernel.kernel.config.spec import KernelSpec
-from megakernel.kernel.device.attention import prefetch_span
 from megakernel.kernel.device.epilogues import warp_argmax
 from megakernel.kernel.device.handler import Handler, Step
-from megakernel.kernel.device.memory import ld, st
+from megakernel.kernel.device.memory import ld, prefetch_span, st
 from megakernel.kernel.device.sync import cta_sync
 from megakernel.kernel.host.moe_router_index import (
     BATCH,

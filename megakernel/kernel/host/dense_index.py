@@ -6,7 +6,7 @@ attention, the weight ring), no DSL: plain functions the device code calls on In
 
 from __future__ import annotations
 
-from megakernel.kernel.host.limits import LANES, MMA_K_ALIGN, MMA_N, NUM_THREADS
+from megakernel.kernel.host.limits import LANES, MMA_K_ALIGN, MMA_M, MMA_N, NUM_THREADS
 
 
 def mma_operand_word(row, step, t, row_words):
@@ -225,21 +225,73 @@ def attn_chunk_keys(k0, ke, minimum=min, maximum=max):
     return minimum(maximum(ke - k0, 0), LANES)
 
 
+# head dims whose ATTN_PARTIAL runs on tensor cores (attn_tensor_cores): whole 32-dim steps of
+# the m16n8k16 operands; D = 256's O fragments alone would take 128 registers a lane
+ATTN_MMA_DIMS = (64, 128)
+
+
+def attn_mma_rows(head_dim: int) -> int:
+    """The most queries (T * G) the tensor-core partial takes: the 16 rows of its tile at D = 64;
+    8 at D = 128, whose rows g + 8 (their q words and O fragments) were past the register
+    budget (qwen3-tiny B = 4, T = 4: 28 B of spills on sm_90a)."""
+    return MMA_M if head_dim <= 64 else MMA_M // 2
+
+
+def attn_tensor_cores(head_dim: int, group: int, tokens: int, tight: bool = False,
+                      recurrent: bool = False, num_warps: int = NUM_THREADS // LANES) -> bool:
+    """Whether ATTN_PARTIAL runs on tensor cores (kernel/device/attention_mma.py): the G * T
+    queries of a (sequence, kv head) are the rows of one m16n8k16 tile (at most attn_mma_rows),
+    every warp takes a share of the split's keys for all of them, D in ATTN_MMA_DIMS, the
+    contiguous cache of a weight-ring build (not `tight`: attn_value_batch), 8 warps (the MMA_N
+    keys of a tile). Not in a build with recurrent layers (`recurrent`): their handlers share the
+    register budget, and those builds keep the FMA loop they were checked with."""
+    return (not tight and not recurrent and head_dim in ATTN_MMA_DIMS
+            and group * tokens <= attn_mma_rows(head_dim) and num_warps == MMA_N)
+
+
+def attn_mma_chunk(head_dim: int) -> int:
+    """Keys a warp of the tensor-core partial loads together (one wait): 32 at D = 64, 16 at
+    D = 128, so that the chunk's K and V words in flight stay 32 registers each a lane."""
+    return 2048 // head_dim
+
+
+# flop-equivalents per (query row, key) of the tensor-core partial's CUDA-core work: scale and
+# mask, max, exp, sum, the hi / lo bf16 split of p, a share of the value words' transposition
+# (about 10 instructions, 2 flops each as an FMA counts): an estimate from the kernel's code
+ATTN_MMA_ROW_KEY_FLOPS = 20
+
+
+def attn_mma_work(keys: int, head_dim: int) -> tuple[float, float]:
+    """(tensor flops, fp32 flop-equivalents) of a tensor-core partial over `keys` keys: S = Q K^T
+    and O += P V with P as hi + lo bf16 (two mmas: P keeps fp32's accuracy), all 16 rows of the
+    tile whatever G * T fills, and ATTN_MMA_ROW_KEY_FLOPS per row and key."""
+    return 2.0 * MMA_M * keys * head_dim * 3, float(ATTN_MMA_ROW_KEY_FLOPS * MMA_M * keys)
+
+
 def attn_round_trips(keys: int, head_dim: int, group: int, tokens: int,
-                     num_warps: int = NUM_THREADS // LANES) -> int:
+                     num_warps: int = NUM_THREADS // LANES, tight: bool = False,
+                     recurrent: bool = False) -> int:
     """Dependent global round trips on the longest warp of one ATTN_PARTIAL of `keys` keys
     (Attention.partial / attend, counted from the loop nest): the warp takes its queries QB at a
     time (attn_query_batch), and per pass one round trip loads their q (into shared memory),
     then per chunk of 32 keys one for the keys with the first value batch, one per further value
-    batch (each chunk loaded once for the pass's QB queries), and one for the partials' stores.
-    The cost model charges each one L2 round trip (cost.Rates.work)."""
+    batch (each chunk loaded once for the pass's QB queries; the `tight` builds' batches are
+    shorter), and one for the partials' stores. The tensor-core partial (attn_tensor_cores,
+    `tight` and `recurrent` as there) waits for q, once per attn_mma_chunk keys of a warp's
+    1 / NW share, once for the warps' merge and once for the stores. The cost model charges
+    each one L2 round trip (cost.Rates.work)."""
+    if attn_tensor_cores(head_dim, group, tokens, tight, recurrent, num_warps):
+        # the merge: NW - 1 rounds of a barrier and a shared-memory round trip, assumed one
+        # global round trip
+        share = -(-keys // num_warps)
+        return 2 + -(-share // attn_mma_chunk(head_dim)) + 1
     queries = group * tokens
     wq = max(1, num_warps // queries)
     passes = -(-attn_warp_queries(group, tokens, num_warps)
                // attn_query_batch(head_dim, group, tokens, num_warps))
     share = -(-keys // wq)
     chunks = -(-share // LANES)
-    vb = attn_value_batch(head_dim)
+    vb = attn_value_batch(head_dim, tight)  # the paged build's value batches are shorter
     return passes * (2 + chunks * (1 + (LANES - 1) // vb))
 
 
