@@ -401,8 +401,8 @@ def _attention_walk_mma(group: int, tokens: int, head_dim: int, length: int, n_s
                         num_warps: int):
     """TensorCorePartial.partial's loop nest (attention_mma.py), indices only: per split every
     warp a share of the keys (attn_keys of the last token) for all the queries, each row cut at
-    its causal limit, chunks of attn_mma_chunk keys (one wait each); the last warp stores each
-    query's partial (share 0)."""
+    its causal limit, chunks of attn_mma_chunk keys (one wait each); after the warps' merge each
+    query's partial is stored once (share 0), by warp qi % NW."""
     qg, kc = group * tokens, attn_mma_chunk(head_dim)
     visits, stores, trips = {}, {}, [0] * num_warps
     for s in range(n_splits):

@@ -281,8 +281,8 @@ def attn_round_trips(keys: int, head_dim: int, group: int, tokens: int,
     1 / NW share, once for the warps' merge and once for the stores. The cost model charges
     each one L2 round trip (cost.Rates.work)."""
     if attn_tensor_cores(head_dim, group, tokens, tight, recurrent, num_warps):
-        # the merge: NW - 1 rounds of a barrier and a shared-memory round trip, assumed one
-        # global round trip
+        # the merge: NW rounds of a barrier and a shared-memory round trip, assumed one global
+        # round trip
         share = -(-keys // num_warps)
         return 2 + -(-share // attn_mma_chunk(head_dim)) + 1
     queries = group * tokens
