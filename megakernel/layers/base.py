@@ -87,6 +87,12 @@ class StepShape:
         return self.batch * self.tokens
 
 
+def partial_argmax_bytes(n_tiles: int, rows: int) -> int:
+    """Bytes the step's end (ARGMAX, ACCEPT) reads of the LM head's partial argmaxes: one f32
+    (max logit, index) pair per slot and activation row (buffer "part_argmax")."""
+    return n_tiles * rows * 8
+
+
 def misaligned(d: dict, need: dict[str, int]) -> str:
     """'' when every operand named in `need` of decoded record `d` is a multiple of its value,
     else what the first that is not breaks (check_kernel_record's alignment part)."""

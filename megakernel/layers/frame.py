@@ -18,7 +18,7 @@ from megakernel.isa.records import FLAG_ADVANCE, FLAG_FEEDBACK, ROW_ALIGN
 from megakernel.isa.registry import MATVEC, OpSpec, register
 from megakernel.isa.stages import Instr, Stage
 from megakernel.layers import speculative
-from megakernel.layers.base import OUTPUT, STREAM, Need, StepShape, misaligned
+from megakernel.layers.base import OUTPUT, STREAM, Need, StepShape, misaligned, partial_argmax_bytes
 
 END = register(OpSpec(0, "END", "frame", "end of this CTA's queue", (), device=True, step="all"))
 
@@ -181,10 +181,10 @@ def head_stages(ctx, wait: int) -> tuple[list[Stage], int]:  # noqa: ANN001
     flags = 0 if ctx.buf.paged else FLAG_ADVANCE | (FLAG_FEEDBACK if ctx.tokens == 1 else 0)
 
     def mk_argmax(u0: int, u1: int) -> Instr:
-        nt = vpad // ROW_ALIGN  # upper bound for the cost model; set by number_lm_tiles
+        nt = vpad // ROW_ALIGN  # an upper bound; number_lm_tiles sets the slots and their bytes
         return Instr(ARGMAX, -1, dict(
             N_TILES=nt, PARG_OFF=f32["part_argmax"].offset, OUT_OFF=i32["tokens_out"].offset,
             TOK_OFF=i32["tokens_in"].offset, LEN_OFF=i32["lengths"].offset, FLAGS=flags),
-            wait=c_lm, l2_bytes=nt * n * 8, store_bytes=n * 8 + ctx.batch * 4)
+            wait=c_lm, l2_bytes=partial_argmax_bytes(nt, n), store_bytes=n * 8 + ctx.batch * 4)
 
     return [lm, Stage("argmax", ARGMAX, -1, 1, False, mk_argmax)], c_lm

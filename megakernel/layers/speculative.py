@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from megakernel.isa.registry import OpSpec, register
 from megakernel.isa.stages import Instr, Stage
-from megakernel.layers.base import STREAM, Need, StepShape
+from megakernel.layers.base import STREAM, Need, StepShape, partial_argmax_bytes
 
 ACCEPT = register(OpSpec(
     35, "ACCEPT", "frame", "merge partial argmaxes -> greedy tokens; accept the drafts, emit the "
@@ -88,11 +88,11 @@ def accept_stages(ctx, wait: int, lm_tiles: int) -> tuple[list[Stage], int]:  # 
     hist, lens, toks = i32["history"].offset, i32["lengths"].offset, i32["tokens_in"].offset
 
     def mk_accept(u0: int, u1: int) -> Instr:
-        nt = lm_tiles  # an upper bound for the cost model; set by number_lm_tiles
+        nt = lm_tiles  # an upper bound; number_lm_tiles sets the slots and their bytes
         return Instr(ACCEPT, -1, dict(
             N_TILES=nt, PARG_OFF=f32["part_argmax"].offset, OUT_OFF=i32["tokens_out"].offset,
             TOK_OFF=toks, LEN_OFF=lens, EMIT_OFF=i32["emitted"].offset, HIST_OFF=hist),
-            wait=wait, signal=c_acc, l2_bytes=nt * n * 8 + n * 4 + b * 4,
+            wait=wait, signal=c_acc, l2_bytes=partial_argmax_bytes(nt, n) + n * 4 + b * 4,
             store_bytes=n * 4 + b * (8 + 4 * (t + 1)) + b * 4)
 
     out = [Stage("accept", ACCEPT, -1, 1, False, mk_accept)]

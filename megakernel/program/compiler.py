@@ -26,7 +26,7 @@ from megakernel import isa
 from megakernel.isa.stages import Counter, Counters, Instr, PlanError, Stage
 from megakernel.kernel.host.limits import MAX_DRAFTS, step_tokens
 from megakernel.layers import kind
-from megakernel.layers.base import StepShape
+from megakernel.layers.base import StepShape, partial_argmax_bytes
 from megakernel.layers.frame import embed_stage, head_stages
 from megakernel.models import ConfigError
 from megakernel.models import validate as validate_model
@@ -303,7 +303,7 @@ def compile_program(
     ring = spec.ring_bytes if spec else 0  # the build's weight ring
     best = None
     for instrs, queues, state in schedule.candidates(stage_list, gpu, policy, params, ring):
-        number_lm_tiles(instrs, gpu.num_sms)
+        number_lm_tiles(instrs, gpu.num_sms, batch * tokens)
         prog = Program(cfg, batch, tokens, max_seq_len, gpu, n_splits, context, lay, buf,
                        count_signals(ctr.list, instrs), instrs, queues, policy, replay_window,
                        ring, drafts, ngram)
@@ -332,9 +332,10 @@ def count_signals(names: list[Counter], instrs: list[Instr]) -> list[Counter]:
     return counters
 
 
-def number_lm_tiles(instrs: list[Instr], num_slots: int) -> None:
+def number_lm_tiles(instrs: list[Instr], num_slots: int, rows: int) -> None:
     """Partial-argmax slots: LMHEAD instructions in program order; the step's end (ARGMAX or
-    ACCEPT) merges them all."""
+    ACCEPT) merges them all, and its cost reads that many slots (its stage priced the upper
+    bound, one slot per ROW_ALIGN rows of the head, before the scheduler cut the slabs)."""
     lm = [i for i in instrs if i.op == isa.Op.LMHEAD]
     if len(lm) > num_slots:
         raise PlanError(f"{len(lm)} LM-head slabs > {num_slots} partial-argmax slots")
@@ -342,6 +343,7 @@ def number_lm_tiles(instrs: list[Instr], num_slots: int) -> None:
         ins.operands["TILE"] = t
     for ins in instrs:
         if isa.spec(ins.op).ends_step:
+            ins.l2_bytes -= partial_argmax_bytes(ins.operands["N_TILES"] - len(lm), rows)
             ins.operands["N_TILES"] = len(lm)
 
 

@@ -301,3 +301,19 @@ def test_blocks_share_regions_sized_to_the_largest() -> None:
     assert b.f32["ssm_params"].shape[0] == len(cfg.recurrent_layers())
     assert b.f32["router"].shape[0] == sum(1 for blk in cfg.blocks if blk.kind == "moe")
     assert set(b.kv_slot) == {i for i, t in enumerate(cfg.layer_types) if t == "mla"}
+
+
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_the_step_end_is_priced_for_the_slots_it_reads(drafts: int) -> None:
+    """ARGMAX / ACCEPT read one (max, index) pair per LM-head slab and row: its cost carries the
+    scheduled slab count, not the stage's upper bound of one slot per 16 head rows."""
+    from megakernel.layers.base import partial_argmax_bytes
+
+    batch, tokens = 6, 1 + drafts
+    prog = compile_program(preset("llama-tiny"), batch, TOY, tokens=tokens, drafts=drafts)
+    (end,) = [i for i in prog.instrs if isa.spec(i.op).ends_step]
+    slabs = sum(1 for i in prog.instrs if i.op == Op.LMHEAD)
+    n = batch * tokens
+    assert end.operands["N_TILES"] == slabs < prog.cfg.vocab_size // 16
+    extra = n * 4 + batch * 4 if drafts else 0  # ACCEPT also reads the inputs and lengths
+    assert end.l2_bytes == partial_argmax_bytes(slabs, n) + extra
