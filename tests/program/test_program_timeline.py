@@ -103,8 +103,14 @@ def test_refit_recovers_the_parameters_of_a_timeline(prog, planted):
     """Records made by the cost model with drawn parameters are fitted back to them; perturbing
     the fixed cost of the records moves the fit with it."""
     rng = np.random.default_rng()
-    true = CostParams(mem_latency=float(rng.uniform(250e-9, 900e-9)),
-                      fixed_per_instr=float(rng.uniform(0.8e-6, 3e-6)))
+    start = CostParams()
+
+    def away(x: float) -> float:
+        """A draw at least 1.4x from the fit's start, so loss_before cannot be near zero."""
+        return x * float(rng.uniform(1.4, 2.2)) ** float(rng.choice([-1.0, 1.0]))
+
+    true = CostParams(mem_latency=away(start.mem_latency),
+                      fixed_per_instr=away(start.fixed_per_instr))
     made = dataclasses.replace(true, fixed_per_instr=true.fixed_per_instr * 1.5) if planted \
         else true
     rows = tl.decode(tl.encode(tl.predicted(prog, made), SMS, 64, t0=10**12))
