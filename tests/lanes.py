@@ -27,8 +27,8 @@ TESTS = Path(__file__).resolve().parent
 
 # resource -> the names whose use puts a test in the slow lane
 SLOW: dict[str, frozenset[str]] = {
-    "kernel builds": frozenset({"kernel_build", "build_arch", "compile_to", "compile_kernel",
-                                "build_all", "prepare_builds"}),
+    "kernel builds": frozenset({"kernel_build", "build_arch", "ensure_build", "compile_to",
+                                "compile_kernel", "build_all", "prepare_builds"}),
     "subprocess": frozenset({"subprocess"}),
     "transformers checkpoints": frozenset({"hf_checkpoint", "build_hf_model", "save_pretrained",
                                            "from_pretrained", "hf_oracle"}),

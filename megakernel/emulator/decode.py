@@ -29,8 +29,24 @@ NP = {"b8": np.uint8, "u8": np.uint8, "s8": np.int8, "b16": np.uint16, "u16": np
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 LANES = 32
 ALL = np.ones(LANES, bool)
+NONE = np.zeros(LANES, bool)
+ALL.setflags(write=False)
+NONE.setflags(write=False)
 
 Fn = Callable[..., object]
+
+
+def typed_views(banks: list[np.ndarray]) -> dict[tuple[int, np.dtype], np.ndarray]:
+    """(bank, dtype) -> the bank as that numpy type: itself, and viewed as every other type of NP
+    of its width (a warp's register banks, built once; predicates only as themselves)."""
+    out = {}
+    for bi, b in enumerate(banks):
+        out[bi, b.dtype] = b
+        for t in set(NP.values()):
+            dt = np.dtype(t)
+            if dt.itemsize == b.dtype.itemsize and np.bool_ not in (dt, b.dtype):
+                out[bi, dt] = b.view(dt)
+    return out
 
 
 def _type_of(parts: tuple[str, ...]) -> str:
@@ -92,7 +108,8 @@ class Decoder:
             if np.dtype(dt).itemsize == want.itemsize:
                 if dt == want:
                     return lambda w: w.b[bi][ri]
-                return lambda w: w.b[bi][ri].view(want)
+                key = (bi, want)
+                return lambda w: w.tv[key][ri]
             # a register of another width (cvt): value-convert through its unsigned bits
             return lambda w: w.b[bi][ri].astype(UINT[want.itemsize]).view(want)
         if kind == "imm":
@@ -130,6 +147,19 @@ class Decoder:
         bi, ri, dt = self._reg(op[1], ins)
         want = np.dtype(NP[ty])
         same = np.dtype(dt).itemsize == want.itemsize or dt == np.bool_
+        if dt == want or (np.dtype(dt).itemsize == want.itemsize and np.bool_ not in (dt, want)):
+            key = (bi, want)  # the register's bank as the written type (typed_views)
+
+            def write_view(w, v):  # noqa: ANN001, ANN202
+                if v.__class__ is not np.ndarray or (v.dtype is not want and v.dtype != want):
+                    v = np.asarray(v).astype(want)
+                m = w.m
+                if m is None:
+                    w.tv[key][ri][...] = v
+                else:
+                    np.copyto(w.tv[key][ri], v, where=m)
+
+            return write_view
 
         def write(w, v):  # noqa: ANN001, ANN202
             v = np.asarray(v)
@@ -181,11 +211,17 @@ class Decoder:
             if neg:
                 p = ~p
             m0 = w.m
-            m = p if m0 is None else (p & m0)
-            if not m.any():
-                return None
-            if m0 is None and m.all():
-                return fn(w)
+            if m0 is None:
+                n = int(np.count_nonzero(p))
+                if n == LANES:
+                    return fn(w)
+                if n == 0:
+                    return None
+                m = p
+            else:
+                m = p & m0
+                if not m.any():
+                    return None
             w.m = m
             r = fn(w)
             if r == BLOCK or r == EXIT:
@@ -416,6 +452,13 @@ class Decoder:
         ty = _type_of(ins.parts)
         dt = np.dtype(NP[ty])
         bits = 8 * dt.itemsize
+        o = ins.operands
+        if o[2][0] == "imm" and 0 <= int(o[2][1]) < bits:  # a constant in-range shift
+            sc = dt.type(int(o[2][1]))
+            wd, r0 = self.writer(o[0], ty, ins), self.reader(o[1], ty, ins)
+            if left:
+                return lambda w: wd(w, r0(w) << sc)
+            return lambda w: wd(w, r0(w) >> sc)
 
         def f(a, s):  # noqa: ANN001, ANN202
             big = s >= bits
@@ -591,8 +634,17 @@ class Decoder:
         if ins.guard is None:
             return lambda w: target
         gm = self.guard_mask(ins)
+        bi, ri, _ = self._reg(ins.guard, ins)
+        neg = ins.guard_neg
 
         def bra(w):  # noqa: ANN001, ANN202
+            if w.m is None:  # the whole warp: a uniform branch needs no split
+                p = w.b[bi][ri]
+                n = int(np.count_nonzero(p))
+                if n == (0 if neg else LANES):
+                    return target
+                if n == (LANES if neg else 0):
+                    return None
             take = gm(w)
             if not take.any():
                 return None

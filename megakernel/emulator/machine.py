@@ -216,6 +216,9 @@ class Warp:
     def __init__(self, emu: Emulator, cta: CTA, wid: int, banks: list[tuple[int, np.dtype]]):
         self.emu, self.cta, self.id = emu, cta, wid
         self.b = [np.zeros((n, dc.LANES), dt) for n, dt in banks]
+        # every bank as each register type of its width (dc.typed_views): reads and writes of
+        # another type of the same width index these instead of viewing a row each time
+        self.tv = dc.typed_views(self.b)
         self.pc = 0
         self.m: np.ndarray | None = None
         self.groups: list[list] = []  # [pc, mask, parked]
@@ -262,6 +265,13 @@ class Warp:
 
     def reconcile(self) -> None:
         """Merge groups at the current pc; switch to the lowest-pc group that can run."""
+        if not self.parked:
+            pc = self.pc
+            for g in self.groups:
+                if g[0] <= pc:
+                    break
+            else:  # every other group is ahead: nothing merges, the current group runs on
+                return
         act = self.active()
         keep = []
         merged = False

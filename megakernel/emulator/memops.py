@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from megakernel.emulator.decode import ALL, BLOCK, LANES, NP, UINT, YIELD, Decoder, Fn, _type_of
+from megakernel.emulator.decode import (
+    ALL,
+    BLOCK,
+    LANES,
+    NONE,
+    NP,
+    UINT,
+    YIELD,
+    Decoder,
+    Fn,
+    _type_of,
+)
 from megakernel.emulator.errors import UnsupportedForm
 from megakernel.emulator.ptx import Instr
 
@@ -318,6 +329,14 @@ def op_mbarrier(dec: Decoder, ins: Instr, index: int) -> Fn:
         def wait(w):  # noqa: ANN001, ANN202
             act = _active(w)
             ad, par = addr(w), rpar(w)
+            a0, p0 = ad[act], par[act] & 1
+            if (a0 == a0[0]).all() and (p0 == p0[0]).all():  # one barrier, one parity
+                one = w.cta.mbar_done(w, ins, int(a0[0]), int(p0[0]))
+                wd(w, ALL if one else NONE)
+                if one:
+                    return None
+                w.waiting_on = f"mbarrier at shared 0x{int(a0[0]):x}"
+                return YIELD
             done = np.zeros(LANES, bool)
             for lane in np.nonzero(act)[0]:
                 done[lane] = w.cta.mbar_done(w, ins, int(ad[lane]), int(par[lane]) & 1)

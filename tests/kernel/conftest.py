@@ -1,9 +1,10 @@
-"""The kernel tests' one build cache: a spec is compiled once per session, whichever test module
+"""The kernel tests' one build cache: a spec is compiled once (the JIT cache), whichever test module
 asks for it first (the pipeline, mma, fields and build tests share some). `lane_build` is the fast
 lane's one small build per arch (tests/lanes.py); `kernel_build` any other (the slow lane)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,14 +25,16 @@ def _build(factory, cfg: ModelConfig, arch: str, batch: int = 1, tokens: int = 1
     # without the DSL the session fails at start (tests/conftest.py) unless
     # MEGAKERNEL_TEST_WITHOUT_DSL=1 waives it: then the builds skip
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is needed to compile the kernel")
-    from megakernel.kernel.toolchain.build import build_arch
+    from megakernel.kernel.toolchain.build import MANIFEST_NAME
+    from megakernel.kernel.toolchain.jit import ensure_build
 
     key = repr(model_spec.make_spec(cfg, batch, tokens, arch, smem_stages=smem_stages,
                                     **variant))
     if key not in _CACHE:
-        root = factory.mktemp(f"build-{len(_CACHE)}")
-        m = build_arch(cfg, arch, root, batch, tokens, smem_stages=smem_stages, **variant)
-        _CACHE[key] = (root / arch, m)
+        # the JIT cache: keyed by spec, sources and DSL version, so the test workers (and the
+        # emulated cases, which launch JIT builds) compile each build once between them
+        root = ensure_build(cfg, batch, tokens, arch, smem_stages=smem_stages, **variant)
+        _CACHE[key] = (root / arch, json.loads((root / arch / MANIFEST_NAME).read_text()))
     return _CACHE[key]
 
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from megakernel.kernel.config.model_spec import make_spec
 from megakernel.kernel.toolchain.fingerprint import fingerprint
@@ -38,10 +39,11 @@ def dsl_version() -> str | None:
 
 
 def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
-                 root: Path | None = None, replay_window: int = 0, drafts: int = 0,
-                 ngram: int = 0) -> Path:
-    """A build directory for (cfg, batch, tokens, arch, ReplaySSM window, speculative drafts and
-    n-gram drafter): from the cache, or compiled now."""
+                 root: Path | None = None, **variant: Any) -> Path:
+    """A build directory for (cfg, batch, tokens, arch) and any other switch of
+    build_arch/make_spec in `variant` (the ReplaySSM window, speculative drafts, n-gram drafter,
+    ring stages, timeline, ...): from the cache (keyed by the spec, sources and DSL version; one
+    build per key, however many processes ask at once), or compiled now."""
     version = dsl_version()
     if version is None:
         from megakernel.common.errors import KernelUnavailable
@@ -50,8 +52,7 @@ def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
                                 "(nvidia-cutlass-dsl) is not installed to compile one; build on "
                                 "another machine with `python -m megakernel build` and pass "
                                 "its output directory")
-    spec = make_spec(cfg, batch, tokens, arch, replay_window=replay_window, drafts=drafts,
-                     ngram=ngram)
+    spec = make_spec(cfg, batch, tokens, arch, **variant)
     key = fingerprint(spec, version)
     root = root or cache_root()
     entry = root / key[:32]
@@ -67,8 +68,7 @@ def ensure_build(cfg: ModelConfig, batch: int, tokens: int, arch: str,
 
             tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
             try:
-                build_arch(cfg, arch, tmp, batch, tokens, replay_window=replay_window,
-                           drafts=drafts, ngram=ngram)
+                build_arch(cfg, arch, tmp, batch, tokens, **variant)
                 entry.mkdir(parents=True, exist_ok=True)
                 os.replace(tmp / arch, entry / arch)
             finally:
