@@ -20,7 +20,7 @@ _CACHE: dict[str, Build] = {}  # repr(KernelSpec) -> build, shared by both fixtu
 LANE_MODEL = "llama-tiny"  # the fast lane's build: the smallest dense model, B = T = 1
 
 
-def _build(factory, cfg: ModelConfig, arch: str, batch: int = 1, tokens: int = 1,  # noqa: ANN001
+def _build(cfg: ModelConfig, arch: str, batch: int = 1, tokens: int = 1,
            smem_stages: int | None = None, **variant) -> Build:  # noqa: ANN003
     # without the DSL the session fails at start (tests/conftest.py) unless
     # MEGAKERNEL_TEST_WITHOUT_DSL=1 waives it: then the builds skip
@@ -39,21 +39,16 @@ def _build(factory, cfg: ModelConfig, arch: str, batch: int = 1, tokens: int = 1
 
 
 @pytest.fixture(scope="session")
-def kernel_build(tmp_path_factory) -> Callable[..., Build]:  # noqa: ANN001
+def kernel_build() -> Callable[..., Build]:
     """build_arch(cfg, arch, batch, tokens, smem_stages, **variant) -> (out_dir / arch, manifest),
     cached by the kernel spec (the static config the compiled code depends on); `variant`: the
     other make_spec switches (timeline, l2_window, replay_window)."""
-
-    def build(cfg: ModelConfig, arch: str, batch: int = 1, tokens: int = 1,
-              smem_stages: int | None = None, **variant) -> Build:  # noqa: ANN003
-        return _build(tmp_path_factory, cfg, arch, batch, tokens, smem_stages, **variant)
-
-    return build
+    return _build
 
 
 @pytest.fixture(scope="session")
-def lane_build(tmp_path_factory) -> Callable[[str], Build]:  # noqa: ANN001
+def lane_build() -> Callable[[str], Build]:
     """arch -> the fast lane's build of LANE_MODEL for it (the same cache as kernel_build)."""
     from megakernel.models import preset
 
-    return lambda arch: _build(tmp_path_factory, preset(LANE_MODEL), arch)
+    return lambda arch: _build(preset(LANE_MODEL), arch)
