@@ -180,8 +180,7 @@ class Executor:
         return self.arena(arena)[r.offset : r.offset + r.numel].view(r.shape)
 
     def state_region(self, layer: int, name: str) -> torch.Tensor:
-        r = self.prog.buffers.state[layer][name]
-        return self.state[r.offset : r.offset + r.numel].view(r.shape)
+        return self.prog.buffers.state_view(self.state, layer, name)
 
     def block(self, d: dict, kind_name: str):  # noqa: ANN201 (models.Block)
         """The block of record `d`'s layer of kind `kind_name`."""

@@ -94,6 +94,9 @@ class DeviceState:
         r = getattr(self.prog.buffers, arena)[name]
         return getattr(self, arena)[r.offset: r.offset + r.numel]
 
+    def state_region(self, layer: int, name: str) -> torch.Tensor:
+        return self.prog.buffers.state_view(self.state, layer, name)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in TENSORS}
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from megakernel.isa.stages import PlanError, Region
 from megakernel.layers import kind
 from megakernel.layers.base import Need, StepShape
@@ -56,6 +58,12 @@ class BufferPlan:
 
     def row(self, table: str, layer: int) -> int:
         return self.rows[table][layer]
+
+    def state_view(self, state: torch.Tensor, layer: int, name: str) -> torch.Tensor:
+        """Region `name` of recurrent layer `layer` in the flat state arena `state`, as a view
+        of its shape ([B, ...])."""
+        r = self.state[layer][name]
+        return state[r.offset : r.offset + r.numel].view(r.shape)
 
     def region_row(self, region: str, layer: int) -> int:
         """The row of `layer` in table region `region`."""

@@ -269,8 +269,9 @@ def compile_program(
             raise PlanError(f"a paged program's max sequence length is max_blocks * block_size "
                             f"= {paged.max_seq_len}, not {max_seq_len}")
         max_seq_len = paged.max_seq_len
-        if cfg.recurrent_layers():
-            raise PlanError("paged KV serves models without recurrent layers")
+        if replay_window is not None and cfg.recurrent_layers():
+            raise PlanError("a paged program runs its recurrent layers by the recurrent update "
+                            "(the caller's state slots hold a state, not a ReplaySSM ring)")
     if max_seq_len is None:
         max_seq_len = default_max_seq_len(cfg)
     tokens = step_tokens(tokens, drafts)

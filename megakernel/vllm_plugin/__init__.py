@@ -15,6 +15,7 @@ ARCHITECTURES = {  # ours -> vLLM's stock model class (vllm.model_executor.model
     "MegakernelLlamaForCausalLM": "LlamaForCausalLM",
     "MegakernelQwen3ForCausalLM": "Qwen3ForCausalLM",
     "MegakernelQwen2ForCausalLM": "Qwen2ForCausalLM",
+    "MegakernelNemotronHForCausalLM": "NemotronHForCausalLM",
 }
 
 

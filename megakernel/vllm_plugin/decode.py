@@ -14,11 +14,18 @@ vLLM owns the pages: each attention layer's cache is vLLM-CPU's [num_blocks, Hkv
 stages them: before a step every layer's pages are copied into the programs' shared K and V
 caches (one slot per layer), after it the pages of the step's slots are copied back, so vLLM's
 own attention (prefill, mixed batches) sees what the megakernel wrote and the other way round.
+
+A hybrid model's recurrent layers keep their state in vLLM's state slots (one per request,
+`StateSlots`); the program's state is per batch row. The CPU path stages it the same way: before
+a run the slots of its sequences are copied into the program's rows (padding rows zeroed), after
+it copied back. A recurrent layer commits every token of a step, so such a model is served
+decode steps only (one token per sequence): a verify step would commit its rejected drafts.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +36,18 @@ from megakernel.program.paged import PagedKV, write_step_meta
 def bucket_of(n: int) -> int:
     """The smallest power of two >= n: the batch a program is compiled for."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class StateSlots:
+    """The caller's recurrent state of one step: per recurrent layer (decoder layer index) its
+    tensors by the program's state region names, each [num_slots, *that region's row shape]
+    (a view of the caller's slots in the program's layout; any dtype), and the slot of each
+    sequence of the step in that layer's tensors, in sequence order (vLLM: per KV cache group,
+    so per layer)."""
+
+    layers: dict[int, dict[str, torch.Tensor]]
+    index: dict[int, torch.Tensor]  # layer -> [n] int: sequence b's state is in slot index[b]
 
 
 class PagedDecoder:
@@ -66,14 +85,17 @@ class PagedDecoder:
 
     def step(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
              slot_mapping: torch.Tensor, layer_caches: list[torch.Tensor],
-             query_lens: torch.Tensor | None = None) -> torch.Tensor:
+             query_lens: torch.Tensor | None = None,
+             states: StateSlots | None = None) -> torch.Tensor:
         """One step of n sequences: query_lens [n] the tokens each brings (None: one each),
         input_ids and slot_mapping [sum(query_lens)] (each sequence's tokens in a run, in
         sequence order, as vLLM lays them out), seq_lens [n] (including this step's tokens),
-        block_table [n, <= max_blocks], vLLM's per-layer caches in layer order. Returns fp32
-        logits [sum(query_lens), V], one row per token."""
+        block_table [n, <= max_blocks], vLLM's per-layer caches in attention layer order,
+        `states` the recurrent layers' slots (a hybrid model; read and written back). Returns
+        fp32 logits [sum(query_lens), V], one row per token."""
         if query_lens is None:
             query_lens = torch.ones_like(seq_lens)
+        self._check_states(states, query_lens)
         starts = torch.cumsum(query_lens, 0) - query_lens
         groups = []  # (T, its sequences, their token rows)
         for t in torch.unique(query_lens).tolist():
@@ -82,13 +104,35 @@ class PagedDecoder:
             self._state(bucket_of(seqs.numel()), t)  # the shared caches exist from here on
         self._pages_in(layer_caches)
         parts = [(rows, self._run(input_ids[rows], seq_lens[seqs], block_table[seqs],
-                                  slot_mapping[rows], t)) for t, seqs, rows in groups]
+                                  slot_mapping[rows], t, states, seqs))
+                 for t, seqs, rows in groups]
         self._pages_out(layer_caches, slot_mapping)
         self._count([(bucket_of(seqs.numel()), t) for t, seqs, _ in groups])
         out = parts[0][1].new_empty(input_ids.shape[0], parts[0][1].shape[1])
         for rows, logits in parts:
             out[rows] = logits
         return out
+
+    def _check_states(self, states: StateSlots | None, query_lens: torch.Tensor) -> None:
+        """The caller's state slots cover exactly the model's recurrent layers, one slot per
+        sequence, and the step brings one token per sequence (module docstring)."""
+        want = self.cfg.recurrent_layers()
+        if states is None:
+            if want:
+                raise ValueError(f"{self.cfg.name or self.cfg.family}: recurrent layers {want} "
+                                 "need the caller's state slots")
+            return
+        for what, layers in (("state slots", states.layers), ("slot indices", states.index)):
+            if sorted(layers) != sorted(want):
+                raise ValueError(f"{what} for layers {sorted(layers)}, the model's recurrent "
+                                 f"layers are {sorted(want)}")
+        for layer, index in states.index.items():
+            if index.shape != query_lens.shape:
+                raise ValueError(f"layer {layer}: {tuple(index.shape)} state slots for "
+                                 f"{query_lens.numel()} sequences")
+        if bool((query_lens != 1).any()):
+            raise ValueError("a step of a model with recurrent layers brings one token per "
+                             f"sequence (it commits every token), got {query_lens.tolist()}")
 
     def _count(self, runs: list[tuple[int, int]]) -> None:
         """A decode step under `stats`, a verify step (some sequence brings more than one
@@ -100,12 +144,19 @@ class PagedDecoder:
         self.verify_stats.update(runs)
 
     def _run(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-             slot_mapping: torch.Tensor, tokens: int) -> torch.Tensor:
+             slot_mapping: torch.Tensor, tokens: int, states: StateSlots | None = None,
+             seqs: torch.Tensor | None = None) -> torch.Tensor:
         """The program of (bucket, `tokens`) on n sequences of `tokens` tokens each (pages
-        staged): fp32 logits [n * tokens, V]; rows past n are padding (slot -1, length 0)."""
+        staged; `seqs` [n] which of the step's sequences they are, for their slots in
+        `states`): fp32 logits [n * tokens, V]; rows past n are padding (slot -1, length 0,
+        zero state)."""
         n = seq_lens.shape[0]
         b = bucket_of(n)
         st = self._state(b, tokens)
+        rows = self._state_rows(st, states, seqs)
+        for mine, theirs, index in rows:
+            mine[:n] = theirs[index]
+            mine[n:] = 0
         pad = b - n
         ids = torch.cat((input_ids, input_ids.new_zeros(pad * tokens)))
         lengths = torch.cat((seq_lens - tokens, seq_lens.new_zeros(pad)))
@@ -115,7 +166,32 @@ class PagedDecoder:
         _, logits = torch.ops.megakernel.decode_step(*st.tensors().values(),
                                                      self.kernels[(b, tokens)], st.offsets,
                                                      True)
+        for mine, theirs, index in rows:
+            theirs[index] = mine[:n].to(theirs.dtype)
         return logits.view(b * tokens, -1)[: n * tokens]
+
+    @staticmethod
+    def _state_rows(st, states: StateSlots | None,  # noqa: ANN001 (DeviceState)
+                    seqs: torch.Tensor | None
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per (recurrent layer, state region): the program's rows [B, ...], the caller's
+        slots, the slot of each of the sequences `seqs`."""
+        if states is None:
+            return []
+        out = []
+        for layer, regions in states.layers.items():
+            want = set(st.prog.buffers.state[layer])
+            if set(regions) != want:
+                raise ValueError(f"layer {layer}: state slots of {sorted(regions)}, the "
+                                 f"program keeps {sorted(want)}")
+            for name, theirs in regions.items():
+                mine = st.state_region(layer, name)
+                if tuple(theirs.shape[1:]) != tuple(mine.shape[1:]):
+                    raise ValueError(f"layer {layer} {name}: state slots of shape "
+                                     f"{tuple(theirs.shape[1:])}, the program's rows are "
+                                     f"{tuple(mine.shape[1:])}")
+                out.append((mine, theirs, states.index[layer][seqs]))
+        return out
 
     def _split(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's [num_blocks, Hkv, block_size, 2 D] as K [nb, Hkv, D, bs] and V [nb, Hkv, bs, D]

@@ -2,7 +2,12 @@
 sequence) and speculative verify steps (1 + drafts per sequence, ngram drafting; vLLM's attention
 metadata of the CPU backend) run on the megakernel's paged programs; prefill, mixed batches and
 anything else run on vLLM's own model. vLLM still samples (and accepts drafts): `compute_logits`
-returns the programs' fp32 logits for the rows `forward` served."""
+returns the programs' fp32 logits for the rows `forward` served.
+
+Nemotron-H (Mamba2 + attention + relu^2 MLP) is served its decode steps the same way, its Mamba2
+layers' conv windows and states read from and written back to the state slots vLLM gives each
+request (decode.StateSlots); its speculative steps and vLLM's own ReplaySSM stay on vLLM's
+model."""
 
 from __future__ import annotations
 
@@ -10,7 +15,10 @@ import logging
 
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
@@ -18,7 +26,7 @@ from megakernel.common.errors import ConfigError
 from megakernel.models import config_from_hf_dict
 from megakernel.program.paged import PagedKV
 from megakernel.vllm_plugin import ARCHITECTURES
-from megakernel.vllm_plugin.decode import PagedDecoder
+from megakernel.vllm_plugin.decode import PagedDecoder, StateSlots
 from megakernel.vllm_plugin.weights import hf_weights
 
 log = logging.getLogger(__name__)
@@ -51,7 +59,6 @@ class MegakernelMixin:
         hf = vllm_config.model_config.hf_config.to_dict()
         arch = next(a for a in hf.get("architectures") or () if a in ARCHITECTURES)
         hf = dict(hf, architectures=[ARCHITECTURES[arch]])
-        self._mk_block_size = vllm_config.cache_config.block_size
         self._mk: PagedDecoder | None = None
         self._mk_packed = None  # program/pack.PackedWeights, from load_weights
         self._mk_logits: torch.Tensor | None = None  # [n, V] of the last step it served
@@ -59,6 +66,11 @@ class MegakernelMixin:
         self._mk_width, why = verify_width(vllm_config)  # most tokens per sequence served
         if why is not None:
             self._refuse(why)
+        if self._state_layers() and vllm_config.speculative_config is not None:
+            self._refuse("speculative decoding of a model with recurrent layers (vLLM keeps "
+                         "1 + k states per request, the program commits every token)")
+        if self._state_layers() and getattr(vllm_config.cache_config, "use_replayssm", False):
+            self._refuse("vLLM's ReplaySSM state layout (the program keeps its own ring)")
         try:  # cfg.quant from the checkpoint's quantization_config (docs/FP8.md)
             self._mk_cfg = config_from_hf_dict(hf)
         except ConfigError as e:  # a quantization megakernel does not serve: vLLM's model does
@@ -88,7 +100,28 @@ class MegakernelMixin:
         return self._mk.verify_steps, dict(self._mk.verify_stats)
 
     def _attn_layers(self) -> list:
+        """vLLM's attention layers, in layer order."""
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def _state_layers(self) -> dict[int, torch.nn.Module]:
+        """Decoder layer index -> vLLM's recurrent mixer of that layer (none in a dense model)."""
+        return {}
+
+    def _state_views(self, mixer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A recurrent mixer's state slots by the program's state region names, each
+        [num_slots, *the region's row shape] (decode.StateSlots)."""
+        raise NotImplementedError
+
+    def _state_slots(self, n: int) -> StateSlots | None:
+        """The recurrent layers' slots of a decode step of n sequences (each layer's from the
+        metadata of its KV cache group), or None for a dense model."""
+        layers = self._state_layers()
+        if not layers:
+            return None
+        meta = get_forward_context().attn_metadata
+        index = {i: meta[m.prefix].state_indices_tensor_d[:n, 0].long()
+                 for i, m in layers.items()}
+        return StateSlots({i: self._state_views(m) for i, m in layers.items()}, index)
 
     def _decode_meta(self, input_ids, intermediate_tensors, inputs_embeds):  # noqa: ANN001, ANN202
         """vLLM's attention metadata when this forward is a step we serve: every sequence brings
@@ -102,6 +135,12 @@ class MegakernelMixin:
         if (meta is None or not 1 <= getattr(meta, "max_query_len", 0) <= self._mk_width
                 or not meta.causal):
             return None
+        n = meta.query_start_loc.numel() - 1
+        for m in self._state_layers().values():  # every sequence a decode of its state
+            state_meta = get_forward_context().attn_metadata.get(m.prefix)
+            if (state_meta is None or state_meta.num_prefills
+                    or state_meta.num_decodes != n):
+                return None
         return meta if self._mk_packed is not None and self._megakernel_on() else None
 
     def _megakernel_on(self) -> bool:
@@ -114,6 +153,11 @@ class MegakernelMixin:
                 self._mk_off = f"KV cache {first.kv_cache.dtype} {tuple(first.kv_cache.shape)}"
             else:
                 self._mk_off = ""
+            for m in self._state_layers().values():
+                if self._mk_off:
+                    break
+                if len(m.kv_cache) != 2:
+                    self._mk_off = f"{len(m.kv_cache)} state tensors per recurrent layer, not 2"
             if self._mk_off:
                 self._refuse(self._mk_off)
         return not self._mk_off
@@ -129,20 +173,22 @@ class MegakernelMixin:
         loaded = super().load_weights(weights)
         if self._mk_off:
             return loaded
+        mapper = getattr(self, "hf_to_vllm_mapper", None)
         if self._mk_cfg.quant is None:
-            self._mk_packed = pack_weights(self._mk_cfg, hf_weights(self._mk_cfg, self))
+            self._mk_packed = pack_weights(self._mk_cfg, hf_weights(self._mk_cfg, self, mapper))
             return loaded
         try:  # an FP8 layout the plugin does not read is refused, not an error
-            self._mk_packed = pack_weights(self._mk_cfg, hf_weights(self._mk_cfg, self))
+            self._mk_packed = pack_weights(self._mk_cfg, hf_weights(self._mk_cfg, self, mapper))
         except ValueError as e:
             self._refuse(f"FP8 weights ({self._mk_cfg.quant.describe()}): {e}")
         return loaded
 
     def _decoder(self, width: int) -> PagedDecoder:
         if self._mk is None:  # the page pool is known from the first decode step on
-            cfg, bs = self._mk_cfg, self._mk_block_size
-            paged = PagedKV(self._attn_layers()[0].kv_cache.shape[0], bs,
-                            min(width, cfg.max_position_embeddings // bs))
+            cfg, cache = self._mk_cfg, self._attn_layers()[0].kv_cache
+            bs = cache.shape[2]  # [num_blocks, Hkv, block_size, 2 D] (a hybrid's may be larger
+            # than cache_config.block_size asks: vLLM pads attention pages to the state's)
+            paged = PagedKV(cache.shape[0], bs, min(width, cfg.max_position_embeddings // bs))
             self._mk = PagedDecoder(cfg, self._mk_packed, paged)
         return self._mk
 
@@ -159,7 +205,7 @@ class MegakernelMixin:
                                    meta.block_table[:r, : dec.paged.max_blocks].long(),
                                    meta.slot_mapping[:n].long(),
                                    [a.kv_cache for a in self._attn_layers()],
-                                   meta.query_start_loc.diff().long())
+                                   meta.query_start_loc.diff().long(), self._state_slots(r))
         # the rows vLLM picks for sampling come back to compute_logits: carry their index
         hidden = torch.zeros(input_ids.shape[0], self._mk_cfg.hidden_size,
                              dtype=torch.float32)
@@ -182,3 +228,19 @@ class MegakernelQwen3ForCausalLM(MegakernelMixin, Qwen3ForCausalLM):
 
 class MegakernelQwen2ForCausalLM(MegakernelMixin, Qwen2ForCausalLM):
     pass
+
+
+class MegakernelNemotronHForCausalLM(MegakernelMixin, NemotronHForCausalLM):
+    def _attn_layers(self) -> list:
+        return [layer.mixer.attn for layer in self.model.layers if hasattr(layer.mixer, "attn")]
+
+    def _state_layers(self) -> dict[int, torch.nn.Module]:
+        return {i: layer.mixer for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.mixer, MambaMixer2)}
+
+    def _state_views(self, mixer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """MambaMixer2's (conv_state, ssm_state): the conv window [slots, C, K-1] (vLLM's "SD"
+        layout stores it [slots, K-1, C]: a transposed view), the state [slots, H, P, N]."""
+        conv, ssm = mixer.kv_cache
+        return {"conv": conv if is_conv_state_dim_first() else conv.transpose(-1, -2),
+                "state": ssm}

@@ -16,9 +16,16 @@ prepacks them (docs/VLLM.md, "FP8 checkpoints"):
 N is the fused matrix's rows ([q | k | v], [gate | up]); a shard's scales are its rows of the
 channel grid, its own per-tensor scale repeated over its rows, or its block rows (vLLM requires
 every fused shard but the last to be a multiple of the block's rows).
+
+A model class whose parameters are named otherwise than its checkpoint (Nemotron-H: `backbone`
+is `model`, `embeddings` is `embed_tokens`) names them through its `hf_to_vllm_mapper`; a
+parameter vLLM holds transformed is transformed back (`FROM_VLLM`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +36,35 @@ from megakernel.models.weights import WeightError, check_weights, expected_shape
 
 # vLLM's scale parameters of an FP8 linear layer: the block form's, then the channel / tensor one
 SCALE_PARAMS = (".weight_scale_inv", ".weight_scale")
+
+
+# (vLLM's name suffix, the checkpoint's) -> the checkpoint's tensor from vLLM's parameter
+FROM_VLLM: dict[tuple[str, str], Callable[[torch.Tensor], torch.Tensor]] = {
+    (".A", ".A_log"): lambda a: torch.log(-a.float()),  # MambaMixer2 loads A = -exp(A_log)
+}
+
+
+def _checkpoint_names(cfg: ModelConfig, mapper) -> dict[str, str]:  # noqa: ANN001
+    """vLLM's (unfused) parameter name -> the checkpoint's, for each tensor `cfg` expects that
+    `mapper` (vLLM's WeightsMapper of the model class, or None) renames; its fusing of q/k/v and
+    gate/up is left to `_shards`."""
+    if mapper is None:
+        return {}
+    plain = dataclasses.replace(mapper, orig_to_new_stacked={})
+    out = {}
+    for name in expected_shapes(cfg):
+        theirs = plain.map_name(name)
+        if theirs is not None and theirs != name:
+            out[theirs] = name
+            out[fp8.scale_name(theirs)] = fp8.scale_name(name)
+    return out
+
+
+def _from_vllm(theirs: str, ours: str, t: torch.Tensor) -> torch.Tensor:
+    for (a, b), inverse in FROM_VLLM.items():
+        if theirs.endswith(a) and ours.endswith(b):
+            return inverse(t)
+    return t
 
 
 def _shards(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, int]]:
@@ -75,9 +111,11 @@ def _split_scales(fmt: fp8.Fp8Format, name: str, scale: torch.Tensor, k: int,
     return list(scale.split([-(-r // br) for r in sizes]))
 
 
-def hf_weights(cfg: ModelConfig, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def hf_weights(cfg: ModelConfig, model: torch.nn.Module,
+               mapper=None) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """vLLM parameter names -> ours: `qkv_proj` [q | k | v] rows, `gate_up_proj` [gate | up];
-    the vocabulary padding of vLLM's embedding and LM head dropped; a tied LM head left out.
+    renamed through `mapper` (the model class's hf_to_vllm_mapper; module docstring); the
+    vocabulary padding of vLLM's embedding and LM head dropped; a tied LM head left out.
     An FP8 model's quantized matrices come back as e4m3 codes plus `X.weight_scale` (module
     docstring), everything else in bf16. ValueError (WeightError / Fp8Error) naming what does
     not fit `cfg`: a missing or misshaped tensor, a scale missing or of another format, a matrix
@@ -106,6 +144,8 @@ def hf_weights(cfg: ModelConfig, model: torch.nn.Module) -> dict[str, torch.Tens
         else:
             for (part, _), rows in zip(shards, parts, strict=True):
                 out[part] = rows
+    names = _checkpoint_names(cfg, mapper)
+    out = {names.get(n, n): _from_vllm(n, names.get(n, n), t) for n, t in out.items()}
     want = expected_shapes(cfg)
     for name in (cfg.embed_name, cfg.lm_head_name):
         if name in out and name in want:

@@ -5,7 +5,8 @@ order (so a wrong block-table lookup reads another sequence's keys); each step t
 input ids, lengths, the block table and the slot mapping, as vLLM does. The paged program must
 give the contiguous program's logits exactly at the same batch (only the addressing differs) and
 the reference's within the dense executor tests' bound; padding rows (slot -1) must leave every
-page untouched and their logits finite.
+page untouched and their logits finite. In a hybrid model the recurrent layers' state stays per
+batch row (the host stages the caller's state slots into it, vllm_plugin/decode.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _pages(prog, c16, table: torch.Tensor, real: int) -> tuple[torch.Tensor, tor
 
 
 @pytest.mark.parametrize("name, batch, real, n_splits", [
-    ("llama-tiny", 3, 3, None), ("qwen3-tiny", 4, 3, 3), ("qwen2-tiny", 2, 1, None)])
+    ("llama-tiny", 3, 3, None), ("qwen3-tiny", 4, 3, 3), ("qwen2-tiny", 2, 1, None),
+    ("nemotron-h-tiny", 3, 3, None), ("qwen3.5-tiny", 4, 3, None)])
 def test_paged_matches_contiguous_and_reference(name: str, batch: int, real: int,
                                                 n_splits: int | None) -> None:
     cfg = preset(name)
@@ -70,6 +72,9 @@ def test_paged_matches_contiguous_and_reference(name: str, batch: int, real: int
     k, v = _pages(prog, c16, table, real)
     ex_p.k.copy_(k)
     ex_p.v.copy_(v)
+    for layer, regs in prog.buffers.state.items():  # recurrent layers: the state rows
+        for name in regs:
+            ex_p.state_region(layer, name)[:real].copy_(getattr(c16.layers[layer], name))
     for step in range(STEPS):
         lengths = torch.zeros(batch, dtype=torch.int64)
         lengths[:real] = c16.lengths
@@ -95,3 +100,13 @@ def test_paged_matches_contiguous_and_reference(name: str, batch: int, real: int
             assert set(changed.any(0).nonzero().flatten().tolist()) <= used, \
                 f"step {step}: a page outside the slot mapping was written"
         tok = greedy(l16)[:, None]
+
+
+def test_a_paged_program_runs_recurrent_layers_by_the_recurrent_update() -> None:
+    """The caller's state slots hold a state, not a ReplaySSM ring: a paged program with a
+    replay window is refused by name."""
+    from megakernel.isa.stages import PlanError
+
+    with pytest.raises(PlanError, match="recurrent update"):
+        compile_program(preset("nemotron-h-tiny"), 2, executor_gpu(), paged=PagedKV(8, 4, 4),
+                        replay_window=4)

@@ -47,7 +47,8 @@ MAX_TOKENS = (2, 4, 6, 8, 10)  # the batch shrinks 5 -> 4 -> 3 -> 2 -> 1
 NEAR_TIE = 0.05  # nats between stock vLLM's top-2 logprobs
 LOGPROB_TOL = 0.08  # |plugin - stock| logprob of one token, one prefix: measured 0.025-0.042
 ARCHS = {"llama-tiny": "MegakernelLlamaForCausalLM", "qwen3-tiny": "MegakernelQwen3ForCausalLM",
-         "qwen2-tiny": "MegakernelQwen2ForCausalLM"}
+         "qwen2-tiny": "MegakernelQwen2ForCausalLM",
+         "nemotron-h-tiny": "MegakernelNemotronHForCausalLM"}
 
 
 def _vec_isa(*args, **kw) -> str:  # noqa: ANN002, ANN003
@@ -75,10 +76,11 @@ class _ModulesWithoutLlvmlite:
 
 def _serve(path: str, prompts: list[list[int]], arch: str | None,  # noqa: ANN202
            patch=None, max_tokens=MAX_TOKENS, spec: dict | None = None,  # noqa: ANN001
-           probe=None):  # noqa: ANN001
+           probe=None, **llm_kw):  # noqa: ANN001, ANN003
     """Generate with stock vLLM (arch None) or the plugin; `patch(monkeypatch)` is applied for
     the whole run, `spec` is vLLM's speculative_config, `probe(model)` what comes back of the
-    plugin's model (default: its decode steps per bucket and its packed weights)."""
+    plugin's model (default: its decode steps per bucket and its packed weights); `llm_kw`
+    more of vLLM's engine arguments."""
     kw = {"hf_overrides": {"architectures": [arch]}} if arch else {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_attn, "_get_attn_isa", _vec_isa)
@@ -87,7 +89,7 @@ def _serve(path: str, prompts: list[list[int]], arch: str | None,  # noqa: ANN20
             patch(mp)
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                   max_model_len=256, block_size=32, num_gpu_blocks_override=32, max_logprobs=2,
-                  seed=0, speculative_config=spec, **kw)
+                  seed=0, speculative_config=spec, **kw, **llm_kw)
         params = [SamplingParams(temperature=0, max_tokens=m, logprobs=2, ignore_eos=True,
                                  detokenize=False) for m in max_tokens]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -143,9 +145,49 @@ def _same_greedy(name: str, stock: list, mine: list, max_tokens: tuple[int, ...]
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_plugin_matches_stock_vllm(name: str, tmp_path) -> None:
+    """Stock vLLM vs the plugin (_compare), and the plugin's packed weights bit for bit what
+    megakernel's own loader packs from the checkpoint (vLLM's names, fusing and transformed
+    parameters read back: Nemotron-H's A = -exp(A_log))."""
     cfg = preset(name)
     save_checkpoint(cfg, random_weights(cfg, seed=5), tmp_path)
-    _compare(name, str(tmp_path), _prompts(cfg))
+    packed = _compare(name, str(tmp_path), _prompts(cfg))
+    want = pack_weights(*load_checkpoint(tmp_path))
+    assert packed.layout == want.layout
+    assert torch.equal(packed.arena.view(torch.int16), want.arena.view(torch.int16)), (
+        "the plugin's packed weights differ from the checkpoint's")
+
+
+def test_hybrid_state_slots_pass_from_request_to_request(tmp_path) -> None:
+    """Nemotron-H with at most two requests running: five requests pass through two state
+    slots, each slot reused by a later request (whose prefill, on vLLM's model, starts it
+    clean) while the other request decodes; steps that mix a prefill with a decode run on
+    vLLM's model, reading and writing the same slots as the plugin's decode steps. Greedy
+    tokens as stock vLLM's under the same settings, up to near ties."""
+    name = "nemotron-h-tiny"
+    cfg = preset(name)
+    save_checkpoint(cfg, random_weights(cfg, seed=5), tmp_path)
+    prompts = _prompts(cfg)
+    from megakernel.vllm_plugin.decode import PagedDecoder
+
+    slots: set[tuple[int, int]] = set()  # (layer, slot) the plugin's decode steps used
+    step = PagedDecoder.step
+
+    def record(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        slots.update((i, int(s)) for i, t in args[-1].index.items() for s in t)
+        return step(self, *args, **kw)
+
+    stock, _ = _serve(str(tmp_path), prompts, None, max_num_seqs=2)
+    mine, (stats, _) = _serve(str(tmp_path), prompts, ARCHS[name],
+                              lambda mp: mp.setattr(PagedDecoder, "step", record),
+                              max_num_seqs=2)
+    print(f"decode steps per bucket {stats}, (layer, slot) used {sorted(slots)}")
+    assert set(stats) == {1, 2}, stats  # two running, then the last one alone
+    # four requests at least have a decode step of their own (max_tokens >= 4): a layer with
+    # fewer slots in use passed one from a finished request to a new one
+    per_layer = {i: sum(1 for j, _ in slots if j == i) for i, _ in slots}
+    assert min(per_layer.values()) < 4, f"no slot was reused: {sorted(slots)}"
+    assert sum(stats.values()) < sum(m - 1 for m in MAX_TOKENS), "no step mixed prefill and decode"
+    _same_greedy(f"{name}, two state slots", stock, mine, MAX_TOKENS)
 
 
 # Speculative decoding (docs/VLLM.md, "Speculative decoding"): vLLM drafts with its ngram

@@ -152,3 +152,106 @@ def test_a_ragged_verify_step_matches_single_token_steps() -> None:
         assert int(got[i].argmax()) == int(want[key].argmax()), key
     for mine, theirs in zip(before, caches, strict=True):  # the same pages, bit for bit
         assert torch.equal(mine, theirs)
+
+
+# A hybrid model's decode steps (docs/VLLM.md, "Hybrid models"): the recurrent layers' state
+# lives in the caller's slots, one per request, which the decoder stages into the program's rows
+# and back. Sequences sit in scattered slots, per layer others (vLLM: per KV cache group), among
+# slots of other requests (random, never read or written by this step), in a bucket with a
+# padding row.
+HYBRID_SLOTS = (5, 1, 3)  # the state slots of the sequences (rotated from layer to layer)
+NUM_STATE_SLOTS, HYBRID_STEPS = 7, 7
+
+
+def _state_slots(dec):  # noqa: ANN001, ANN202
+    """Random slots [NUM_STATE_SLOTS, ...] per recurrent layer and state region, in the layout
+    of the decoder's bucket-4 program; the sequences' own slots zeroed (a new request)."""
+    from megakernel.vllm_plugin.decode import StateSlots
+
+    st = dec._state(4)
+    g = torch.Generator().manual_seed(13)
+    layers, index = {}, {}
+    for i, (layer, regions) in enumerate(st.prog.buffers.state.items()):
+        index[layer] = torch.tensor(HYBRID_SLOTS).roll(i)  # each layer its own slots (vLLM)
+        layers[layer] = {}
+        for name in regions:
+            t = torch.randn(NUM_STATE_SLOTS, *st.state_region(layer, name).shape[1:],
+                            generator=g)
+            t[index[layer]] = 0
+            layers[layer][name] = t
+    return StateSlots(layers, index)
+
+
+@pytest.mark.parametrize("name", ["nemotron-h-tiny", "qwen3.5-tiny"])
+def test_hybrid_decode_steps_keep_the_state_in_the_callers_slots(name: str) -> None:
+    """Three sequences decoded token by token from empty slots give, at every step, exactly
+    the logits of the contiguous program of the same batch run on its own state (the state
+    carried in the caller's slots from one step to the next, only the addressing differs; the
+    contiguous program against the reference: tests/executor/test_executor_paged.py), and no
+    other slot changes."""
+    from megakernel.executor import Executor, executor_gpu
+    from megakernel.program.compiler import compile_program
+    from megakernel.program.pack import pack_weights
+    from megakernel.program.paged import PagedKV
+    from megakernel.vllm_plugin.decode import PagedDecoder
+
+    cfg = preset(name)
+    packed = pack_weights(cfg, random_weights(cfg, seed=5))
+    paged = PagedKV(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS)
+    dec = PagedDecoder(cfg, packed, paged)
+    flat = Executor(compile_program(cfg, 4, executor_gpu(), max_seq_len=paged.max_seq_len),
+                    packed)
+    n = len(HYBRID_SLOTS)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randperm(NUM_BLOCKS, generator=g)[: n * MAX_BLOCKS].view(n, MAX_BLOCKS)
+    tokens = torch.randint(0, cfg.vocab_size, (4, HYBRID_STEPS), generator=g)
+    states = _state_slots(dec)
+    caches = _vllm_caches(cfg)[: len(dec._state(4).prog.buffers.kv_slot)]
+    others = [s for s in range(NUM_STATE_SLOTS) if s not in HYBRID_SLOTS]
+    before = {k: {r: t[others].clone() for r, t in v.items()} for k, v in states.layers.items()}
+    assert len({tuple(i.tolist()) for i in states.index.values()}) > 1
+    for j in range(HYBRID_STEPS):
+        got = dec.step(tokens[:n, j], torch.full((n,), j + 1), table,
+                       torch.cat([_slots(table[b], [j]) for b in range(n)]), caches,
+                       states=states)
+        flat.step(tokens[:, j : j + 1], seed=j)
+        assert torch.equal(got, flat.logits.view(4, -1)[:n]), f"step {j}"
+    assert dec.stats == {4: HYBRID_STEPS}
+    for layer, regions in states.layers.items():
+        for r, t in regions.items():
+            assert torch.equal(t[others], before[layer][r]), f"layer {layer} {r}: another slot"
+
+
+def test_a_hybrid_step_the_decoder_cannot_stage_is_refused_by_name() -> None:
+    """No state slots, slots for other layers or of another shape, or a step of two tokens for
+    a sequence (its recurrent layers would commit both): a ValueError naming it, before any
+    program runs."""
+    from dataclasses import replace
+
+    from megakernel.program.pack import pack_weights
+    from megakernel.program.paged import PagedKV
+    from megakernel.vllm_plugin.decode import PagedDecoder
+
+    cfg = preset("nemotron-h-tiny")
+    dec = PagedDecoder(cfg, pack_weights(cfg, random_weights(cfg, seed=5)),
+                       PagedKV(NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS))
+    states = _state_slots(dec)
+    n = len(HYBRID_SLOTS)
+    table = torch.arange(n * MAX_BLOCKS).view(n, MAX_BLOCKS)
+    caches = _vllm_caches(cfg)[: len(dec._state(4).prog.buffers.kv_slot)]
+    first = min(states.layers)
+    squeezed = {k: {r: t[:, :1] for r, t in v.items()} for k, v in states.layers.items()}
+    step = dict(input_ids=torch.zeros(n, dtype=torch.long),
+                seq_lens=torch.ones(n, dtype=torch.long), block_table=table,
+                slot_mapping=table[:, 0] * BLOCK_SIZE, layer_caches=caches)
+    for bad, match in (
+            (dict(), "need the caller's state slots"),
+            (dict(states=replace(states, layers={first: states.layers[first]})),
+             "state slots for layers"),
+            (dict(states=replace(states, layers=squeezed)), "state slots of shape"),
+            (dict(states=states, query_lens=torch.tensor([2, 1, 1]),
+                  input_ids=torch.zeros(n + 1, dtype=torch.long),
+                  slot_mapping=torch.arange(n + 1)), "one token per sequence")):
+        with pytest.raises(ValueError, match=match):
+            dec.step(**dict(step, **bad))
+    assert dec.stats == {}
