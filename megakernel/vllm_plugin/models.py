@@ -66,11 +66,12 @@ class MegakernelMixin:
         self._mk_width, why = verify_width(vllm_config)  # most tokens per sequence served
         if why is not None:
             self._refuse(why)
-        if self._state_layers() and vllm_config.speculative_config is not None:
-            self._refuse("speculative decoding of a model with recurrent layers (vLLM keeps "
-                         "1 + k states per request, the program commits every token)")
-        if self._state_layers() and getattr(vllm_config.cache_config, "use_replayssm", False):
-            self._refuse("vLLM's ReplaySSM state layout (the program keeps its own ring)")
+        if self._state_layers():
+            if vllm_config.speculative_config is not None:
+                self._refuse("speculative decoding of a model with recurrent layers (vLLM keeps "
+                             "1 + k states per request, the program commits every token)")
+            if getattr(vllm_config.cache_config, "use_replayssm", False):
+                self._refuse("vLLM's ReplaySSM state layout (the program keeps its own ring)")
         try:  # cfg.quant from the checkpoint's quantization_config (docs/FP8.md)
             self._mk_cfg = config_from_hf_dict(hf)
         except ConfigError as e:  # a quantization megakernel does not serve: vLLM's model does
@@ -128,16 +129,16 @@ class MegakernelMixin:
         at most `_mk_width` tokens (one: a decode step; up to 1 + k: a verify step)."""
         if input_ids is None or inputs_embeds is not None or intermediate_tensors is not None:
             return None
-        meta = get_forward_context().attn_metadata
-        if not isinstance(meta, dict):
+        metas = get_forward_context().attn_metadata
+        if not isinstance(metas, dict):
             return None
-        meta = meta.get(self._attn_layers()[0].layer_name)
+        meta = metas.get(self._attn_layers()[0].layer_name)
         if (meta is None or not 1 <= getattr(meta, "max_query_len", 0) <= self._mk_width
                 or not meta.causal):
             return None
         n = meta.query_start_loc.numel() - 1
         for m in self._state_layers().values():  # every sequence a decode of its state
-            state_meta = get_forward_context().attn_metadata.get(m.prefix)
+            state_meta = metas.get(m.prefix)
             if (state_meta is None or state_meta.num_prefills
                     or state_meta.num_decodes != n):
                 return None
@@ -151,13 +152,11 @@ class MegakernelMixin:
                 self._mk_off = f"attention ISA {getattr(first, 'isa', None)!r}, not {PAGE_ISA!r}"
             elif first.kv_cache.dtype != torch.bfloat16 or first.kv_cache.dim() != 4:
                 self._mk_off = f"KV cache {first.kv_cache.dtype} {tuple(first.kv_cache.shape)}"
+            elif {len(m.kv_cache) for m in self._state_layers().values()} - {2}:
+                counts = sorted({len(m.kv_cache) for m in self._state_layers().values()})
+                self._mk_off = f"{counts} state tensors per recurrent layer, not 2"
             else:
                 self._mk_off = ""
-            for m in self._state_layers().values():
-                if self._mk_off:
-                    break
-                if len(m.kv_cache) != 2:
-                    self._mk_off = f"{len(m.kv_cache)} state tensors per recurrent layer, not 2"
             if self._mk_off:
                 self._refuse(self._mk_off)
         return not self._mk_off
